@@ -1,0 +1,79 @@
+"""Fix Triton's CPU interpreter for bf16 (test setup only; kernels are never changed).
+
+Triton's interpreter stores bf16 as raw ``uint16`` numpy arrays, so ``tl.dot`` on bf16
+operands multiplies bit patterns and ``tl.sum``/``tl.max`` on bf16 add or compare
+integers. :func:`apply` upcasts bf16 operands to float32 inside the interpreter's
+``create_dot`` and reductions (bf16*bf16 products are exact in float32, as on the GPU's
+tensor cores, which accumulate in fp32), then casts reductions back to bf16.
+
+Applied by ``tests/conftest.py`` and by CPU-only tools that run kernels under
+``TRITON_INTERPRET=1`` (the agent's evaluator). Idempotent.
+"""
+from __future__ import annotations
+
+_APPLIED = False
+
+
+def apply() -> bool:
+    """Patch the interpreter in place; returns True when a patch is active."""
+    global _APPLIED
+    if _APPLIED:
+        return True
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+
+    builder_cls = it.InterpreterBuilder
+    orig_dot = builder_cls.create_dot
+
+    def _to_f32(handle):
+        if handle.dtype.scalar == tl.bfloat16:
+            return it._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return None
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        fa, fb = _to_f32(a), _to_f32(b)
+        if fa is None and fb is None:
+            return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        fa = a.data if fa is None else fa
+        fb = b.data if fb is None else fb
+        out = np.matmul(fa.astype(np.float32), fb.astype(np.float32)).astype(d.data.dtype) + d.data
+        return it.TensorHandle(out, d.dtype.scalar)
+
+    builder_cls.create_dot = create_dot
+
+    red = it.ReduceOps
+    orig_sum, orig_min_max = red.sum, red.min_max
+
+    def _wrap_bf16(tensor, fn):
+        """Run ``fn`` on a float32 copy of a bf16 tensor and cast the result back."""
+        f32 = _to_f32(tensor.handle)
+        tmp = self_to_tensor(f32, tl.float32)
+        res = fn(tmp)
+        return res
+
+    def self_to_tensor(data, dtype):
+        return tl.core.tensor(it.TensorHandle(np.asarray(data), dtype.scalar), dtype)
+
+    def _back_to_bf16(t):
+        data = it._convert_float(np.asarray(t.handle.data, dtype=np.float32), tl.float32, tl.bfloat16, None)
+        return self_to_tensor(data.view(np.uint16), tl.bfloat16)
+
+    def sum_(self, input):
+        if input.dtype.scalar == tl.bfloat16:
+            return _back_to_bf16(_wrap_bf16(input, lambda t: orig_sum(self, t)))
+        return orig_sum(self, input)
+
+    def min_max(self, input, val_reduce_op, idx_reduce_op=None):
+        x = input[0] if isinstance(input, tuple) else input
+        if x.dtype.scalar != tl.bfloat16:
+            return orig_min_max(self, input, val_reduce_op, idx_reduce_op)
+        res = _wrap_bf16(x, lambda t: orig_min_max(self, t, val_reduce_op, idx_reduce_op))
+        if isinstance(res, tuple):
+            return (_back_to_bf16(res[0]), res[1])
+        return res if val_reduce_op is None else _back_to_bf16(res)
+
+    red.sum = sum_
+    red.min_max = min_max
+    _APPLIED = True
+    return True

@@ -1,0 +1,83 @@
+"""Compile every Triton kernel and every ``csrc/*.cu`` for sm_80 and sm_90 without a GPU.
+
+Kernel modules list ``COMPILE_SPECS``: dicts with ``fn`` (a ``@triton.jit`` function),
+``signature`` (arg name -> Triton type string, e.g. ``"*bf16"``, ``"i32"``),
+``constexprs`` and optional ``num_warps``/``num_stages``. Must run with
+``TRITON_INTERPRET`` unset (the interpreter replaces jit functions); the tests call it in
+a subprocess. CUDA sources are compiled with ``nvcc -c`` for sm_80 and sm_90a.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import shutil
+import subprocess
+import tempfile
+import time
+
+TRITON_ARCHS = (80, 90)
+NVCC_ARCHS = ("80", "90a")
+
+
+def triton_specs():
+    import areal_tik.kernels as kpkg
+    for m in sorted(pkgutil.iter_modules(kpkg.__path__), key=lambda m: m.name):
+        if m.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"{kpkg.__name__}.{m.name}")
+        for spec in getattr(mod, "COMPILE_SPECS", ()):
+            yield m.name, spec
+
+
+def compile_triton(archs=TRITON_ARCHS) -> list[dict]:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile checks need TRITON_INTERPRET unset")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    rows = []
+    for modname, spec in triton_specs():
+        fn = spec["fn"]
+        for cc in archs:
+            t0 = time.time()
+            row = {"module": modname, "kernel": fn.__name__, "arch": f"sm_{cc}", "constexprs": dict(spec["constexprs"])}
+            try:
+                src = ASTSource(fn=fn, signature=dict(spec["signature"]), constexprs=dict(spec["constexprs"]))
+                opts = {k: spec[k] for k in ("num_warps", "num_stages") if k in spec}
+                k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=opts)
+                row.update(ok=True, cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared,
+                           n_regs=getattr(k, "n_regs", None))
+            except Exception as e:  # report, do not hide
+                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+            row["seconds"] = round(time.time() - t0, 2)
+            rows.append(row)
+    return rows
+
+
+def compile_cuda(archs=NVCC_ARCHS) -> list[dict]:
+    from areal_tik.backend.cuda_ext import sources
+    nvcc = shutil.which("nvcc")
+    rows = []
+    srcs = [s for s in sources() if s.endswith(".cu")]
+    if not srcs:
+        return rows
+    if nvcc is None:
+        return [{"source": os.path.basename(s), "ok": False, "error": "nvcc not found"} for s in srcs]
+    import torch.utils.cpp_extension as ext
+    incs = []
+    for p in ext.include_paths():
+        incs += ["-I", p]
+    import sysconfig
+    incs += ["-I", sysconfig.get_paths()["include"]]
+    with tempfile.TemporaryDirectory() as d:
+        for s in srcs:
+            for a in archs:
+                t0 = time.time()
+                cmd = [nvcc, "-c", s, "-o", os.path.join(d, "x.o"), "-std=c++17", "-O3",
+                       f"-gencode=arch=compute_{a},code=sm_{a}", "--expt-relaxed-constexpr", *incs]
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                rows.append({"source": os.path.basename(s), "arch": f"sm_{a}", "ok": r.returncode == 0,
+                             "seconds": round(time.time() - t0, 1),
+                             **({} if r.returncode == 0 else {"error": (r.stderr or r.stdout)[-1500:]})})
+    return rows

@@ -1,0 +1,165 @@
+"""Registry of op implementations: triton, cuda (csrc/) and torch_ref.
+
+Every op the model uses (``linear``, ``rms_norm``, ``attention``, ...) has one or more
+implementations, each registered with an :class:`ImplInfo`. :func:`select_impl` picks
+one per op; the same choice must hold on the rollout side and the trainer side, and the
+fingerprint (``backend/fingerprint.py``) records it.
+
+Selection: an explicit request (argument, or the one documented override, environment
+variable ``AREAL_TIK_BACKEND``, e.g. ``triton`` or ``linear=cuda,attention=triton``)
+that cannot be met raises :class:`BackendUnavailable` — never a silent fallback to a
+different numerical path. Without a request, ops take the first available backend of
+``DEFAULT_ORDER`` (GPU) or ``torch_ref`` (no GPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+__all__ = [
+    "ImplInfo", "BackendUnavailable", "register", "select_impl", "implementations",
+    "backend_status", "BACKENDS", "parse_backend_spec",
+]
+
+BACKENDS = ("triton", "cuda", "torch_ref")
+DEFAULT_ORDER = ("triton", "cuda", "torch_ref")
+ENV_VAR = "AREAL_TIK_BACKEND"
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ImplInfo:
+    """One implementation of one op.
+
+    ``sources`` are files whose text defines the numerics (hashed into the fingerprint);
+    ``meta`` holds meta-parameters that change bits (block sizes of reductions);
+    ``available`` returns ``(ok, reason)``.
+    """
+
+    op: str
+    backend: str
+    fn: Callable
+    sources: tuple[str, ...] = ()
+    meta: tuple[tuple[str, object], ...] = ()
+    available: Callable[[], tuple[bool, str]] = lambda: (True, "")
+    doc: str = ""
+
+
+_REGISTRY: dict[str, dict[str, ImplInfo]] = {}
+
+
+def register(info: ImplInfo) -> ImplInfo:
+    if info.backend not in BACKENDS:
+        raise ValueError(f"unknown backend {info.backend!r}; expected one of {BACKENDS}")
+    _REGISTRY.setdefault(info.op, {})[info.backend] = info
+    return info
+
+
+_LOADED = False
+
+
+def _ensure_loaded() -> None:
+    """Discover every kernel module's ``OPS`` table (kernels never import the backend).
+
+    A kernel module declares ``OPS = {op_name: {backend_name: callable}}`` and optionally
+    ``META`` (bit-defining meta-parameters) and ``CUDA_SOURCES`` (csrc files its cuda
+    implementation is built from).
+    """
+    global _LOADED
+    if _LOADED:
+        return
+    import importlib
+    import pkgutil
+
+    import areal_tik.kernels as kpkg
+    from areal_tik.backend import availability
+
+    avail = {
+        "triton": availability.triton_status,
+        "cuda": availability.cuda_status,
+        "torch_ref": lambda: (True, ""),
+    }
+    for m in sorted(pkgutil.iter_modules(kpkg.__path__), key=lambda m: m.name):
+        if m.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"{kpkg.__name__}.{m.name}")
+        for op, impls in getattr(mod, "OPS", {}).items():
+            for be, fn in impls.items():
+                srcs = [mod.__file__]
+                if be == "cuda":
+                    srcs += list(getattr(mod, "CUDA_SOURCES", ()))
+                meta = tuple(sorted(getattr(mod, "META", {}).items()))
+                register(ImplInfo(op=op, backend=be, fn=fn, sources=tuple(srcs), meta=meta,
+                                  available=avail[be], doc=(fn.__doc__ or "")))
+    _LOADED = True
+
+
+def implementations() -> dict[str, dict[str, ImplInfo]]:
+    _ensure_loaded()
+    return {op: dict(v) for op, v in _REGISTRY.items()}
+
+
+def parse_backend_spec(spec: str | None) -> dict[str, str]:
+    """``"triton"`` -> {"*": "triton"}; ``"linear=cuda,attention=triton"`` -> per op."""
+    out: dict[str, str] = {}
+    if not spec:
+        return out
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        op, _, be = part.rpartition("=")
+        op = op.strip() or "*"
+        be = be.strip()
+        if be not in BACKENDS:
+            raise BackendUnavailable(f"{ENV_VAR}/backend spec names unknown backend {be!r}; choose from {BACKENDS}")
+        out[op] = be
+    return out
+
+
+def select_impl(op: str, backend: str | None = None) -> ImplInfo:
+    """The implementation of ``op`` to use. ``backend`` (or the env override) is binding."""
+    _ensure_loaded()
+    impls = _REGISTRY.get(op)
+    if not impls:
+        raise KeyError(f"no implementation registered for op {op!r}")
+    req = backend
+    if req is None:
+        spec = parse_backend_spec(os.environ.get(ENV_VAR))
+        req = spec.get(op, spec.get("*"))
+    if req is not None:
+        info = impls.get(req)
+        if info is None:
+            raise BackendUnavailable(f"op {op!r} has no {req!r} implementation (have: {sorted(impls)})")
+        ok, why = info.available()
+        if not ok:
+            raise BackendUnavailable(f"op {op!r}: backend {req!r} requested but unavailable: {why}")
+        return info
+    order = DEFAULT_ORDER if _has_gpu() else ("torch_ref",)
+    for be in order:
+        info = impls.get(be)
+        if info is not None and info.available()[0]:
+            return info
+    raise BackendUnavailable(f"op {op!r}: no available implementation among {sorted(impls)}")
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+def backend_status() -> dict[str, tuple[bool, str]]:
+    """Whether each backend can run here, with the reason when it cannot."""
+    from areal_tik.backend import availability
+    return {
+        "triton": availability.triton_status(),
+        "cuda": availability.cuda_status(),
+        "torch_ref": (True, "pure PyTorch, runs on any device"),
+    }

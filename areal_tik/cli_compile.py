@@ -1,0 +1,31 @@
+"""``areal-tik compile-check``: compile every kernel for sm_80/sm_90 with no GPU needed."""
+from __future__ import annotations
+
+import os
+
+
+def run(args) -> int:
+    os.environ.pop("TRITON_INTERPRET", None)
+    from areal_tik.backend import compile_check
+    rows = [] if args.skip_triton else compile_check.compile_triton()
+    cu = [] if args.skip_cuda else compile_check.compile_cuda()
+    ok = all(r["ok"] for r in rows + cu)
+    if args.json:
+        from areal_tik.cli import print_json
+        print_json({"ok": ok, "triton": rows, "cuda": cu})
+    else:
+        for r in rows:
+            print(f"{'ok ' if r['ok'] else 'FAIL'} triton {r['module']}.{r['kernel']} {r['arch']} "
+                  f"{r.get('error', '')}")
+        for r in cu:
+            print(f"{'ok ' if r['ok'] else 'FAIL'} nvcc {r['source']} {r.get('arch', '')} {r.get('error', '')}")
+        print(f"{len(rows)} triton compiles, {len(cu)} nvcc compiles: {'all ok' if ok else 'FAILURES'}")
+    return 0 if ok else 1
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("compile-check", help="compile all Triton kernels and csrc/*.cu for sm_80 and sm_90")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--skip-triton", action="store_true")
+    p.add_argument("--skip-cuda", action="store_true")
+    p.set_defaults(func=run)

@@ -1,0 +1,56 @@
+"""``areal-tik env``: versions, GPU, available backends and the kernel fingerprint."""
+from __future__ import annotations
+
+import importlib.metadata as md
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def collect() -> dict:
+    from areal_tik.backend import fingerprint, registry
+    env = fingerprint.environment()
+    env["transformers"] = _version("transformers")
+    env["areal"] = _version("areal")
+    env["areal_tik"] = _version("areal-tik")
+    fp = fingerprint.compute(env=env)
+    status = registry.backend_status()
+    return {
+        "versions": {k: env[k] for k in ("python", "torch", "triton", "cuda", "transformers", "areal", "areal_tik")},
+        "gpu": env["gpu"] or "no GPU",
+        "backends": {k: {"available": ok, "reason": why} for k, (ok, why) in status.items()},
+        "selection": fp["selection"],
+        "fingerprint": fp["fingerprint"],
+    }
+
+
+def run(args) -> int:
+    info = collect()
+    if args.json:
+        from areal_tik.cli import print_json
+        print_json(info)
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    c = Console()
+    t = Table(title="areal-tik environment", show_header=False)
+    for k, v in info["versions"].items():
+        t.add_row(k, str(v) if v else "[dim]not installed[/dim]")
+    gpu = info["gpu"]
+    t.add_row("gpu", gpu if isinstance(gpu, str) else f"{gpu['name']} ({gpu['arch']}, {gpu['sms']} SMs)")
+    for k, b in info["backends"].items():
+        t.add_row(f"backend {k}", ("[green]available[/green] " if b["available"] else "[red]unavailable[/red] ") + b["reason"])
+    t.add_row("op selection", ", ".join(f"{o}={b}" for o, b in info["selection"].items()) or "[dim]no ops[/dim]")
+    t.add_row("kernel fingerprint", info["fingerprint"])
+    c.print(t)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("env", help="versions, GPU, backends and kernel fingerprint")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Run on the device: GPU tests + benchmarks, JSON/logs under $OUT.
+#   bash bench/gpu_check.sh [PART ...]   parts: env tests negctl <bench name without bench_/.py> ...; default: all
+# Locally, copy $OUT into bench/results/<date>_<gpu>_<commit>/ (bench/collect_results.py).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+OUT="${OUT:-$PWD/bench/results/local}"; mkdir -p "$OUT"
+PARTS=("$@"); [ ${#PARTS[@]} -eq 0 ] && PARTS=(env tests negctl $(ls bench/bench_*.py 2>/dev/null | sed 's#bench/bench_##; s#\.py##'))
+status=0
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+echo "{\"commit\": \"$commit\", \"date\": \"$(date -u +%FT%TZ)\", \"parts\": \"${PARTS[*]}\"}" > "$OUT/run_meta.json"
+for part in "${PARTS[@]}"; do
+  t0=$(date +%s)
+  case "$part" in
+    env) python -m areal_tik.cli env --json > "$OUT/env.json" || status=1; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >> "$OUT/env_smi.txt" 2>&1 ;;
+    tests) python -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    negctl) python bench/negative_controls.py --out "$OUT" || status=1 ;;
+    *) python "bench/bench_${part}.py" --out "$OUT" 2>&1 | tee "$OUT/bench_${part}.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+  esac
+  echo "== part $part done in $(( $(date +%s) - t0 )) s (status so far $status)"
+done
+exit $status
