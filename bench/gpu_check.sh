@@ -8,7 +8,7 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/bench/results/local}"; mkdir -p "$OUT"
 PARTS=("$@"); [ ${#PARTS[@]} -eq 0 ] && PARTS=(env tests negctl $(ls bench/bench_*.py 2>/dev/null | sed 's#bench/bench_##; s#\.py##'))
 status=0
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 echo "{\"commit\": \"$commit\", \"date\": \"$(date -u +%FT%TZ)\", \"parts\": \"${PARTS[*]}\"}" > "$OUT/run_meta.json"
 for part in "${PARTS[@]}"; do
   t0=$(date +%s)
