@@ -1,0 +1,127 @@
+"""AReaL config subclasses that make ``actor.kernel_backend`` a real, validated key.
+
+AReaL builds its experiment config from YAML + overrides with Hydra and merges it into
+a structured dataclass (``load_expr_config``); a key the dataclass lacks is rejected.
+These subclasses add:
+
+- ``actor.kernel_backend``: ``default`` (AReaL as is) or ``tik`` (our kernels on both
+  sides, recompute skipped when DESIGN.md section 3 allows);
+- ``actor.tik``: the audit interval and the mismatch policy (``fallback`` to recompute
+  from then on, or ``raise``).
+
+They live on the actor config (not the top level) because the actor engine only ever
+receives its own config slice, also in AReaL's single-controller mode where the class
+travels to the worker by dotted path.
+
+Everything is checked at load time (``__post_init__`` runs inside ``OmegaConf.to_object``)
+and every error names the key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal.api.cli_args import PPOActorConfig, PPOConfig
+
+KERNEL_BACKENDS = ("default", "tik")
+MISMATCH_POLICIES = ("fallback", "raise")
+
+__all__ = [
+    "KERNEL_BACKENDS",
+    "MISMATCH_POLICIES",
+    "TikConfig",
+    "TikPPOActorConfig",
+    "TikPPOConfig",
+    "TikGRPOConfig",
+    "ConfigError",
+]
+
+
+class ConfigError(ValueError):
+    """An invalid or inconsistent areal-tik config value; the message names the key."""
+
+
+@dataclass
+class TikConfig:
+    """The ``actor.tik`` section: how the recompute skip is audited."""
+
+    audit_interval: int = field(
+        default=10,
+        metadata={"help": "Recompute anyway and compare bitwise on step 0 and every N steps "
+                          "(0: audit step 0 only)."},
+    )
+    mismatch_policy: str = field(
+        default="fallback",
+        metadata={"help": "On an audit mismatch: 'fallback' (recompute from then on) or 'raise'."},
+    )
+    server_check: bool = field(
+        default=True,
+        metadata={"help": "Ask the rollout servers (/get_server_info) for their kernel fingerprint, "
+                          "weight version and digest before skipping."},
+    )
+
+    def __post_init__(self):
+        if not isinstance(self.audit_interval, int) or isinstance(self.audit_interval, bool) \
+                or self.audit_interval < 0:
+            raise ConfigError(f"actor.tik.audit_interval must be an integer >= 0, got {self.audit_interval!r}")
+        if self.mismatch_policy not in MISMATCH_POLICIES:
+            raise ConfigError(f"actor.tik.mismatch_policy must be one of {MISMATCH_POLICIES}, "
+                              f"got {self.mismatch_policy!r}")
+
+
+@dataclass
+class TikPPOActorConfig(PPOActorConfig):
+    """``PPOActorConfig`` plus ``kernel_backend`` and the ``tik`` audit section."""
+
+    kernel_backend: str = field(
+        default="default",
+        metadata={"help": "'default': AReaL's kernels and recompute; 'tik': areal-tik kernels on "
+                          "rollout and trainer, old-policy recompute skipped when provably equal.",
+                  "choices": list(KERNEL_BACKENDS)},
+    )
+    tik: TikConfig = field(default_factory=TikConfig)
+
+    def __post_init__(self):
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ConfigError(f"actor.kernel_backend must be one of {KERNEL_BACKENDS}, "
+                              f"got {self.kernel_backend!r}")
+        if isinstance(self.tik, dict):  # constructed by hand with a plain dict
+            self.tik = TikConfig(**self.tik)
+        super().__post_init__()
+
+
+@dataclass
+class TikPPOConfig(PPOConfig):
+    """``PPOConfig`` whose actor is a :class:`TikPPOActorConfig`; cross-field checks."""
+
+    actor: TikPPOActorConfig = field(default_factory=TikPPOActorConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        a = self.actor
+        if a.kernel_backend != "tik":
+            return
+        g = self.gconfig
+        if float(a.temperature) != float(g.temperature):
+            raise ConfigError(
+                f"actor.temperature ({a.temperature}) must equal gconfig.temperature ({g.temperature}) "
+                "with actor.kernel_backend=tik: the rollout log-probs are log_softmax(logits/T) at the "
+                "sampling temperature and replace the trainer's old-policy log-probs")
+        if g.greedy:
+            raise ConfigError("gconfig.greedy must be false with actor.kernel_backend=tik (greedy sends "
+                              "temperature 0, whose log-probs differ from the loss's)")
+        if g.frequency_penalty != 0.0:
+            raise ConfigError(f"gconfig.frequency_penalty must be 0 with actor.kernel_backend=tik, "
+                              f"got {g.frequency_penalty} (a penalty changes the returned log-probs)")
+        if a.weight_update_mode != "disk":
+            raise ConfigError(f"actor.weight_update_mode must be 'disk' with actor.kernel_backend=tik, "
+                              f"got {a.weight_update_mode!r} (the tik server loads weights from disk)")
+        if not self.rollout.backend.startswith("sglang"):
+            raise ConfigError(f"rollout.backend must be 'sglang:...' with actor.kernel_backend=tik "
+                              f"(the tik server speaks SGLang's API), got {self.rollout.backend!r}")
+        if a.use_lora:
+            raise ConfigError("actor.use_lora is not supported with actor.kernel_backend=tik")
+
+
+@dataclass
+class TikGRPOConfig(TikPPOConfig):
+    """GRPO uses the same structure as PPO (no critic, group-normalised advantages)."""

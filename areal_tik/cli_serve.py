@@ -1,0 +1,29 @@
+"""``areal-tik serve``: the rollout server AReaL's SGLang client talks to."""
+from __future__ import annotations
+
+import logging
+
+
+def add_parser(sub):
+    p = sub.add_parser("serve", help="HTTP rollout server (SGLang-compatible subset) on the tik or default kernels")
+    p.add_argument("--model", required=True, help="model preset (e.g. tiny-qwen2, qwen2.5-1.5b) or HF model dir")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--kernels", choices=["tik", "default"], default="tik")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--served-model-name", default=None)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from areal_tik.engine.server import ServerConfig, build, run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = ServerConfig(model=args.model, kernels=args.kernels, host=args.host, port=args.port,
+                       served_model_name=args.served_model_name, seed=args.seed)
+    server = build(cfg, device=args.device, dtype=args.dtype)
+    run_server(server)
+    return 0
