@@ -1,0 +1,822 @@
+"""Unified causal GQA attention: one numerical path for training, prefill, chunked prefill
+and paged decode (issue 4).
+
+Entry points (``OPS``):
+
+- ``attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale=None)`` — R1 packed training
+  forward with autograd. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, ``cu_seqlens`` int32
+  ``[B+1]`` (a trailing padding segment is just another sequence). Backward gives correct
+  dq/dk/dv (not bit-invariant).
+- ``attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k,
+  max_seqlen_q, scale=None)`` — R2 prefill / R3 chunked prefill / R4 decode, any mix per
+  launch. Caches ``[num_pages, page_size, Hkv, D]`` (contiguous), ``block_table`` int32
+  ``[B, max_pages]``, slot = ``page * page_size + offset``. Sequence i has
+  ``n_i = cu_seqlens_q[i+1] - cu_seqlens_q[i]`` queries, its *last* n_i positions
+  (``seqlens_k[i]`` includes them; their K/V must already be in the cache).
+
+Maths: ``out[t, h] = softmax(scale * q[t,h] . k[j, h // G]  for j <= pos(t)) @ v``, bf16
+in/out, fp32 inside, D in {64, 128}, G = Hq / Hkv (tested 1..8), causal, no window.
+
+The contract (DESIGN.md section 2): for a query at absolute position p of a sequence, every
+entry point returns the same bits whatever the batch mix, packing, padding, page size,
+chunking, tile sizes and launch grid. By construction:
+
+1. KV is cut into fixed partitions of ``KV_PARTITION`` tokens at absolute positions
+   ``[j*P, (j+1)*P)``, each walked in fixed blocks of ``BLOCK_N`` tokens aligned to 0, in
+   ascending order, with one block step (``_block_step``) starting from a fresh state
+   ``(m=-inf, l=0, acc=0)`` per partition. Blocks past the query are exact no-ops
+   (alpha is selected as exactly 1, p is exactly 0).
+2. Partition states are merged in ascending partition order with one merge
+   (``_merge_state``) starting from ``(-inf, 0, 0)``, then ``out = A / L`` rounded once to bf16.
+   Decode computes partitions in parallel programs (split-KV at fixed absolute positions)
+   and merges them in a second launch; prefill/training merges in-program. Same formula.
+3. Every reduction whose order could depend on the tile layout goes through ``tl.dot``
+   with an accumulator (``acc = tl.dot(p, v, acc)``; the softmax denominator is
+   ``l = tl.dot(p, ones, l)``), which the H200 measurements showed to be invariant to
+   BLOCK_M/BLOCK_N/warps; row maxima are exact. Kernels are compiled with
+   ``enable_fp_fusion=False`` so no mul+add pair is contracted differently in different
+   kernels.
+
+Accuracy: relative Frobenius error vs ``attention_reference`` (float64) below 1e-2.
+
+The torch_ref implementations keep the same contract on a CPU with their own bits
+(two-pass exact-max softmax, fixed-tree sums inside BLOCK_N blocks, ascending across
+blocks, deterministic exp from ``_torch_math``); they do not equal the Triton bits.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from areal_tik.kernels import _torch_math
+
+__all__ = [
+    "attention_varlen", "attention_varlen_triton", "attention_varlen_torch",
+    "attention_paged", "attention_paged_triton", "attention_paged_torch",
+    "attention_reference", "AttentionVarlenFunction",
+    "BLOCK_N", "KV_PARTITION", "META", "OPS", "COMPILE_SPECS",
+]
+
+# ---- bit-defining meta-parameters (fingerprinted through META) -------------------------
+BLOCK_N = 64          # KV block of the online softmax, aligned to position 0
+KV_PARTITION = 256    # split-KV partition (multiple of BLOCK_N), at absolute positions
+LOG2E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+META = {"BLOCK_N": BLOCK_N, "KV_PARTITION": KV_PARTITION, "denominator": "dot(p_bf16, ones)",
+        "fp_fusion": False, "torch_ref": "exact-max, tree-64 + ascending blocks"}
+
+# Launch tile sizes. These do not define bits (see module docstring, point 3); the tests
+# check that by comparing different tiles and regimes.
+_FWD_GPU = {64: dict(BLOCK_M=128, num_warps=4, num_stages=2), 128: dict(BLOCK_M=128, num_warps=8, num_stages=2)}
+_DEC_GPU = dict(num_warps=4, num_stages=2)
+_BWD_GPU = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+            128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)}
+_INTERP_BLOCK_M = 16
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cfg() -> tuple[int, int]:
+    """Current (BLOCK_N, KV_PARTITION), read at call time so tests can shrink them."""
+    bn, part = BLOCK_N, KV_PARTITION
+    if bn < 16 or bn & (bn - 1) or part % bn:
+        raise ValueError(f"BLOCK_N={bn} must be a power of two >= 16 and KV_PARTITION={part} a multiple of it")
+    return bn, part
+
+
+# =========================================================================================
+# Triton kernels
+# =========================================================================================
+
+@triton.jit
+def _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones):
+    """One BLOCK_N step of the online softmax (log2 domain). k is [D, BN], v is [BN, D]."""
+    s = tl.dot(q, k)
+    s = s * qk_scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.where(m_new > m, tl.exp2(m - m_safe), 1.0)
+    p = tl.exp2(s - m_safe[:, None])
+    pb = p.to(tl.bfloat16)
+    l_t = tl.dot(pb, ones, l_t * alpha[:, None])
+    acc = tl.dot(pb, v, acc * alpha[:, None])
+    return m_new, l_t, acc
+
+
+@triton.jit
+def _merge_state(M, L, A, m, l, acc, take):
+    """Fold one partition's (m, l, acc) into the running (M, L, A) for rows where ``take``."""
+    m_new = tl.maximum(M, m)
+    a = tl.where(m_new > M, tl.exp2(M - m_new), 1.0)
+    b = tl.where(m_new > m, tl.exp2(m - m_new), 1.0)
+    L2 = L * a + l * b
+    A2 = A * a[:, None] + acc * b[:, None]
+    M = tl.where(take, m_new, M)
+    L = tl.where(take, L2, L)
+    A = tl.where(take[:, None], A2, A)
+    return M, L, A
+
+
+@triton.jit
+def _load_kv_block(K, V, BT, seq, hk, kv_row0, offs_n, kv_ok, offs_d,
+                   stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """K block as [D, BN] and V block as [BN, D]; rows past the sequence load as 0."""
+    if PAGED:
+        page = tl.load(BT + seq * stride_bt + offs_n // PAGE_SIZE, mask=kv_ok, other=0)
+        row = page.to(tl.int64) * PAGE_SIZE + (offs_n % PAGE_SIZE)
+    else:
+        row = (kv_row0 + offs_n).to(tl.int64)
+    k = tl.load(K + row[None, :] * stride_kt + hk * stride_kh + offs_d[:, None], mask=kv_ok[None, :], other=0.0)
+    v = tl.load(V + row[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, BT, CUQ, SEQK, qk_scale,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_ot, stride_oh, stride_lt, stride_bt,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, PAGED: tl.constexpr,
+                     PAGE_SIZE: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Prefill / chunked prefill / packed varlen: one program = BLOCK_M queries x 1 head."""
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    hq = tl.program_id(2)
+    hk = hq // GROUP
+    q_start = tl.load(CUQ + seq)
+    n_q = tl.load(CUQ + seq + 1) - q_start
+    if pid_m * BLOCK_M < n_q:
+        if PAGED:
+            seqlen_k = tl.load(SEQK + seq)
+        else:
+            seqlen_k = n_q
+        pos0 = seqlen_k - n_q
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < n_q
+        pos = pos0 + offs_m
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_qt + hq * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        kv_end = pos0 + tl.minimum(n_q, (pid_m + 1) * BLOCK_M)
+        ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.bfloat16)
+        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        L = tl.zeros([BLOCK_M], tl.float32)
+        A = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for part_start in range(0, kv_end, PARTITION):
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_t = tl.zeros([BLOCK_M, 16], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            part_end = tl.minimum(part_start + PARTITION, kv_end)
+            for start_n in range(part_start, part_end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                kv_ok = offs_n < seqlen_k
+                k, v = _load_kv_block(K, V, BT, seq, hk, q_start, offs_n, kv_ok, offs_d,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                                      PAGED, PAGE_SIZE)
+                valid = (offs_n[None, :] <= pos[:, None]) & kv_ok[None, :]
+                m, l_t, acc = _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones)
+            l = tl.max(l_t, 1)
+            M, L, A = _merge_state(M, L, A, m, l, acc, pos >= part_start)
+        out = A / L[:, None]
+        tl.store(O + q_rows[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        if STORE_LSE:
+            tl.store(LSE + q_rows * stride_lt + hq, M + tl.log2(L), mask=row_ok)
+
+
+@triton.jit
+def _attn_decode_kernel(Q, KC, VC, BT, CUQ, SEQK, WM, WL, WA, qk_scale,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                        n_parts, n_heads_q,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Decode split-KV: one program = one sequence x one KV head (its GROUP query heads packed
+    into MMA rows) x one fixed absolute partition. Writes the partition state."""
+    part = tl.program_id(0)
+    hk = tl.program_id(1)
+    seq = tl.program_id(2)
+    seqlen_k = tl.load(SEQK + seq)
+    part_start = part * PARTITION
+    if part_start < seqlen_k:
+        q_row = tl.load(CUQ + seq).to(tl.int64)
+        pos = seqlen_k - 1
+        offs_h = tl.arange(0, BLOCK_H)
+        h_ok = offs_h < GROUP
+        hq = hk * GROUP + offs_h
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + q_row * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_ok[:, None], other=0.0)
+        ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.bfloat16)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_t = tl.zeros([BLOCK_H, 16], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        part_end = tl.minimum(part_start + PARTITION, seqlen_k)
+        for start_n in range(part_start, part_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            kv_ok = offs_n < seqlen_k
+            k, v = _load_kv_block(KC, VC, BT, seq, hk, 0, offs_n, kv_ok, offs_d,
+                                  stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                                  True, PAGE_SIZE)
+            valid = (offs_n[None, :] <= pos) & kv_ok[None, :] & (offs_h[:, None] >= 0)
+            m, l_t, acc = _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones)
+        l = tl.max(l_t, 1)
+        ws = (seq * n_heads_q + hq).to(tl.int64) * n_parts + part
+        tl.store(WM + ws, m, mask=h_ok)
+        tl.store(WL + ws, l, mask=h_ok)
+        tl.store(WA + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=h_ok[:, None])
+
+
+@triton.jit
+def _attn_merge_kernel(WM, WL, WA, CUQ, SEQK, O, stride_ot, stride_oh, n_parts, n_heads_q,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                       PARTITION: tl.constexpr):
+    """Decode: merge partition states in ascending order and normalise (same formula as prefill)."""
+    hk = tl.program_id(0)
+    seq = tl.program_id(1)
+    seqlen_k = tl.load(SEQK + seq)
+    q_row = tl.load(CUQ + seq).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < GROUP
+    hq = hk * GROUP + offs_h
+    offs_d = tl.arange(0, HEAD_DIM)
+    M = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_H], tl.float32)
+    A = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    n_mine = tl.cdiv(seqlen_k, PARTITION)
+    base = (seq * n_heads_q + hq).to(tl.int64) * n_parts
+    for j in range(0, n_mine):
+        m = tl.load(WM + base + j, mask=h_ok, other=float("-inf"))
+        l = tl.load(WL + base + j, mask=h_ok, other=0.0)
+        acc = tl.load(WA + (base + j)[:, None] * HEAD_DIM + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+        M, L, A = _merge_state(M, L, A, m, l, acc, h_ok)
+    out = A / L[:, None]
+    tl.store(O + q_row * stride_ot + hq[:, None] * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=h_ok[:, None])
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, qk_scale, sm_scale,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_lt,
+                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK, dV for one KV block of one sequence and one KV head (sums its GROUP q heads).
+    q/do/o share strides (stride_q*), k/v/dk/dv share strides (stride_k*)."""
+    pid_n = tl.program_id(0)
+    seq = tl.program_id(1)
+    hk = tl.program_id(2)
+    s0 = tl.load(CU + seq)
+    n = tl.load(CU + seq + 1) - s0
+    start_n = pid_n * BLOCK_N
+    if start_n < n:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n
+        offs_d = tl.arange(0, HEAD_DIM)
+        krow = (s0 + offs_n).to(tl.int64)
+        kv_off = krow[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=n_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=n_ok[:, None], other=0.0)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        for g in range(0, GROUP):
+            hq = hk * GROUP + g
+            for start_m in range(start_n, n, BLOCK_M):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                m_ok = offs_m < n
+                qrow = (s0 + offs_m).to(tl.int64)
+                q_off = qrow[:, None] * stride_qt + hq * stride_qh + offs_d[None, :]
+                q = tl.load(Q + q_off, mask=m_ok[:, None], other=0.0)
+                do = tl.load(DO + q_off, mask=m_ok[:, None], other=0.0)
+                lse = tl.load(LSE + qrow * stride_lt + hq, mask=m_ok, other=0.0)
+                dl = tl.load(DELTA + qrow * stride_lt + hq, mask=m_ok, other=0.0)
+                sT = tl.dot(k, tl.trans(q)) * qk_scale
+                ok = (offs_m[None, :] >= offs_n[:, None]) & m_ok[None, :] & n_ok[:, None]
+                pT = tl.where(ok, tl.exp2(sT - lse[None, :]), 0.0)
+                dv = tl.dot(pT.to(tl.bfloat16), do, dv)
+                dpT = tl.dot(v, tl.trans(do))
+                dsT = pT * (dpT - dl[None, :])
+                dk = tl.dot(dsT.to(tl.bfloat16), q, dk)
+        tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok[:, None])
+        tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, qk_scale, sm_scale,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_lt,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ for BLOCK_M queries of one sequence and one q head."""
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    hq = tl.program_id(2)
+    hk = hq // GROUP
+    s0 = tl.load(CU + seq)
+    n = tl.load(CU + seq + 1) - s0
+    start_m = pid_m * BLOCK_M
+    if start_m < n:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < n
+        offs_d = tl.arange(0, HEAD_DIM)
+        qrow = (s0 + offs_m).to(tl.int64)
+        q_off = qrow[:, None] * stride_qt + hq * stride_qh + offs_d[None, :]
+        q = tl.load(Q + q_off, mask=m_ok[:, None], other=0.0)
+        do = tl.load(DO + q_off, mask=m_ok[:, None], other=0.0)
+        lse = tl.load(LSE + qrow * stride_lt + hq, mask=m_ok, other=0.0)
+        dl = tl.load(DELTA + qrow * stride_lt + hq, mask=m_ok, other=0.0)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        end_n = tl.minimum(n, start_m + BLOCK_M)
+        for start_n in range(0, end_n, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < n
+            krow = (s0 + offs_n).to(tl.int64)
+            kv_off = krow[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+            k = tl.load(K + kv_off, mask=n_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=n_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            ok = (offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :] & m_ok[:, None]
+            p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - dl[:, None])
+            dq = tl.dot(ds.to(tl.bfloat16), k, dq)
+        tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None])
+
+
+# =========================================================================================
+# validation and launchers
+# =========================================================================================
+
+def _qk_scale(scale, head_dim) -> tuple[float, float]:
+    """(scale, scale*log2(e)) computed one way for every entry point."""
+    s = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not (s > 0 and math.isfinite(s)):
+        raise ValueError(f"attention: scale must be a positive finite number, got {scale!r}")
+    return s, s * LOG2E
+
+
+def _check_window(window_size):
+    if window_size is not None and tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"attention: sliding windows are not supported (window_size={window_size!r}); "
+                                  "only full causal attention")
+
+
+def _check_qkv(q, k, v, name, triton_path):
+    for t, nm in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {nm} must be a tensor")
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"{name}: {nm} must be bfloat16, got {t.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    if k.dim() != v.dim() or k.shape[-2:] != v.shape[-2:]:
+        raise ValueError(f"{name}: k {tuple(k.shape)} and v {tuple(v.shape)} differ in layout")
+    D = q.shape[-1]
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{name}: head dim {D} unsupported; supported: {SUPPORTED_HEAD_DIMS}")
+    if k.shape[-1] != D:
+        raise ValueError(f"{name}: k/v head dim {k.shape[-1]} != q head dim {D}")
+    hq, hkv = q.shape[1], k.shape[-2]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"{name}: Hq={hq} must be a multiple of Hkv={hkv}")
+    devs = {q.device, k.device, v.device}
+    if len(devs) != 1:
+        raise ValueError(f"{name}: q, k, v on different devices {devs}")
+    if triton_path and q.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{name}: the triton backend needs CUDA tensors (got {q.device}); use backend='torch_ref'")
+    for t, nm in ((q, "q"), (k, "k"), (v, "v")):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: {nm} must be contiguous in the head dim")
+    return D, hq, hkv
+
+
+def _check_index(t, nm, name, device, dims=1):
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != dims:
+        raise TypeError(f"{name}: {nm} must be an int32 tensor with {dims} dim(s), got "
+                        f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+    if t.device != device:
+        raise ValueError(f"{name}: {nm} on {t.device}, expected {device}")
+
+
+def _fwd_tiles(D):
+    if _interpreting():
+        return dict(BLOCK_M=_INTERP_BLOCK_M, num_warps=4, num_stages=1)
+    return dict(_FWD_GPU[D])
+
+
+def _launch_fwd(q, k, v, out, lse, block_table, cu_q, seqlens_k, max_seqlen_q, qk_scale, paged, page_size,
+                block_m=None):
+    D, hq, hkv = q.shape[-1], q.shape[1], k.shape[-2]
+    bn, part = _cfg()
+    tiles = _fwd_tiles(D)
+    if block_m is not None:
+        tiles["BLOCK_M"] = block_m
+    B = cu_q.shape[0] - 1
+    if B == 0 or max_seqlen_q == 0:
+        return
+    grid = (triton.cdiv(max_seqlen_q, tiles["BLOCK_M"]), B, hq)
+    if paged:
+        kk, vv = k.view(-1, hkv, D), v.view(-1, hkv, D)
+        bt, sk, sbt = block_table, seqlens_k, block_table.stride(0)
+    else:
+        kk, vv, bt, sk, sbt = k, v, cu_q, cu_q, 0
+    lse_t = lse if lse is not None else out
+    _attn_fwd_kernel[grid](
+        q, kk, vv, out, lse_t, bt, cu_q, sk, qk_scale,
+        q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
+        out.stride(0), out.stride(1), (lse.stride(0) if lse is not None else 0), sbt,
+        GROUP=hq // hkv, HEAD_DIM=D, BLOCK_M=tiles["BLOCK_M"], BLOCK_N=bn, PARTITION=part,
+        PAGED=paged, PAGE_SIZE=page_size, STORE_LSE=lse is not None,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], enable_fp_fusion=False)
+
+
+def _varlen_checks(q, k, v, cu_seqlens, max_seqlen, triton_path):
+    D, hq, hkv = _check_qkv(q, k, v, "attention_varlen", triton_path)
+    if k.dim() != 3 or k.shape[0] != q.shape[0]:
+        raise ValueError(f"attention_varlen: k/v must be [T, Hkv, D] with T={q.shape[0]}, got {tuple(k.shape)}")
+    _check_index(cu_seqlens, "cu_seqlens", "attention_varlen", q.device)
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError("attention_varlen: cu_seqlens needs at least one entry")
+    if int(max_seqlen) < 0:
+        raise ValueError("attention_varlen: max_seqlen must be >= 0")
+    return D, hq, hkv
+
+
+def _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, qk_scale, want_lse, block_m=None):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if want_lse else None
+    _launch_fwd(q, k, v, out, lse, None, cu_seqlens, None, int(max_seqlen), qk_scale, False, 16, block_m)
+    return out, lse
+
+
+def _bwd_tiles(D):
+    if _interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    return dict(_BWD_GPU[D])
+
+
+class AttentionVarlenFunction(torch.autograd.Function):
+    """Autograd for the Triton varlen forward; backward is a flash-attention-2 style
+    recompute in Triton (dq/dk/dv correct, not bit-invariant)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
+        sm_scale, qk_scale = _qk_scale(scale, q.shape[-1])
+        out, lse = _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, qk_scale, True)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.sm_scale, ctx.qk_scale = int(max_seqlen), sm_scale, qk_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dout = dout.contiguous()
+        D, hq, hkv = q.shape[-1], q.shape[1], k.shape[1]
+        delta = (dout.float() * out.float()).sum(-1).contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        t = _bwd_tiles(D)
+        B = cu.shape[0] - 1
+        if B > 0 and ctx.max_seqlen > 0:
+            common = dict(GROUP=hq // hkv, HEAD_DIM=D, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
+                          num_warps=t["num_warps"], num_stages=t["num_stages"])
+            _attn_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, t["BLOCK_N"]), B, hkv)](
+                q, k, v, dout, lse, delta, dk, dv, cu, ctx.qk_scale, ctx.sm_scale,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), **common)
+            _attn_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, t["BLOCK_M"]), B, hq)](
+                q, k, v, dout, lse, delta, dq, cu, ctx.qk_scale, ctx.sm_scale,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), **common)
+        else:
+            dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv, None, None, None
+
+
+def attention_varlen_triton(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None):
+    """R1 packed causal GQA attention (Triton). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` bf16,
+    ``cu_seqlens`` int32 ``[B+1]``, ``max_seqlen`` >= the longest segment (host int).
+    Returns ``[T, Hq, D]`` bf16. Each token's output bits depend only on its sequence's
+    tokens up to it and equal ``attention_paged`` for the same position (module docstring).
+    Autograd when any input requires grad; the output bits are the same either way."""
+    _check_window(window_size)
+    _varlen_checks(q, k, v, cu_seqlens, max_seqlen, True)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return AttentionVarlenFunction.apply(q, k, v, cu_seqlens, int(max_seqlen), scale)
+    _, qk_scale = _qk_scale(scale, q.shape[-1])
+    return _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, qk_scale, False)[0]
+
+
+def _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, triton_path):
+    name = "attention_paged"
+    D, hq, hkv = _check_qkv(q, k_cache, v_cache, name, triton_path)
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"{name}: caches must be [num_pages, page_size, Hkv, D] of one shape, got "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    ps = k_cache.shape[1]
+    if ps < 16 or ps > 256 or ps & (ps - 1):
+        raise ValueError(f"{name}: page size {ps} must be a power of two in 16..256")
+    if triton_path and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{name}: caches must be contiguous")
+    _check_index(block_table, "block_table", name, q.device, dims=2)
+    _check_index(cu_seqlens_q, "cu_seqlens_q", name, q.device)
+    _check_index(seqlens_k, "seqlens_k", name, q.device)
+    B = cu_seqlens_q.shape[0] - 1
+    if seqlens_k.shape[0] != B or block_table.shape[0] < B:
+        raise ValueError(f"{name}: {B} sequences but seqlens_k has {seqlens_k.shape[0]} entries and "
+                         f"block_table {block_table.shape[0]} rows")
+    if int(max_seqlen_q) < 0:
+        raise ValueError(f"{name}: max_seqlen_q must be >= 0")
+    return D, hq, hkv, ps, B
+
+
+def attention_paged_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q,
+                           scale=None, window_size=None):
+    """R2 prefill / R3 chunked prefill / R4 decode over the paged KV cache (Triton).
+
+    q ``[Tq, Hq, D]`` bf16; caches ``[num_pages, page_size, Hkv, D]`` bf16 contiguous;
+    ``block_table`` int32 ``[B, max_pages]``; ``cu_seqlens_q`` int32 ``[B+1]``;
+    ``seqlens_k`` int32 ``[B]`` (includes the queries, which are each sequence's last
+    positions); ``max_seqlen_q`` host int. ``max_seqlen_q == 1`` takes the split-KV decode
+    path (GQA heads packed in MMA rows, partitions of ``KV_PARTITION`` tokens merged in a
+    second launch), else the prefill kernel; both give the same bits per query position.
+    No host synchronisation (CUDA-graph safe for decode)."""
+    _check_window(window_size)
+    D, hq, hkv, ps, B = _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k,
+                                      max_seqlen_q, True)
+    _, qk_scale = _qk_scale(scale, D)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if B == 0 or int(max_seqlen_q) == 0:
+        return out
+    if int(max_seqlen_q) == 1:
+        _decode(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, out, qk_scale)
+    else:
+        _launch_fwd(q, k_cache, v_cache, out, None, block_table, cu_seqlens_q, seqlens_k, int(max_seqlen_q),
+                    qk_scale, True, ps)
+    return out
+
+
+def _decode(q, k_cache, v_cache, block_table, cu_q, seqlens_k, out, qk_scale):
+    D, hq, hkv, ps = q.shape[-1], q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    bn, part = _cfg()
+    B = cu_q.shape[0] - 1
+    group = hq // hkv
+    block_h = max(16, triton.next_power_of_2(group))
+    n_parts = max(1, triton.cdiv(block_table.shape[1] * ps, part))
+    dev = q.device
+    wm = torch.empty(B * hq * n_parts, dtype=torch.float32, device=dev)
+    wl = torch.empty_like(wm)
+    wa = torch.empty(B * hq * n_parts * D, dtype=torch.float32, device=dev)
+    kk, vv = k_cache.view(-1, hkv, D), v_cache.view(-1, hkv, D)
+    nw = 4 if _interpreting() else _DEC_GPU["num_warps"]
+    ns = 1 if _interpreting() else _DEC_GPU["num_stages"]
+    _attn_decode_kernel[(n_parts, hkv, B)](
+        q, kk, vv, block_table, cu_q, seqlens_k, wm, wl, wa, qk_scale,
+        q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1), block_table.stride(0),
+        n_parts, hq, GROUP=group, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_N=bn, PARTITION=part, PAGE_SIZE=ps,
+        num_warps=nw, num_stages=ns, enable_fp_fusion=False)
+    _attn_merge_kernel[(hkv, B)](
+        wm, wl, wa, cu_q, seqlens_k, out, out.stride(0), out.stride(1), n_parts, hq,
+        GROUP=group, HEAD_DIM=D, BLOCK_H=block_h, PARTITION=part, num_warps=4, enable_fp_fusion=False)
+
+
+# =========================================================================================
+# torch_ref: same contract on a CPU, built from exactly-rounded ops in a fixed order
+# =========================================================================================
+
+def _tree_sum_blocks(x: torch.Tensor, dim: int, bn: int) -> torch.Tensor:
+    """Sum over ``dim`` (length a multiple of bn): fixed pairwise tree inside each aligned
+    block of bn, then ascending over blocks. Zero padding is an exact no-op."""
+    x = x.movedim(dim, -1)
+    nb = x.shape[-1] // bn
+    x = x.reshape(*x.shape[:-1], nb, bn)
+    w = bn
+    while w > 1:
+        w //= 2
+        x = x[..., :w] + x[..., w:2 * w]
+    x = x[..., 0]
+    total = x[..., 0]
+    for b in range(1, nb):
+        total = total + x[..., b]
+    return total
+
+
+def _torch_attend(q, pos, k, v, scale, bn):
+    """q [n, Hq, D] bf16 at absolute positions pos [n]; k/v [Lk, Hkv, D] bf16 = the
+    sequence's keys 0..Lk-1 (Lk > max(pos)). Returns fp32 [n, Hq, D] before the bf16 cast."""
+    n, hq, D = q.shape
+    lk, hkv = k.shape[0], k.shape[1]
+    g = hq // hkv
+    lpad = -(-lk // bn) * bn
+    kf = torch.zeros(lpad, hq, D, dtype=torch.float32, device=q.device)
+    vf = torch.zeros_like(kf)
+    kf[:lk] = k.float().repeat_interleave(g, dim=1)
+    vf[:lk] = v.float().repeat_interleave(g, dim=1)
+    kT = kf.permute(1, 2, 0)            # [Hq, D, L]
+    vT = vf.permute(1, 0, 2)            # [Hq, L, D]
+    qf = q.float()
+    j = torch.arange(lpad, device=q.device)
+    out = torch.empty(n, hq, D, dtype=torch.float32, device=q.device)
+    chunk = max(1, (1 << 22) // max(1, hq * lpad * D))
+    for c0 in range(0, n, chunk):
+        qc, pc = qf[c0:c0 + chunk], pos[c0:c0 + chunk]
+        s = torch.zeros(qc.shape[0], hq, lpad, dtype=torch.float32, device=q.device)
+        for d in range(D):               # exact products, ascending sum over d
+            s = s + qc[:, :, d, None] * kT[None, :, d, :]
+        s = s * scale
+        valid = (j[None, :] <= pc[:, None])[:, None, :]
+        s = torch.where(valid, s, torch.full_like(s, -math.inf))
+        m = s.amax(-1, keepdim=True)     # exact
+        p = torch.where(valid, _torch_math.exp(s - m), torch.zeros_like(s))
+        l = _tree_sum_blocks(p, -1, bn)                                  # [c, Hq]
+        acc = _tree_sum_blocks(p[..., None] * vT[None], -2, bn)          # [c, Hq, D]
+        out[c0:c0 + qc.shape[0]] = acc / l[..., None]
+    return out
+
+
+class _VarlenTorchFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.scale = scale
+        return _varlen_torch_fwd(q, k, v, cu_seqlens, scale)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, cu = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(k, dtype=torch.float32), \
+            torch.zeros_like(v, dtype=torch.float32)
+        g = q.shape[1] // k.shape[1]
+        bounds = cu.tolist()
+        for b in range(len(bounds) - 1):
+            s0, s1 = bounds[b], bounds[b + 1]
+            if s1 == s0:
+                continue
+            qf = q[s0:s1].float().transpose(0, 1)
+            kf = k[s0:s1].float().repeat_interleave(g, 1).transpose(0, 1)
+            vf = v[s0:s1].float().repeat_interleave(g, 1).transpose(0, 1)
+            do = dout[s0:s1].float().transpose(0, 1)
+            n = s1 - s0
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            sc = (qf @ kf.transpose(1, 2)) * ctx.scale
+            p = torch.softmax(sc.masked_fill(~mask, -math.inf), -1)
+            dvh = p.transpose(1, 2) @ do
+            dp = do @ vf.transpose(1, 2)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scale
+            dq[s0:s1] = (ds @ kf).transpose(0, 1)
+            dkh = (ds.transpose(1, 2) @ qf).transpose(0, 1)
+            dk[s0:s1] = dkh.reshape(n, k.shape[1], g, -1).sum(2)
+            dv[s0:s1] = dvh.transpose(0, 1).reshape(n, k.shape[1], g, -1).sum(2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _varlen_torch_fwd(q, k, v, cu_seqlens, scale):
+    bn, _ = _cfg()
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for b in range(len(bounds) - 1):
+        s0, s1 = bounds[b], bounds[b + 1]
+        if s1 > s0:
+            pos = torch.arange(s1 - s0, device=q.device)
+            out[s0:s1] = _torch_attend(q[s0:s1], pos, k[s0:s1], v[s0:s1], scale, bn).to(q.dtype)
+    return out
+
+
+def attention_varlen_torch(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None):
+    """torch_ref of :func:`attention_varlen_triton`: same layouts and invariance contract,
+    its own bits (two-pass exact-max softmax; fixed-tree sums; deterministic exp).
+    Autograd through a float32 recompute backward."""
+    _check_window(window_size)
+    _varlen_checks(q, k, v, cu_seqlens, max_seqlen, False)
+    sm_scale, _ = _qk_scale(scale, q.shape[-1])
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VarlenTorchFunction.apply(q, k, v, cu_seqlens, sm_scale)
+    return _varlen_torch_fwd(q, k, v, cu_seqlens, sm_scale)
+
+
+def _gather_seq_kv(k_cache, v_cache, block_table, i, lk):
+    ps = k_cache.shape[1]
+    j = torch.arange(lk, device=k_cache.device)
+    slots = block_table[i].long()[j // ps] * ps + j % ps
+    kc = k_cache.reshape(-1, *k_cache.shape[2:])
+    vc = v_cache.reshape(-1, *v_cache.shape[2:])
+    return kc[slots], vc[slots]
+
+
+def attention_paged_torch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q,
+                          scale=None, window_size=None):
+    """torch_ref of :func:`attention_paged_triton` (same layouts and contract, own bits;
+    bitwise equal to :func:`attention_varlen_torch` for the same query position)."""
+    _check_window(window_size)
+    D, hq, hkv, ps, B = _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k,
+                                      max_seqlen_q, False)
+    sm_scale, _ = _qk_scale(scale, D)
+    bn, _ = _cfg()
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    sk = seqlens_k.tolist()
+    for i in range(B):
+        n = cu[i + 1] - cu[i]
+        if n == 0:
+            continue
+        lk = sk[i]
+        if lk < n:
+            raise ValueError(f"attention_paged: sequence {i} has {n} queries but seqlens_k={lk}")
+        kk, vv = _gather_seq_kv(k_cache, v_cache, block_table, i, lk)
+        pos = torch.arange(lk - n, lk, device=q.device)
+        out[cu[i]:cu[i + 1]] = _torch_attend(q[cu[i]:cu[i + 1]], pos, kk, vv, sm_scale, bn).to(q.dtype)
+    return out
+
+
+# =========================================================================================
+# float64 reference
+# =========================================================================================
+
+def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k=None, scale=None):
+    """Float64 causal GQA attention. Sequence i has queries ``q[cu_q[i]:cu_q[i+1]]`` (its
+    last positions) and keys/values ``k[cu_k[i]:cu_k[i+1]]`` (all its positions from 0);
+    ``cu_seqlens_k`` defaults to ``cu_seqlens_q`` (self-attention). Returns float64."""
+    cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    sm = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    g = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        n, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        if n == 0:
+            continue
+        qd = q[cq[i]:cq[i + 1]].double().transpose(0, 1)
+        kd = k[ck[i]:ck[i + 1]].double().repeat_interleave(g, 1).transpose(0, 1)
+        vd = v[ck[i]:ck[i + 1]].double().repeat_interleave(g, 1).transpose(0, 1)
+        s = (qd @ kd.transpose(1, 2)) * sm
+        pos = torch.arange(lk - n, lk, device=q.device)
+        mask = torch.arange(lk, device=q.device)[None, :] <= pos[:, None]
+        s = s.masked_fill(~mask, -math.inf)
+        out[cq[i]:cq[i + 1]] = (torch.softmax(s, -1) @ vd).transpose(0, 1)
+    return out
+
+
+# =========================================================================================
+# tables
+# =========================================================================================
+
+attention_varlen = attention_varlen_triton
+attention_paged = attention_paged_triton
+
+OPS = {
+    "attention_varlen": {"triton": attention_varlen_triton, "torch_ref": attention_varlen_torch},
+    "attention_paged": {"triton": attention_paged_triton, "torch_ref": attention_paged_torch},
+}
+
+
+def _sig(fn, types: dict, constexprs: dict) -> dict:
+    sig = {}
+    for a in fn.arg_names:
+        if a in constexprs:
+            sig[a] = "constexpr"
+        elif a in types:
+            sig[a] = types[a]
+        elif a.startswith("stride") or a.startswith("n_"):
+            sig[a] = "i32"
+        elif a in ("qk_scale", "sm_scale"):
+            sig[a] = "fp32"
+        else:
+            raise KeyError(f"no compile-check type for {fn.__name__}.{a}")
+    return sig
+
+
+def _compile_specs():
+    specs = []
+    bf, f32, i32 = "*bf16", "*fp32", "*i32"
+    fwd_t = dict(Q=bf, K=bf, V=bf, O=bf, LSE=f32, BT=i32, CUQ=i32, SEQK=i32)
+    for D in SUPPORTED_HEAD_DIMS:
+        t = _FWD_GPU[D]
+        for paged, ps, lse in ((False, 16, True), (True, 16, False), (True, 256, False)):
+            c = dict(GROUP=4, HEAD_DIM=D, BLOCK_M=t["BLOCK_M"], BLOCK_N=BLOCK_N, PARTITION=KV_PARTITION,
+                     PAGED=paged, PAGE_SIZE=ps, STORE_LSE=lse)
+            specs.append(dict(fn=_attn_fwd_kernel, signature=_sig(_attn_fwd_kernel, fwd_t, c), constexprs=c,
+                              num_warps=t["num_warps"], num_stages=t["num_stages"]))
+        for group, ps in ((4, 16), (8, 64)):
+            c = dict(GROUP=group, HEAD_DIM=D, BLOCK_H=16, BLOCK_N=BLOCK_N, PARTITION=KV_PARTITION, PAGE_SIZE=ps)
+            ty = dict(Q=bf, KC=bf, VC=bf, BT=i32, CUQ=i32, SEQK=i32, WM=f32, WL=f32, WA=f32)
+            specs.append(dict(fn=_attn_decode_kernel, signature=_sig(_attn_decode_kernel, ty, c), constexprs=c,
+                              **_DEC_GPU))
+        c = dict(GROUP=4, HEAD_DIM=D, BLOCK_H=16, PARTITION=KV_PARTITION)
+        ty = dict(WM=f32, WL=f32, WA=f32, CUQ=i32, SEQK=i32, O=bf)
+        specs.append(dict(fn=_attn_merge_kernel, signature=_sig(_attn_merge_kernel, ty, c), constexprs=c,
+                          num_warps=4))
+        b = _BWD_GPU[D]
+        c = dict(GROUP=4, HEAD_DIM=D, BLOCK_M=b["BLOCK_M"], BLOCK_N=b["BLOCK_N"])
+        ty = dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK=bf, DV=bf, DQ=bf, CU=i32)
+        for fn in (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel):
+            specs.append(dict(fn=fn, signature=_sig(fn, ty, c), constexprs=c,
+                              num_warps=b["num_warps"], num_stages=b["num_stages"]))
+    return specs
+
+
+COMPILE_SPECS = _compile_specs()
