@@ -1,0 +1,303 @@
+"""FSDP PPO actor that runs the tik kernels and skips the old-policy recompute when safe.
+
+:class:`TikFSDPPPOActor` subclasses AReaL's ``FSDPPPOActor``:
+
+- the model is patched (``areal_tik.backend.patch.patch_model``) right after AReaL
+  builds it and *before* FSDP2 wraps it (``_create_device_model``), so parameter names,
+  checkpoints and weight updates are unchanged;
+- with ``kernel_backend=tik`` the trainer's log-probs come from ``areal_tik.ops
+  .logprobs_from_logits`` (the function the rollout sampler uses), not AReaL's
+  ``gather_logprobs``;
+- ``compute_logp`` (called by the trainer under the ``recompute_logp`` timer when
+  ``should_compute_prox_logp()``) decides per batch (DESIGN.md section 3):
+    1. ``kernel_backend=tik``, no earlier audit mismatch, and every rollout server
+       reports ``kernels == "tik"`` with our kernel fingerprint;
+    2. every generated token's ``versions`` entry equals the actor's current version;
+    3. same probability processing: ``actor.temperature == gconfig.temperature``
+       (checked at config load) and the server's log-probs are the unfiltered
+       ``log_softmax(logits/T)``;
+    4. the servers' weight version equals ours and their bf16 weight digest equals the
+       digest of our compute-dtype parameters.
+  If all hold, the rolled rollout log-probs are returned as ``prox_logp`` (exactly the
+  shape and shift AReaL's forward returns) and no forward runs. Otherwise, AReaL's
+  recompute runs.
+- audit: on step 0 and every ``tik.audit_interval`` steps the forward runs anyway and is
+  compared bit for bit (``areal_tik.contract.compare_bits``) on the generated tokens;
+  a mismatch either switches to recompute for the rest of the run (``fallback``) or
+  raises :class:`TikAuditError` (``raise``). The recomputed values are what training
+  uses on audit steps.
+
+Every decision is logged through AReaL's ``stats_tracker`` (keys ``tik/...``) and kept
+in ``self.tik_records`` (one dict per batch).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from typing import Any
+
+import torch
+
+from areal.engine.fsdp_engine import FSDPPPOActor
+from areal.utils import logging, stats_tracker
+
+from areal_tik.contract import compare_bits
+
+logger = logging.getLogger("TikActor")
+
+__all__ = ["TikFSDPPPOActor", "TikAuditError", "skip_reasons", "rolled_rollout_logprobs", "audit_compare"]
+
+REASONS = ("backend_default", "fallback_after_mismatch", "no_server_info", "server_kernels", "fingerprint",
+           "stale_versions", "server_version", "weights_digest", "logprob_definition")
+
+
+class TikAuditError(RuntimeError):
+    """An audit found rollout log-probs that differ from the trainer's recompute."""
+
+
+def rolled_rollout_logprobs(traj: dict[str, Any]) -> torch.Tensor:
+    """Rollout log-probs (token-aligned) in the next-token form ``compute_logp`` returns."""
+    return torch.roll(traj["logprobs"].float(), shifts=-1, dims=-1)
+
+
+def _gen_mask_rolled(traj: dict[str, Any]) -> torch.Tensor:
+    return torch.roll(traj["loss_mask"].bool(), shifts=-1, dims=-1)
+
+
+def skip_reasons(batch: list[dict[str, Any]], version: int, *, backend: str, fallback: bool,
+                 own_fingerprint: str | None, servers: list[dict] | None, own_digest: str | None) -> list[str]:
+    """Every reason (from :data:`REASONS`) why the recompute may NOT be skipped; [] = skip."""
+    why = []
+    if backend != "tik":
+        return ["backend_default"]
+    if fallback:
+        why.append("fallback_after_mismatch")
+    if not servers:
+        why.append("no_server_info")
+    else:
+        for s in servers:
+            if s.get("kernels") != "tik" and "server_kernels" not in why:
+                why.append("server_kernels")
+            if s.get("kernel_fingerprint") != own_fingerprint and "fingerprint" not in why:
+                why.append("fingerprint")
+            if int(s.get("weight_version", -1)) != int(version) and "server_version" not in why:
+                why.append("server_version")
+            if s.get("weights_digest") != own_digest and "weights_digest" not in why:
+                why.append("weights_digest")
+            if not str(s.get("logprobs", "")).startswith("log_softmax(logits.float()/T)[token], unfiltered") \
+                    and "logprob_definition" not in why:
+                why.append("logprob_definition")
+    for traj in batch:
+        gen = traj["loss_mask"].bool()
+        v = traj["versions"][gen]
+        if v.numel() and not bool((v == int(version)).all()):
+            why.append("stale_versions")
+            break
+    return why
+
+
+def audit_compare(batch: list[dict[str, Any]], recomputed: list[torch.Tensor]) -> dict:
+    """Bitwise comparison of rolled rollout log-probs with the recompute, generated tokens only."""
+    rolled, fresh = [], []
+    for traj, lp in zip(batch, recomputed):
+        m = _gen_mask_rolled(traj).reshape(-1)
+        r = rolled_rollout_logprobs(traj).reshape(-1)
+        f = lp.detach().float().cpu().reshape(-1)
+        n = min(r.numel(), f.numel(), m.numel())
+        m = m[:n].cpu()
+        rolled.append(r[:n].cpu()[m])
+        fresh.append(f[:n][m])
+    a, b = torch.cat(rolled), torch.cat(fresh)
+    rep = compare_bits(b, a, name="audit recompute==rollout")
+    return {"passed": rep.passed, "tokens": rep.n_compared, "mismatch_tokens": rep.n_mismatch,
+            "max_abs_diff": float(rep.max_abs_diff), "first_mismatch": rep.first_mismatch}
+
+
+class TikFSDPPPOActor(FSDPPPOActor):
+    """``FSDPPPOActor`` on the areal-tik kernels with the recompute skip and audit."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.kernel_backend = getattr(config, "kernel_backend", "default")
+        self.tik_cfg = getattr(config, "tik", None)
+        self.fallback = False
+        self.tik_records: list[dict] = []
+        self._fingerprint: str | None = None
+        self._digest_cache: tuple[int, str] | None = None
+        self._server_addrs_override: list[str] | None = None
+
+    # ---- model -------------------------------------------------------------------
+    def _create_device_model(self):
+        super()._create_device_model()
+        kernels = self.kernel_backend
+        if kernels == "default" and self.config.attn_impl in ("flash_attention_2", "flash_attention_3"):
+            logger.info("kernel_backend=default with %s: AReaL's model left unpatched", self.config.attn_impl)
+            return
+        # default on an attention implementation that is wrong for packed batches (sdpa/eager, the
+        # only ones on a CPU, see AREAL_NOTES) gets the plain-torch varlen modules: same maths, no
+        # invariance promise.
+        from areal_tik.backend.patch import patch_model
+        patched = patch_model(self.model, kernels=kernels)
+        self.model = patched if patched is not None else self.model
+        logger.info("model patched with kernels=%s before FSDP wrapping", kernels)
+
+    # ---- log-probs through the one areal-tik function --------------------------------
+    def _labels(self, inputs):
+        labels = inputs.get("rolled_input_ids", torch.roll(inputs["input_ids"], shifts=-1, dims=-1))
+        if labels.ndim == 2 and labels.shape[0] == 1:
+            labels = labels.squeeze(0)
+        return labels
+
+    def _tik_logprobs(self, logits, labels):
+        from areal_tik import ops
+        lp = ops.logprobs_from_logits(logits, labels, float(self.config.temperature))
+        if logits.requires_grad and lp.grad_fn is None:
+            raise RuntimeError("areal_tik.ops.logprobs_from_logits returned no autograd graph; "
+                               "the training loss needs its backward")
+        return lp
+
+    def _compute_logprobs(self, logits, inputs, ulysses_pad_size=0):
+        if self.kernel_backend != "tik":
+            return super()._compute_logprobs(logits, inputs, ulysses_pad_size)
+        self._no_sp()
+        return self._tik_logprobs(logits, self._labels(inputs))
+
+    def _compute_logprobs_entropy(self, logits, inputs, ulysses_pad_size=0):
+        if self.kernel_backend != "tik":
+            return super()._compute_logprobs_entropy(logits, inputs, ulysses_pad_size)
+        self._no_sp()
+        lp = self._tik_logprobs(logits, self._labels(inputs))
+        with torch.no_grad():  # entropy is a statistic here, not part of the log-prob contract
+            ents = []
+            for chunk in torch.split(logits.detach(), 1024, dim=0):
+                l = torch.log_softmax(chunk.float() / float(self.config.temperature), dim=-1)
+                ents.append(-(l.exp() * l).sum(-1))
+            ent = torch.cat(ents) if ents else logits.new_zeros(0, dtype=torch.float32)
+        return lp, ent
+
+    def _no_sp(self):
+        if self.parallel_helper.sp_size > 1 or self.parallel_helper.tp_size > 1:
+            raise NotImplementedError("kernel_backend=tik supports data parallelism only (sp=tp=1)")
+
+    # ---- skip decision -------------------------------------------------------------
+    def own_fingerprint(self) -> str:
+        if self._fingerprint is None:
+            from areal_tik.backend.fingerprint import compute
+            self._fingerprint = compute()["fingerprint"]
+        return self._fingerprint
+
+    def own_digest(self) -> str:
+        v = self.get_version()
+        if self._digest_cache is None or self._digest_cache[0] != v:
+            from areal_tik.backend.weights_digest import model_digest
+            self._digest_cache = (v, model_digest(self.model, dtype=getattr(torch, self.config.dtype)))
+        return self._digest_cache[1]
+
+    def server_addresses(self) -> list[str]:
+        if self._server_addrs_override is not None:
+            return self._server_addrs_override
+        eng = getattr(self, "rollout_engine", None)
+        inner = getattr(eng, "_engine", eng)
+        addrs = list(getattr(inner, "addresses", None) or [])
+        if not addrs and os.getenv("AREAL_LLM_SERVER_ADDRS"):
+            addrs = os.environ["AREAL_LLM_SERVER_ADDRS"].split(",")
+        return addrs
+
+    def query_servers(self) -> list[dict] | None:
+        out = []
+        for a in self.server_addresses():
+            try:
+                with urllib.request.urlopen(f"http://{a}/get_server_info", timeout=30) as r:
+                    out.append(json.loads(r.read()))
+            except Exception as e:  # noqa: BLE001 - an unreachable/foreign server means "recompute"
+                logger.warning("get_server_info from %s failed: %s", a, e)
+                return None
+        return out or None
+
+    def _is_audit_step(self, version: int) -> bool:
+        n = self.tik_cfg.audit_interval if self.tik_cfg is not None else 0
+        return version == 0 or (n > 0 and version % n == 0)
+
+    @torch.no_grad()
+    def compute_logp(self, data, *args, **kwargs):
+        version = int(self.get_version())
+        rec: dict[str, Any] = {"version": version, "kernel_backend": self.kernel_backend,
+                               "gen_tokens": int(sum(int(t["loss_mask"].sum()) for t in data)),
+                               "total_tokens": int(sum(int(t["attention_mask"].sum()) for t in data)),
+                               "n_seqs": len(data),
+                               "reward_mean": float(sum(float(t["rewards"].float().sum()) for t in data)
+                                                    / max(1, sum(int(t["rewards"].numel()) for t in data)))}
+        if self.kernel_backend != "tik":
+            t0 = time.perf_counter()
+            out = super().compute_logp(data, *args, **kwargs)
+            rec.update(skipped=False, reasons=["backend_default"], audit=False,
+                       recompute_forward_s=time.perf_counter() - t0)
+            # The baseline recomputes anyway: how far are its rollout log-probs from it? (no extra forward)
+            res = audit_compare(data, out)
+            rec.update(compare_tokens=res["tokens"], compare_mismatch_tokens=res["mismatch_tokens"],
+                       compare_max_abs_diff=res["max_abs_diff"])
+            self._record(rec)
+            return out
+
+        servers = self.query_servers() if (self.tik_cfg is None or self.tik_cfg.server_check) else [
+            {"kernels": "tik", "kernel_fingerprint": self.own_fingerprint(), "weight_version": version,
+             "weights_digest": None, "logprobs": "log_softmax(logits.float()/T)[token], unfiltered"}]
+        reasons = skip_reasons(data, version, backend=self.kernel_backend, fallback=self.fallback,
+                               own_fingerprint=self.own_fingerprint(), servers=servers,
+                               own_digest=self.own_digest() if servers else None)
+        if servers is not None and self.tik_cfg is not None and not self.tik_cfg.server_check:
+            reasons = [r for r in reasons if r != "weights_digest"]
+        audit = self._is_audit_step(version) and not self.fallback
+        rec.update(reasons=reasons, audit=audit)
+        if not reasons and not audit:
+            rec.update(skipped=True, recompute_forward_s=0.0)
+            self._record(rec)
+            return [rolled_rollout_logprobs(t).to(t["logprobs"].device) for t in data]
+
+        t0 = time.perf_counter()
+        out = super().compute_logp(data, *args, **kwargs)
+        rec.update(skipped=False, recompute_forward_s=time.perf_counter() - t0)
+        if audit:
+            res = audit_compare(data, out)
+            rec.update(audit_passed=res["passed"], audit_tokens=res["tokens"],
+                       audit_mismatch_tokens=res["mismatch_tokens"], audit_max_abs_diff=res["max_abs_diff"])
+            if not res["passed"]:
+                msg = (f"tik audit at version {version}: {res['mismatch_tokens']}/{res['tokens']} generated-token "
+                       f"log-probs differ between rollout and trainer (max |diff| {res['max_abs_diff']:.3g}, first "
+                       f"at {res['first_mismatch']}); skip reasons otherwise: {reasons or 'none'}")
+                if self.tik_cfg is not None and self.tik_cfg.mismatch_policy == "raise":
+                    self._record(rec)
+                    raise TikAuditError(msg + " (actor.tik.mismatch_policy=raise)")
+                logger.warning(msg + "; falling back to recompute for the rest of the run")
+                self.fallback = True
+                rec["fallback_engaged"] = True
+        self._record(rec)
+        return out
+
+    def _record(self, rec: dict):
+        self.tik_records.append(rec)
+        stats = {
+            "tik/recompute_skipped": float(rec.get("skipped", False)),
+            "tik/recompute_forward_s": float(rec.get("recompute_forward_s", 0.0)),
+            "tik/audit": float(bool(rec.get("audit"))),
+            "tik/fallback": float(self.fallback),
+        }
+        if "compare_tokens" in rec:
+            stats.update({"tik/compare_tokens": float(rec["compare_tokens"]),
+                          "tik/compare_mismatch_tokens": float(rec["compare_mismatch_tokens"]),
+                          "tik/compare_max_abs_diff": float(rec["compare_max_abs_diff"])})
+        if rec.get("audit") and "audit_tokens" in rec:
+            stats.update({"tik/audit_tokens": float(rec["audit_tokens"]),
+                          "tik/audit_mismatch_tokens": float(rec["audit_mismatch_tokens"]),
+                          "tik/audit_max_abs_diff": float(rec["audit_max_abs_diff"])})
+        for r in REASONS:
+            stats[f"tik/no_skip/{r}"] = float(r in rec.get("reasons", ()))
+        stats_tracker.scalar(**stats)
+        logger.info("tik: version %d %s%s%s", rec["version"],
+                    "recompute SKIPPED" if rec.get("skipped") else "recompute ran",
+                    f" (reasons: {','.join(rec['reasons'])})" if rec.get("reasons") else "",
+                    (f"; audit {'EQUAL' if rec.get('audit_passed') else 'MISMATCH'} "
+                     f"{rec.get('audit_mismatch_tokens')}/{rec.get('audit_tokens')} max|diff|="
+                     f"{rec.get('audit_max_abs_diff')}") if "audit_tokens" in rec else "")

@@ -1,0 +1,97 @@
+"""Rollout side: AReaL's SGLang client pointed at ``areal-tik serve``.
+
+:class:`TikServerBackend` is AReaL's ``SGLangBackend`` (same HTTP requests and response
+parsing) whose ``launch_server`` starts ``areal-tik serve`` instead of SGLang;
+:class:`TikRemoteSGLangEngine` is ``RemoteSGLangEngine`` built on it. AReaL's
+single-controller mode launches servers through ``launch_server``; SPMD mode connects to
+``AREAL_LLM_SERVER_ADDRS``, which :func:`launch_local_server` fills for our entry point.
+
+:func:`server_args` replaces ``SGLangConfig.build_args`` (which raises
+``PackageNotFoundError: sglang`` on a machine without SGLang, even in SPMD mode).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+from areal.api.cli_args import InferenceEngineConfig
+from areal.engine.sglang_remote import RemoteSGLangEngine, SGLangBackend
+from areal.infra import RemoteInfEngine
+
+__all__ = ["TikServerBackend", "TikRemoteSGLangEngine", "server_args", "serve_cmd", "launch_local_server",
+           "wait_healthy"]
+
+
+def server_args(model_path: str, kernels: str, dtype: str = "bfloat16", seed: int = 0,
+                device: str | None = None) -> dict[str, Any]:
+    """The dict ``launch_server`` receives (AReaL adds ``host`` and ``port``)."""
+    args = {"model_path": model_path, "kernels": kernels, "dtype": dtype, "random_seed": seed}
+    if device:
+        args["device"] = device
+    return args
+
+
+def serve_cmd(args: dict[str, Any]) -> list[str]:
+    cmd = [sys.executable, "-m", "areal_tik.cli", "serve", "--model", str(args["model_path"]),
+           "--host", str(args.get("host", "127.0.0.1")), "--port", str(args["port"]),
+           "--kernels", str(args.get("kernels", "tik")), "--dtype", str(args.get("dtype", "bfloat16")),
+           "--seed", str(args.get("random_seed", 0))]
+    if args.get("device"):
+        cmd += ["--device", str(args["device"])]
+    return cmd
+
+
+class TikServerBackend(SGLangBackend):
+    """SGLang's request/response handling; the server launched is ``areal-tik serve``."""
+
+    def launch_server(self, server_args: dict[str, Any]) -> subprocess.Popen:
+        return subprocess.Popen(serve_cmd(server_args), env=os.environ.copy(), stdout=sys.stdout, stderr=sys.stdout)
+
+
+class TikRemoteSGLangEngine(RemoteSGLangEngine):
+    """``RemoteSGLangEngine`` whose local servers are ``areal-tik serve``."""
+
+    def __init__(self, config: InferenceEngineConfig):
+        self.config = config
+        self._engine = RemoteInfEngine(config, TikServerBackend())
+
+
+def wait_healthy(addr: str, timeout: float = 300.0, proc: subprocess.Popen | None = None) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"areal-tik serve exited with status {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(f"http://{addr}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"areal-tik serve at {addr} not healthy after {timeout}s")
+
+
+def launch_local_server(model_path: str, kernels: str, port: int | None = None, host: str = "127.0.0.1",
+                        dtype: str = "bfloat16", seed: int = 0, device: str | None = None,
+                        log_path: str | None = None, timeout: float = 600.0,
+                        env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``areal-tik serve`` as a child process and wait for ``/health``; return (proc, "host:port")."""
+    if port is None:
+        from areal.utils.network import find_free_ports
+        port = find_free_ports(1)[0]
+    args = server_args(model_path, kernels, dtype=dtype, seed=seed, device=device)
+    args.update(host=host, port=port)
+    out = open(log_path, "ab") if log_path else None
+    proc = subprocess.Popen(serve_cmd(args), env={**os.environ, **(env or {})},
+                            stdout=out or sys.stdout, stderr=subprocess.STDOUT if out else sys.stderr)
+    addr = f"{host}:{port}"
+    try:
+        wait_healthy(addr, timeout=timeout, proc=proc)
+    except Exception:
+        proc.terminate()
+        raise
+    return proc, addr

@@ -1,0 +1,109 @@
+"""``PPOTrainer`` subclass wiring the tik actor, the tik rollout server and a step log.
+
+- the actor (``actor.backend: fsdp:...`` with a :class:`TikPPOActorConfig`) is a
+  :class:`TikFSDPPPOActor` in both AReaL modes (SPMD: built here; single controller:
+  ``as_controller`` ships the class to the worker by dotted path);
+- the rollout engine is :class:`TikRemoteSGLangEngine` when ``actor.kernel_backend=tik``
+  or when SGLang is not installed; its server args come from :func:`rollout.server_args`,
+  not ``SGLangConfig.build_args`` (which needs the sglang package);
+- after every step the stats AReaL commits (timings ``timeperf/*``, rewards, ``tik/*``)
+  are also appended as one JSON line to ``step_log`` (the A/B harness reads it).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from copy import deepcopy
+from typing import Any
+
+from areal.api.cli_args import SchedulingStrategy, SchedulingStrategyType
+from areal.trainer.rl_trainer import PPOTrainer
+from areal.utils import logging
+from areal.utils.environ import is_single_controller
+
+from areal_tik.areal.actor import TikFSDPPPOActor
+from areal_tik.areal.config import TikPPOActorConfig
+from areal_tik.areal.rollout import TikRemoteSGLangEngine, server_args
+
+logger = logging.getLogger("TikTrainer")
+
+__all__ = ["TikPPOTrainer", "use_tik_server"]
+
+
+def use_tik_server(config) -> bool:
+    """Launch/talk to ``areal-tik serve`` (tik kernels, or default kernels without SGLang)."""
+    if getattr(config.actor, "kernel_backend", "default") == "tik":
+        return True
+    return importlib.util.find_spec("sglang") is None
+
+
+class TikPPOTrainer(PPOTrainer):
+    def __init__(self, config, train_dataset=None, valid_dataset=None, step_log: str | None = None):
+        self.step_log = step_log
+        super().__init__(config, train_dataset=train_dataset, valid_dataset=valid_dataset)
+
+    def train(self, *args, **kwargs):
+        self._t_last_commit = time.perf_counter()
+        return super().train(*args, **kwargs)
+
+    def _create_train_engine(self, actor_config, alloc):
+        if alloc.backend != "fsdp" or not isinstance(actor_config, TikPPOActorConfig):
+            return super()._create_train_engine(actor_config, alloc)
+        if is_single_controller():
+            actor = TikFSDPPPOActor.as_controller(actor_config, self.scheduler)
+        else:
+            actor = TikFSDPPPOActor(config=actor_config)
+        actor.create_process_group(parallel_strategy=alloc.parallel)
+        return actor
+
+    def _init_rollout(self, rollout_config, is_eval: bool = False, lora_path: str | None = None):
+        if self.rollout_alloc.backend != "sglang" or not use_tik_server(self.config):
+            return super()._init_rollout(rollout_config, is_eval=is_eval, lora_path=lora_path)
+        if lora_path is not None:
+            raise ValueError("LoRA is not supported with the areal-tik rollout server")
+        config = deepcopy(rollout_config)
+        if is_eval:
+            config.max_head_offpolicyness = int(1e12)
+            config.scheduling_strategy = SchedulingStrategy(type=SchedulingStrategyType.colocation, target="rollout")
+            for spec in config.scheduling_spec:
+                spec.gpu = 0
+        kernels = getattr(self.config.actor, "kernel_backend", "default")
+        args = server_args(self.config.sglang.model_path or self.config.actor.path, kernels,
+                           dtype=self.config.actor.dtype, seed=self.config.seed)
+        if not is_single_controller():
+            engine = TikRemoteSGLangEngine(config)
+            engine.initialize(train_data_parallel_size=self.actor_alloc.parallel.dp_size)
+            return engine
+        controller = TikRemoteSGLangEngine.as_controller(config, self.scheduler)
+        init_kwargs: dict[str, Any] = dict(role="rollout", server_args=args)
+        if is_eval:
+            init_kwargs["server_infos"] = self.rollout.server_infos
+            init_kwargs["role"] = "eval-rollout"
+        controller.initialize(**init_kwargs)
+        return controller
+
+    def _export_and_commit_stats(self, epoch: int, epoch_step: int, global_step: int):
+        stats = self.actor.export_stats()
+        stats.update(self.rollout.export_stats())
+        if self.eval_rollout is not None:
+            stats.update(self.eval_rollout.export_stats())
+        self.stats_logger.commit(epoch, epoch_step, global_step, stats)
+        if self.step_log and int(os.getenv("RANK", "0")) == 0:
+            now = time.perf_counter()
+            wall = now - getattr(self, "_t_last_commit", now)
+            self._t_last_commit = now
+            rec = {"global_step": global_step, "version": global_step, "wall_s": wall,
+                   "stats": {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}}
+            tik = getattr(self.actor, "tik_records", None)
+            if tik:
+                rec["tik"] = [r for r in tik if r.get("version") == global_step]
+            with open(self.step_log, "a") as f:
+                f.write(json.dumps(rec, default=str) + "\n")
+        if not is_single_controller():
+            import torch.distributed as dist
+
+            from areal.infra import current_platform
+            dist.barrier(group=self.actor.cpu_group)
+            current_platform.synchronize()

@@ -1,0 +1,161 @@
+"""Entry point: ``python -m areal_tik.train --config recipes/<x>.yaml [overrides...]``.
+
+Loads the recipe through AReaL's own ``load_expr_config`` into :class:`TikGRPOConfig`
+(so ``actor.kernel_backend=tik`` is a plain override), then runs AReaL's ``PPOTrainer``
+(our :class:`TikPPOTrainer` subclass) with AReaL's ``RLVRWorkflow``.
+
+Extra flags (ours, removed before AReaL sees argv):
+  ``--step-log FILE``   append one JSON line of stats per step (the A/B harness reads it)
+
+Recipe conventions resolved here (the only place that reads files / environment):
+- ``actor.path: preset:<name>`` -> the preset (``areal_tik.models``) is built with seed
+  ``seed`` and saved (bf16) as an HF dir under the fileroot, with the tokenizer; the
+  actor, ref and rollout server all load that dir.
+- ``tokenizer_path: builtin:tiny-char`` -> the character tokenizer in ``areal_tik/data``.
+- ``train_dataset.path: builtin:arith/<task>?n=<N>`` -> the generated arithmetic set,
+  reward :func:`areal_tik.areal.arith.reward_fn`; any other path goes to AReaL's
+  ``get_custom_dataset`` (e.g. ``openai/gsm8k``, reward ``areal.reward.gsm8k``).
+- Without ``scheduler.type`` (null) this process runs AReaL's SPMD mode as a world of
+  one (``AREAL_SPMD_MODE=1``, gloo on a CPU); if ``AREAL_LLM_SERVER_ADDRS`` is unset it
+  starts ``areal-tik serve`` itself (``AREAL_TIK_SERVER_DEVICE`` picks its device, e.g.
+  ``cuda:1``) and stops it at the end.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import urllib.parse
+
+BUILTIN_TOKENIZER = "builtin:tiny-char"
+
+
+def _split_own_args(argv):
+    own, rest, i = {}, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--step-log":
+            own["step_log"] = argv[i + 1]
+            i += 2
+            continue
+        if a.startswith("--step-log="):
+            own["step_log"] = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return own, rest
+
+
+def _spmd_env():
+    os.environ.setdefault("AREAL_SPMD_MODE", "1")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        from areal.utils.network import find_free_ports
+        os.environ["MASTER_PORT"] = str(find_free_ports(1)[0])
+
+
+def resolve_tokenizer(path: str) -> str:
+    if path == BUILTIN_TOKENIZER:
+        from areal_tik.areal.arith import TOKENIZER_DIR
+        return TOKENIZER_DIR
+    return path
+
+
+def materialize_model(config) -> str:
+    """Build ``preset:<name>`` into an HF dir (bf16 weights + tokenizer); return the dir."""
+    spec = config.actor.path
+    if not spec.startswith("preset:"):
+        return spec
+    import torch
+    from transformers import AutoTokenizer
+
+    from areal_tik.models import build_model
+    name = spec.split(":", 1)[1]
+    tok = AutoTokenizer.from_pretrained(config.tokenizer_path)
+    root = os.path.join(config.cluster.fileroot, config.experiment_name, config.trial_name, "init_model")
+    if not os.path.exists(os.path.join(root, "config.json")):
+        ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                   bos_token_id=tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id)
+        model = build_model(name, dtype=torch.bfloat16, device="cpu", seed=config.seed, **ids)
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
+        os.makedirs(root, exist_ok=True)
+        model.save_pretrained(root)
+        tok.save_pretrained(root)
+    return root
+
+
+def load_dataset(config, tokenizer):
+    path = config.train_dataset.path
+    if path.startswith("builtin:arith"):
+        from areal_tik.areal import arith
+        u = urllib.parse.urlparse(path.replace("builtin:", "builtin://", 1))
+        task = (u.path.strip("/") or "add1")
+        q = urllib.parse.parse_qs(u.query)
+        n = int(q.get("n", ["256"])[0])
+        return arith.make_dataset(n, seed=config.seed, task=task), arith.reward_fn
+    from areal.dataset import get_custom_dataset
+    ds = get_custom_dataset(split="train", dataset_config=config.train_dataset, tokenizer=tokenizer)
+    return ds, "areal.reward.gsm8k.gsm8k_reward_fn"
+
+
+def load_config(argv):
+    from areal.api.cli_args import load_expr_config
+
+    from areal_tik.areal.config import TikGRPOConfig
+    config, _ = load_expr_config(argv, TikGRPOConfig)
+    config.tokenizer_path = resolve_tokenizer(config.tokenizer_path)
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, argv = _split_own_args(list(sys.argv[1:] if argv is None else argv))
+    config = load_config(argv)
+    spmd = config.scheduler.type in (None, "", "null")
+    if spmd:
+        _spmd_env()
+    model_dir = materialize_model(config)
+    config.actor.path = model_dir
+    if config.ref is not None and config.ref.path.startswith("preset:"):
+        config.ref.path = model_dir
+    config.sglang.model_path = model_dir
+    if config.tokenizer_path in ("", None):
+        config.tokenizer_path = model_dir
+
+    from areal.utils.hf_utils import load_hf_tokenizer
+    from areal.workflow.rlvr import RLVRWorkflow
+
+    from areal_tik.areal.rollout import launch_local_server
+    from areal_tik.areal.trainer import TikPPOTrainer, use_tik_server
+
+    tokenizer = load_hf_tokenizer(config.tokenizer_path)
+    dataset, reward = load_dataset(config, tokenizer)
+
+    server = None
+    if spmd and use_tik_server(config) and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
+        log_dir = os.path.join(config.cluster.fileroot, config.experiment_name, config.trial_name)
+        os.makedirs(log_dir, exist_ok=True)
+        server, addr = launch_local_server(model_dir, config.actor.kernel_backend, dtype=config.actor.dtype,
+                                           seed=config.seed, device=os.getenv("AREAL_TIK_SERVER_DEVICE"),
+                                           log_path=os.path.join(log_dir, "tik_server.log"))
+        os.environ["AREAL_LLM_SERVER_ADDRS"] = addr
+    try:
+        workflow = RLVRWorkflow(reward_fn=reward, gconfig=config.gconfig, tokenizer=tokenizer,
+                                enable_thinking=False)
+        with TikPPOTrainer(config, train_dataset=dataset, step_log=own.get("step_log")) as trainer:
+            trainer.train(workflow=workflow)
+    finally:
+        if server is not None:
+            os.environ.pop("AREAL_LLM_SERVER_ADDRS", None)
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                server.kill()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
