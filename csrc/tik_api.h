@@ -1,0 +1,68 @@
+// areal-tik CUDA kernels: plain C launcher API (no torch headers).
+//
+// The .cu files include only the CUDA toolkit; the torch binding lives in
+// tik_bindings.cpp and calls these launchers with raw device pointers and the
+// current stream. Every launcher returns a cudaError_t (cudaSuccess on success);
+// argument errors are reported as cudaErrorInvalidValue and must be validated by
+// the caller first (the Python launchers and the binding do).
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Attention meta-parameters that define the bits (fingerprinted via cuda_ops.META).
+#define TIK_ATTN_BLOCK_N 64      // KV positions per block, blocks aligned to position 0
+#define TIK_ATTN_SPLIT 256       // KV positions per split-KV chunk (absolute, fixed)
+
+enum TikAttnMode { TIK_ATTN_AUTO = 0, TIK_ATTN_FOLD = 1, TIK_ATTN_SPLIT_MODE = 2 };
+
+typedef struct {
+  const void* q;          // [Tq, Hq, D] bf16, contiguous
+  const void* k;          // varlen: [Tk, Hkv, D]; paged: [num_pages, page_size, Hkv, D]
+  const void* v;
+  void* out;              // [Tq, Hq, D] bf16
+  const int* cu_seqlens_q;  // [B+1]
+  const int* seqlens_k;     // paged: [B]; varlen: NULL (k length = q length, cu_seqlens_q)
+  const int* block_table;   // paged: [B, max_pages]; varlen: NULL
+  int paged;
+  int batch, Hq, Hkv, D;
+  int max_pages, page_size;  // paged only
+  int max_seqlen_q;          // upper bound on any n_i
+  int max_seqlen_k;          // upper bound on any kv length (paged: max_pages*page_size)
+  float scale_log2;          // softmax scale * log2(e)
+  int mode;                  // TikAttnMode; AUTO picks, FOLD/SPLIT force (tests)
+  // split-KV workspace (only used in SPLIT mode); sizes from tik_attention_workspace
+  float* ws_acc;             // [Tq*Hq, max_chunks, D]
+  float* ws_ml;              // [Tq*Hq, max_chunks, 2]
+  int* ws_nc;                // [Tq*Hq]
+  int total_q;               // Tq
+} TikAttnParams;
+
+// Which mode AUTO resolves to for these parameters (1 = fold, 2 = split).
+int tik_attention_resolve_mode(const TikAttnParams* p);
+// Number of split chunks (max over sequences) for these parameters.
+int tik_attention_max_chunks(const TikAttnParams* p);
+int tik_attention(const TikAttnParams* p, cudaStream_t stream);
+
+// Resource usage of every attention kernel instantiation, one line each, into buf.
+int tik_attention_describe(char* buf, int buflen);
+
+// y = w * bf16(x * rsqrt(mean(x^2) + eps)) per row; dtype 0 = bf16, 1 = fp16, 2 = fp32.
+int tik_rms_norm(const void* x, const void* w, void* y, int64_t rows, int n, int64_t x_row_stride,
+                 float eps, int dtype, cudaStream_t stream);
+
+// out[t,h,:] = rope(x[t,h,:]) with fp32 tables cos/sin [P, D] (neox / rotate-half style).
+int tik_apply_rope(const void* x, void* out, const float* cos, const float* sin, const int64_t* positions,
+                   int64_t T, int H, int D, int64_t x_stride_t, int64_t x_stride_h, int64_t num_positions,
+                   int dtype, cudaStream_t stream);
+
+// k_cache.view(-1, Hkv*D)[slot[t]] = k[t] (same for v); slot < 0 skipped. elem_bytes 2 or 4.
+int tik_kv_cache_write(const void* k, const void* v, void* k_cache, void* v_cache, const int64_t* slots,
+                       int64_t T, int64_t row_elems, int64_t num_slots, int elem_bytes, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,481 @@
+// areal-tik causal attention over packed (varlen) or paged KV, bf16, D in {64, 128}.
+//
+// One kernel family serves attention_varlen (R1 training forward) and attention_paged
+// (R2 prefill, R3 chunked prefill, R4 decode). The contract (DESIGN.md section 2,
+// within this backend): for a query at absolute position p the output bits do not
+// depend on batch mix, packing, page size, chunking or launch shape. How:
+//   * a "row" is one (query token, query head). Rows are packed 16 per warp into the
+//     M dimension of mma.sync.m16n8k16 (bf16 in, fp32 accumulate). The GQA group of one
+//     KV head shares each CTA, so K/V are read once per group. An mma row's result
+//     depends only on that row of A, B and the accumulator row, so which rows share a
+//     warp never changes a row's bits.
+//   * KV is walked in blocks of TIK_ATTN_BLOCK_N positions aligned to position 0,
+//     ascending; S = Q K^T chains the D/16 k-steps ascending; the online softmax uses
+//     only explicitly rounded fp32 ops (__fmul_rn/__fadd_rn/__fsub_rn/__fdiv_rn, no
+//     contraction) and ex2.approx; P is rounded to bf16 for P V.
+//   * Split-KV: positions are partitioned into chunks of TIK_ATTN_SPLIT (absolute,
+//     fixed). Each chunk runs its own online softmax from a fresh state; the chunk
+//     partials (m, l, acc) are merged in ascending chunk order by merge_coeffs /
+//     merge_val. FOLD mode does that merge in registers as the walk passes each chunk
+//     end; SPLIT mode gives each chunk its own CTA, stores fp32 partials and merges in
+//     attn_merge_kernel with the same scalar code. Both modes and both entry points give
+//     the same bits; AUTO picks SPLIT for decode-shaped launches.
+//   * K/V positions at or beyond the sequence's KV length are zero-filled (never read),
+//     causal-masked scores are -inf, so cache garbage never reaches a result.
+#include "tik_api.h"
+
+#include <cuda_bf16.h>
+#include <math_constants.h>
+#include <stdint.h>
+#include <stdio.h>
+
+namespace tik_attn {
+
+constexpr int BN = TIK_ATTN_BLOCK_N;
+constexpr int SPLIT = TIK_ATTN_SPLIT;
+constexpr int BPC = SPLIT / BN;  // blocks per chunk
+static_assert(SPLIT % BN == 0, "split size must be a multiple of the KV block");
+static_assert(BN % 16 == 0, "KV block must be a multiple of 16");
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                              uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t saddr, const void* gptr, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Merge of chunk partial (m, l) into the running (M, L): the one formula every path uses.
+__device__ __forceinline__ void merge_coeffs(float& M, float& L, float m, float l, float& a, float& b) {
+  const float Mn = fmaxf(M, m);
+  a = (M == -CUDART_INF_F) ? 0.f : ex2(__fsub_rn(M, Mn));
+  b = ex2(__fsub_rn(m, Mn));
+  L = __fadd_rn(__fmul_rn(L, a), __fmul_rn(l, b));
+  M = Mn;
+}
+__device__ __forceinline__ float merge_val(float O, float acc, float a, float b) {
+  return __fadd_rn(__fmul_rn(O, a), __fmul_rn(acc, b));
+}
+
+__host__ __device__ __forceinline__ int max_chunks_of(const TikAttnParams& p) {
+  return (p.max_seqlen_k + SPLIT - 1) / SPLIT;
+}
+
+template <int D>
+constexpr int smem_bytes() {
+  return 2 * 2 * BN * (D + 8) * 2;
+}
+
+template <int D, int WARPS, bool SPLITM>
+__global__ void __launch_bounds__(WARPS * 32) attn_kernel(const TikAttnParams p) {
+  constexpr int NT = BN / 8;   // n-tiles of S
+  constexpr int KC = D / 16;   // k-steps of Q K^T
+  constexpr int DT = D / 8;    // n-tiles of O
+  constexpr int LDS = D + 8;   // smem row stride in elements (pads banks)
+  constexpr int ROWS = WARPS * 16;
+  constexpr int NTH = WARPS * 32;
+  constexpr int SEGS = D / 8;  // 16-byte segments per K/V row
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Ks = reinterpret_cast<bf16*>(smem_raw);  // [2][BN][LDS]
+  bf16* Vs = Ks + 2 * BN * LDS;                  // [2][BN][LDS]
+
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const int G = p.Hq / p.Hkv;
+  int tile, chunk = 0;
+  if (SPLITM) {
+    const int maxc = max_chunks_of(p);
+    tile = blockIdx.x / maxc;
+    chunk = blockIdx.x % maxc;
+  } else {
+    tile = gridDim.x - 1 - blockIdx.x;  // longest causal walks first
+  }
+  const int q0 = p.cu_seqlens_q[b];
+  const int nq = p.cu_seqlens_q[b + 1] - q0;
+  const int kv_len = p.paged ? p.seqlens_k[b] : nq;
+  const int rows_total = nq * G;
+  const int row0 = tile * ROWS;
+  if (row0 >= rows_total) return;
+  const int pos_off = kv_len - nq;  // absolute position of this launch's first query
+  const int last_row = min(rows_total, row0 + ROWS) - 1;
+  const int tile_max_pos = pos_off + last_row / G;
+  if (tile_max_pos < 0) return;  // kv_len < n_q: invalid input, nothing defined to compute
+  const int nblk = tile_max_pos / BN + 1;
+  int jb = 0, je = nblk;
+  if (SPLITM) {
+    jb = chunk * BPC;
+    je = min(nblk, jb + BPC);
+    if (jb >= je) return;
+  }
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wrow0 = row0 + warp * 16;
+  const int warp_max_pos = wrow0 < rows_total ? pos_off + (min(rows_total, wrow0 + 16) - 1) / G : -1;
+
+  int rpos[2], rlast[2];
+  bool rvalid[2];
+  int64_t rowid[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = wrow0 + g + 8 * i;
+    const int j = r / G;
+    rvalid[i] = r < rows_total && pos_off + j >= 0;
+    rpos[i] = rvalid[i] ? pos_off + j : -1;
+    rlast[i] = rvalid[i] ? rpos[i] / SPLIT : -1;
+    rowid[i] = (int64_t)(q0 + j) * p.Hq + (int64_t)hk * G + r % G;
+  }
+
+  // Q fragments (A operand, row-major 16 x D), zero for invalid rows.
+  uint32_t qa[KC][4];
+  {
+    const uint32_t* qp0 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(p.q) + (rvalid[0] ? rowid[0] : 0) * D);
+    const uint32_t* qp1 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(p.q) + (rvalid[1] ? rowid[1] : 0) * D);
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+      qa[kc][0] = rvalid[0] ? qp0[kc * 8 + t] : 0u;
+      qa[kc][1] = rvalid[1] ? qp1[kc * 8 + t] : 0u;
+      qa[kc][2] = rvalid[0] ? qp0[kc * 8 + 4 + t] : 0u;
+      qa[kc][3] = rvalid[1] ? qp1[kc * 8 + 4 + t] : 0u;
+    }
+  }
+
+  // chunk state (online softmax within one split chunk)
+  float acc[DT][4];
+  float m[2], l[2];
+  // merged state across chunks (FOLD mode)
+  float O[SPLITM ? 1 : DT][4];
+  float M[2], L[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    m[i] = -CUDART_INF_F;
+    l[i] = 0.f;
+    M[i] = -CUDART_INF_F;
+    L[i] = 0.f;
+  }
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
+  if constexpr (!SPLITM) {
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) O[dt][e] = 0.f;
+  }
+
+  const bf16* kg0 = static_cast<const bf16*>(p.k);
+  const bf16* vg0 = static_cast<const bf16*>(p.v);
+  const int64_t kv_base = p.paged ? 0 : (int64_t)q0;
+
+  auto load_tile = [&](int j, int buf) {
+#pragma unroll 4
+    for (int i = threadIdx.x; i < BN * SEGS; i += NTH) {
+      const int r = i / SEGS, s = i % SEGS;
+      const int pos = j * BN + r;
+      const bool ok = pos < kv_len;
+      int64_t off = 0;
+      if (ok) {
+        int64_t slot;
+        if (p.paged) {
+          const int page = p.block_table[(int64_t)b * p.max_pages + pos / p.page_size];
+          slot = (int64_t)page * p.page_size + pos % p.page_size;
+        } else {
+          slot = kv_base + pos;
+        }
+        off = (slot * p.Hkv + hk) * D + s * 8;
+      }
+      const uint32_t so = (uint32_t)(((buf * BN + r) * LDS + s * 8) * 2);
+      cp_async16((uint32_t)__cvta_generic_to_shared(Ks) + so, kg0 + off, ok ? 16 : 0);
+      cp_async16((uint32_t)__cvta_generic_to_shared(Vs) + so, vg0 + off, ok ? 16 : 0);
+    }
+  };
+
+  const float sl2 = p.scale_log2;
+  load_tile(jb, 0);
+  cp_async_commit();
+  for (int j = jb; j < je; ++j) {
+    const int buf = (j - jb) & 1;
+    if (j + 1 < je) {
+      load_tile(j + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    if (warp_max_pos >= j * BN) {  // warp-uniform: some row of this warp sees this block
+      const bf16* Kb = Ks + buf * BN * LDS;
+      const bf16* Vb = Vs + buf * BN * LDS;
+      float s[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const bf16* kr = Kb + (nt * 8 + g) * LDS + kc * 16 + 2 * t;
+          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
+          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+          mma16816(s[nt], qa[kc], b0, b1);
+        }
+      }
+      // scale (log2 domain) + causal mask, row max
+      float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * BN + nt * 8 + 2 * t + (e & 1);
+          const int i = e >> 1;
+          const float v = (col <= rpos[i]) ? __fmul_rn(s[nt][e], sl2) : -CUDART_INF_F;
+          s[nt][e] = v;
+          mx[i] = fmaxf(mx[i], v);
+        }
+      float alpha[2], muse[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float mn = fmaxf(m[i], mx[i]);
+        muse[i] = (mn == -CUDART_INF_F) ? 0.f : mn;
+        alpha[i] = ex2(__fsub_rn(m[i], muse[i]));
+        m[i] = mn;
+      }
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pe = ex2(__fsub_rn(s[nt][e], muse[e >> 1]));
+          s[nt][e] = pe;
+          rs[e >> 1] = __fadd_rn(rs[e >> 1], pe);
+        }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));
+        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));
+        l[i] = __fadd_rn(__fmul_rn(l[i], alpha[i]), rs[i]);
+      }
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[dt][e] = __fmul_rn(acc[dt][e], alpha[e >> 1]);
+      // acc += P V, k-steps of 16 KV positions ascending
+      const uint32_t vbase = (uint32_t)__cvta_generic_to_shared(Vb);
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) {
+        uint32_t pa[4];
+        pa[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
+        pa[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
+        pa[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        pa[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+#pragma unroll
+        for (int np = 0; np < D / 16; ++np) {
+          const int vr = kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          const int vc = np * 16 + (lane >> 4) * 8;
+          uint32_t r0, r1, r2, r3;
+          ldsm_x4_trans(r0, r1, r2, r3, vbase + (uint32_t)((vr * LDS + vc) * 2));
+          mma16816(acc[2 * np], pa, r0, r1);
+          mma16816(acc[2 * np + 1], pa, r2, r3);
+        }
+      }
+    }
+
+    if constexpr (!SPLITM) {
+      if ((j + 1) % BPC == 0 || j == je - 1) {  // end of split chunk c: merge it, start fresh
+        const int c = j / BPC;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          if (c <= rlast[i]) {
+            float ca, cb;
+            merge_coeffs(M[i], L[i], m[i], l[i], ca, cb);
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+              O[dt][2 * i] = merge_val(O[dt][2 * i], acc[dt][2 * i], ca, cb);
+              O[dt][2 * i + 1] = merge_val(O[dt][2 * i + 1], acc[dt][2 * i + 1], ca, cb);
+            }
+          }
+          m[i] = -CUDART_INF_F;
+          l[i] = 0.f;
+#pragma unroll
+          for (int dt = 0; dt < DT; ++dt) {
+            acc[dt][2 * i] = 0.f;
+            acc[dt][2 * i + 1] = 0.f;
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  if constexpr (!SPLITM) {
+    bf16* out = static_cast<bf16*>(p.out);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!rvalid[i]) continue;
+      uint32_t* orow = reinterpret_cast<uint32_t*>(out + rowid[i] * D);
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+        orow[dt * 4 + t] = pack_bf16(__fdiv_rn(O[dt][2 * i], L[i]), __fdiv_rn(O[dt][2 * i + 1], L[i]));
+    }
+  } else {
+    const int maxc = max_chunks_of(p);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!rvalid[i] || chunk > rlast[i]) continue;
+      const int64_t base = rowid[i] * maxc + chunk;
+      float2* arow = reinterpret_cast<float2*>(p.ws_acc + base * D);
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) arow[dt * 4 + t] = make_float2(acc[dt][2 * i], acc[dt][2 * i + 1]);
+      if (t == 0) {
+        p.ws_ml[base * 2] = m[i];
+        p.ws_ml[base * 2 + 1] = l[i];
+        if (chunk == 0) p.ws_nc[rowid[i]] = rlast[i] + 1;
+      }
+    }
+  }
+}
+
+// SPLIT mode: merge the chunk partials of one row in ascending chunk order.
+template <int D>
+__global__ void __launch_bounds__(D) attn_merge_kernel(const TikAttnParams p) {
+  const int64_t row = blockIdx.x;
+  const int d = threadIdx.x;
+  const int nc = p.ws_nc[row];
+  if (nc <= 0) return;
+  const int maxc = max_chunks_of(p);
+  float M = -CUDART_INF_F, L = 0.f, O = 0.f;
+  for (int c = 0; c < nc; ++c) {
+    const int64_t base = row * maxc + c;
+    float ca, cb;
+    merge_coeffs(M, L, p.ws_ml[base * 2], p.ws_ml[base * 2 + 1], ca, cb);
+    O = merge_val(O, p.ws_acc[base * D + d], ca, cb);
+  }
+  static_cast<bf16*>(p.out)[row * D + d] = __float2bfloat16_rn(__fdiv_rn(O, L));
+}
+
+template <int D, int WARPS, bool SPLITM>
+cudaError_t launch(const TikAttnParams& p, cudaStream_t stream) {
+  constexpr int ROWS = WARPS * 16;
+  const int G = p.Hq / p.Hkv;
+  const int64_t rows = (int64_t)p.max_seqlen_q * G;
+  const int64_t ntiles = (rows + ROWS - 1) / ROWS;
+  const int64_t gx = SPLITM ? ntiles * max_chunks_of(p) : ntiles;
+  if (gx <= 0) return cudaSuccess;
+  if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
+  constexpr int SMEM = smem_bytes<D>();
+  auto kern = attn_kernel<D, WARPS, SPLITM>;
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+  if (err != cudaSuccess) return err;
+  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), WARPS * 32, SMEM, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || !SPLITM) return err;
+  attn_merge_kernel<D><<<(unsigned)p.total_q * p.Hq, D, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int D>
+cudaError_t dispatch(const TikAttnParams& p, int mode, bool small, cudaStream_t stream) {
+  if (mode == TIK_ATTN_SPLIT_MODE) {
+    return small ? launch<D, 1, true>(p, stream) : launch<D, 4, true>(p, stream);
+  }
+  return small ? launch<D, 1, false>(p, stream) : launch<D, 4, false>(p, stream);
+}
+
+template <typename K>
+void describe_one(char* buf, int buflen, int& used, const char* name, K kern, int smem) {
+  cudaFuncAttributes a;
+  cudaError_t e = cudaFuncGetAttributes(&a, kern);
+  if (used >= buflen) return;
+  int n;
+  if (e != cudaSuccess)
+    n = snprintf(buf + used, buflen - used, "%s: cudaFuncGetAttributes failed: %s\n", name, cudaGetErrorString(e));
+  else
+    n = snprintf(buf + used, buflen - used,
+                 "%s: regs=%d local(spill)=%zuB static_smem=%zuB dyn_smem=%dB max_threads=%d ptx=%d binary=%d\n",
+                 name, a.numRegs, a.localSizeBytes, a.sharedSizeBytes, smem, a.maxThreadsPerBlock, a.ptxVersion,
+                 a.binaryVersion);
+  if (n > 0) used += n;
+}
+
+}  // namespace tik_attn
+
+extern "C" {
+
+int tik_attention_max_chunks(const TikAttnParams* p) { return tik_attn::max_chunks_of(*p); }
+
+static bool tik_small(const TikAttnParams* p) { return (int64_t)p->max_seqlen_q * (p->Hq / p->Hkv) <= 16; }
+
+int tik_attention_resolve_mode(const TikAttnParams* p) {
+  if (p->mode == TIK_ATTN_FOLD || p->mode == TIK_ATTN_SPLIT_MODE) return p->mode;
+  return (tik_small(p) && tik_attention_max_chunks(p) > 1) ? TIK_ATTN_SPLIT_MODE : TIK_ATTN_FOLD;
+}
+
+int tik_attention(const TikAttnParams* p, cudaStream_t stream) {
+  if (p == nullptr || p->Hkv <= 0 || p->Hq % p->Hkv != 0 || p->batch < 0 || p->max_seqlen_q < 0 ||
+      p->max_seqlen_k < 0)
+    return (int)cudaErrorInvalidValue;
+  if (p->paged && (p->page_size <= 0 || p->max_pages <= 0 || p->block_table == nullptr || p->seqlens_k == nullptr))
+    return (int)cudaErrorInvalidValue;
+  if (p->batch == 0 || p->max_seqlen_q == 0) return (int)cudaSuccess;
+  const int mode = tik_attention_resolve_mode(p);
+  if (mode == TIK_ATTN_SPLIT_MODE && (p->ws_acc == nullptr || p->ws_ml == nullptr || p->ws_nc == nullptr))
+    return (int)cudaErrorInvalidValue;
+  const bool small = tik_small(p);
+  if (p->D == 64) return (int)tik_attn::dispatch<64>(*p, mode, small, stream);
+  if (p->D == 128) return (int)tik_attn::dispatch<128>(*p, mode, small, stream);
+  return (int)cudaErrorInvalidValue;
+}
+
+int tik_attention_describe(char* buf, int buflen) {
+  using namespace tik_attn;
+  int used = 0;
+  if (buflen > 0) buf[0] = 0;
+  describe_one(buf, buflen, used, "attn<D64,1warp,fold>", attn_kernel<64, 1, false>, smem_bytes<64>());
+  describe_one(buf, buflen, used, "attn<D64,1warp,split>", attn_kernel<64, 1, true>, smem_bytes<64>());
+  describe_one(buf, buflen, used, "attn<D64,4warp,fold>", attn_kernel<64, 4, false>, smem_bytes<64>());
+  describe_one(buf, buflen, used, "attn<D64,4warp,split>", attn_kernel<64, 4, true>, smem_bytes<64>());
+  describe_one(buf, buflen, used, "attn<D128,1warp,fold>", attn_kernel<128, 1, false>, smem_bytes<128>());
+  describe_one(buf, buflen, used, "attn<D128,1warp,split>", attn_kernel<128, 1, true>, smem_bytes<128>());
+  describe_one(buf, buflen, used, "attn<D128,4warp,fold>", attn_kernel<128, 4, false>, smem_bytes<128>());
+  describe_one(buf, buflen, used, "attn<D128,4warp,split>", attn_kernel<128, 4, true>, smem_bytes<128>());
+  describe_one(buf, buflen, used, "attn_merge<D64>", attn_merge_kernel<64>, 0);
+  describe_one(buf, buflen, used, "attn_merge<D128>", attn_merge_kernel<128>, 0);
+  return used;
+}
+
+}  // extern "C"

@@ -1,0 +1,194 @@
+// areal-tik RMSNorm, RoPE and paged KV-cache write (plain CUDA, no torch headers).
+//
+// RMSNorm: one warp per row; lane l owns the 8-element groups l, l+32, l+64, ... and
+// sums their squares in ascending element order, then a fixed xor-shuffle tree. The
+// order depends only on the row length N, never on the number of rows or on pointer
+// alignment (vector and scalar loads feed the same sequence), so rows are invariant
+// to the batch. All arithmetic is explicitly rounded fp32 (no FMA contraction):
+//   y = w * bf16(x * (1 / sqrt(sum(x^2) / N + eps)))   (HF Qwen2/Llama rounding points)
+// RoPE: neox / rotate-half, fp32 math, one rounding to the output dtype:
+//   y[i] = x[i]*cos[i] - x[i+h]*sin[i],  y[i+h] = x[i+h]*cos[i+h] + x[i]*sin[i+h]
+// with each product and the sum rounded separately (the same bits as the unfused
+// PyTorch expression x*cos + rotate_half(x)*sin in fp32).
+#include "tik_api.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace tik_ew {
+
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(float v) { return v; }
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ float from_f<float>(float v) { return v; }
+
+constexpr int RMS_WARPS = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(RMS_WARPS * 32)
+    rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int64_t rows, int n,
+                    int64_t x_stride, float eps) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = (int64_t)blockIdx.x * RMS_WARPS + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const T* xr = x + row * x_stride;
+  T* yr = y + row * (int64_t)n;
+  float ss = 0.f;
+  for (int c = lane; c * 8 < n; c += 32) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int idx = c * 8 + e;
+      if (idx < n) {
+        const float v = to_f(xr[idx]);
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
+  const float mean = __fdiv_rn(ss, (float)n);
+  const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  for (int c = lane; c * 8 < n; c += 32) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int idx = c * 8 + e;
+      if (idx < n) {
+        const float h = to_f(from_f<T>(__fmul_rn(to_f(xr[idx]), r)));  // hidden.to(input_dtype)
+        yr[idx] = from_f<T>(__fmul_rn(to_f(w[idx]), h));                // weight * hidden
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void rope_kernel(const T* __restrict__ x, T* __restrict__ out, const float* __restrict__ cos_t,
+                            const float* __restrict__ sin_t, const int64_t* __restrict__ positions, int64_t T_,
+                            int H, int D, int64_t sx_t, int64_t sx_h, int64_t num_pos) {
+  const int half = D / 2;
+  const int64_t total = T_ * H * half;
+  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+       idx += (int64_t)gridDim.x * blockDim.x) {
+    const int i = (int)(idx % half);
+    const int64_t th = idx / half;
+    const int h = (int)(th % H);
+    const int64_t t = th / H;
+    int64_t pos = positions[t];
+    if (pos < 0 || pos >= num_pos) pos = pos < 0 ? 0 : num_pos - 1;  // validated on the host; never read OOB
+    const T* xr = x + t * sx_t + h * sx_h;
+    const float x1 = to_f(xr[i]), x2 = to_f(xr[i + half]);
+    const float* c = cos_t + pos * D;
+    const float* s = sin_t + pos * D;
+    const float y1 = __fadd_rn(__fmul_rn(x1, c[i]), __fmul_rn(-x2, s[i]));
+    const float y2 = __fadd_rn(__fmul_rn(x2, c[i + half]), __fmul_rn(x1, s[i + half]));
+    T* o = out + (t * H + h) * (int64_t)D;
+    o[i] = from_f<T>(y1);
+    o[i + half] = from_f<T>(y2);
+  }
+}
+
+// One CTA per token; 16-byte vectors when the row is a multiple of 16 bytes (it is for
+// D in {64, 128}), else element copies.
+__global__ void kv_write_kernel(const char* __restrict__ k, const char* __restrict__ v, char* __restrict__ kc,
+                                char* __restrict__ vc, const int64_t* __restrict__ slots, int64_t row_bytes,
+                                int64_t num_slots, int elem_bytes) {
+  const int64_t t = blockIdx.x;
+  const int64_t slot = slots[t];
+  if (slot < 0 || slot >= num_slots) return;
+  const char* ks = k + t * row_bytes;
+  const char* vs = v + t * row_bytes;
+  char* kd = kc + slot * row_bytes;
+  char* vd = vc + slot * row_bytes;
+  if (row_bytes % 16 == 0) {
+    for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) {
+      reinterpret_cast<uint4*>(kd)[i] = reinterpret_cast<const uint4*>(ks)[i];
+      reinterpret_cast<uint4*>(vd)[i] = reinterpret_cast<const uint4*>(vs)[i];
+    }
+  } else if (elem_bytes == 4) {
+    for (int64_t i = threadIdx.x; i < row_bytes / 4; i += blockDim.x) {
+      reinterpret_cast<uint32_t*>(kd)[i] = reinterpret_cast<const uint32_t*>(ks)[i];
+      reinterpret_cast<uint32_t*>(vd)[i] = reinterpret_cast<const uint32_t*>(vs)[i];
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < row_bytes / 2; i += blockDim.x) {
+      reinterpret_cast<uint16_t*>(kd)[i] = reinterpret_cast<const uint16_t*>(ks)[i];
+      reinterpret_cast<uint16_t*>(vd)[i] = reinterpret_cast<const uint16_t*>(vs)[i];
+    }
+  }
+}
+
+template <typename T>
+cudaError_t rms_launch(const void* x, const void* w, void* y, int64_t rows, int n, int64_t xs, float eps,
+                       cudaStream_t st) {
+  const int64_t blocks = (rows + RMS_WARPS - 1) / RMS_WARPS;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  rms_norm_kernel<T><<<(unsigned)blocks, RMS_WARPS * 32, 0, st>>>(
+      static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y), rows, n, xs, eps);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t rope_launch(const void* x, void* out, const float* c, const float* s, const int64_t* pos, int64_t T_,
+                        int H, int D, int64_t sxt, int64_t sxh, int64_t np, cudaStream_t st) {
+  const int64_t total = T_ * H * (D / 2);
+  int64_t blocks = (total + 255) / 256;
+  if (blocks > 65535LL * 16) blocks = 65535LL * 16;
+  rope_kernel<T><<<(unsigned)blocks, 256, 0, st>>>(static_cast<const T*>(x), static_cast<T*>(out), c, s, pos, T_,
+                                                     H, D, sxt, sxh, np);
+  return cudaGetLastError();
+}
+
+}  // namespace tik_ew
+
+extern "C" {
+
+int tik_rms_norm(const void* x, const void* w, void* y, int64_t rows, int n, int64_t x_row_stride, float eps,
+                 int dtype, cudaStream_t stream) {
+  if (n <= 0 || rows < 0) return (int)cudaErrorInvalidValue;
+  if (rows == 0) return (int)cudaSuccess;
+  switch (dtype) {
+    case 0: return (int)tik_ew::rms_launch<__nv_bfloat16>(x, w, y, rows, n, x_row_stride, eps, stream);
+    case 1: return (int)tik_ew::rms_launch<__half>(x, w, y, rows, n, x_row_stride, eps, stream);
+    case 2: return (int)tik_ew::rms_launch<float>(x, w, y, rows, n, x_row_stride, eps, stream);
+  }
+  return (int)cudaErrorInvalidValue;
+}
+
+int tik_apply_rope(const void* x, void* out, const float* cos, const float* sin, const int64_t* positions,
+                   int64_t T, int H, int D, int64_t x_stride_t, int64_t x_stride_h, int64_t num_positions, int dtype,
+                   cudaStream_t stream) {
+  if (D <= 0 || D % 2 != 0 || H <= 0 || T < 0) return (int)cudaErrorInvalidValue;
+  if (T == 0) return (int)cudaSuccess;
+  switch (dtype) {
+    case 0:
+      return (int)tik_ew::rope_launch<__nv_bfloat16>(x, out, cos, sin, positions, T, H, D, x_stride_t, x_stride_h,
+                                                     num_positions, stream);
+    case 1:
+      return (int)tik_ew::rope_launch<__half>(x, out, cos, sin, positions, T, H, D, x_stride_t, x_stride_h,
+                                              num_positions, stream);
+    case 2:
+      return (int)tik_ew::rope_launch<float>(x, out, cos, sin, positions, T, H, D, x_stride_t, x_stride_h,
+                                             num_positions, stream);
+  }
+  return (int)cudaErrorInvalidValue;
+}
+
+int tik_kv_cache_write(const void* k, const void* v, void* k_cache, void* v_cache, const int64_t* slots, int64_t T,
+                       int64_t row_elems, int64_t num_slots, int elem_bytes, cudaStream_t stream) {
+  if (T < 0 || row_elems <= 0 || (elem_bytes != 2 && elem_bytes != 4)) return (int)cudaErrorInvalidValue;
+  if (T == 0) return (int)cudaSuccess;
+  if (T > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
+  tik_ew::kv_write_kernel<<<(unsigned)T, 128, 0, stream>>>(
+      static_cast<const char*>(k), static_cast<const char*>(v), static_cast<char*>(k_cache),
+      static_cast<char*>(v_cache), slots, row_elems * elem_bytes, num_slots, elem_bytes);
+  return (int)cudaGetLastError();
+}
+
+}  // extern "C"
