@@ -79,6 +79,11 @@ _BWD_GPU = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
 _INTERP_BLOCK_M = 16
 
 
+def _alloc(shape, dtype, device) -> torch.Tensor:
+    """Every output/workspace allocation goes through here (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -450,8 +455,8 @@ def _varlen_checks(q, k, v, cu_seqlens, max_seqlen, triton_path):
 
 
 def _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, qk_scale, want_lse, block_m=None):
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if want_lse else None
+    out = _alloc(q.shape, q.dtype, q.device)
+    lse = _alloc((q.shape[0], q.shape[1]), torch.float32, q.device) if want_lse else None
     _launch_fwd(q, k, v, out, lse, None, cu_seqlens, None, int(max_seqlen), qk_scale, False, 16, block_m)
     return out, lse
 
@@ -481,7 +486,8 @@ class AttentionVarlenFunction(torch.autograd.Function):
         dout = dout.contiguous()
         D, hq, hkv = q.shape[-1], q.shape[1], k.shape[1]
         delta = (dout.float() * out.float()).sum(-1).contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = _alloc(q.shape, q.dtype, q.device), _alloc(k.shape, k.dtype, k.device), \
+            _alloc(v.shape, v.dtype, v.device)
         t = _bwd_tiles(D)
         B = cu.shape[0] - 1
         if B > 0 and ctx.max_seqlen > 0:
@@ -550,7 +556,7 @@ def attention_paged_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seqle
     D, hq, hkv, ps, B = _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k,
                                       max_seqlen_q, True)
     _, qk_scale = _qk_scale(scale, D)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = _alloc(q.shape, q.dtype, q.device)
     if B == 0 or int(max_seqlen_q) == 0:
         return out
     if int(max_seqlen_q) == 1:
@@ -569,9 +575,9 @@ def _decode(q, k_cache, v_cache, block_table, cu_q, seqlens_k, out, qk_scale):
     block_h = max(16, triton.next_power_of_2(group))
     n_parts = max(1, triton.cdiv(block_table.shape[1] * ps, part))
     dev = q.device
-    wm = torch.empty(B * hq * n_parts, dtype=torch.float32, device=dev)
-    wl = torch.empty_like(wm)
-    wa = torch.empty(B * hq * n_parts * D, dtype=torch.float32, device=dev)
+    wm = _alloc((B * hq * n_parts,), torch.float32, dev)
+    wl = _alloc((B * hq * n_parts,), torch.float32, dev)
+    wa = _alloc((B * hq * n_parts * D,), torch.float32, dev)
     kk, vv = k_cache.view(-1, hkv, D), v_cache.view(-1, hkv, D)
     nw = 4 if _interpreting() else _DEC_GPU["num_warps"]
     ns = 1 if _interpreting() else _DEC_GPU["num_stages"]
@@ -677,7 +683,7 @@ class _VarlenTorchFunction(torch.autograd.Function):
 
 def _varlen_torch_fwd(q, k, v, cu_seqlens, scale):
     bn, _ = _cfg()
-    out = torch.empty_like(q)
+    out = _alloc(q.shape, q.dtype, q.device)
     bounds = cu_seqlens.tolist()
     for b in range(len(bounds) - 1):
         s0, s1 = bounds[b], bounds[b + 1]
@@ -717,7 +723,7 @@ def attention_paged_torch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlen
                                       max_seqlen_q, False)
     sm_scale, _ = _qk_scale(scale, D)
     bn, _ = _cfg()
-    out = torch.empty_like(q)
+    out = _alloc(q.shape, q.dtype, q.device)
     cu = cu_seqlens_q.tolist()
     sk = seqlens_k.tolist()
     for i in range(B):
