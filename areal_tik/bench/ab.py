@@ -1,0 +1,304 @@
+"""End-to-end throughput A/B: the recompute baseline against tik, same recipe, seed and data.
+
+Each arm is one ``python -m areal_tik.train`` process (AReaL's real trainer):
+
+- ``baseline``: ``actor.kernel_backend=default`` (recompute runs every step);
+- ``tik``: ``actor.kernel_backend=tik`` (recompute skipped when DESIGN.md section 3
+  allows, audits on step 0 and every ``actor.tik.audit_interval`` steps).
+
+The trainer appends one JSON line per step (``--step-log``): AReaL's committed stats
+(``timeperf/rollout``, ``timeperf/recompute_logp``, ``timeperf/train_step``,
+``timeperf/update_weights`` ...), the wall time between step commits, and the actor's
+per-batch record (tokens, reward, skip decision, audit / comparison counts).
+
+:func:`analyze` turns both logs into the report; :func:`write_report` writes
+``report.json``, ``steps.csv``, ``summary.md``, ``step_time.png`` and ``reward.png``.
+Step 0 carries warm-up (and the tik audit); ratios are taken over steps >= 1 when
+there are at least two steps, and each ratio can be recomputed from the logged times.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ARMS = ("baseline", "tik")
+PHASES = (("rollout", "timeperf/rollout"), ("recompute", "timeperf/recompute_logp"),
+          ("train_step", "timeperf/train_step"), ("weight_update", "timeperf/update_weights"))
+ARM_OVERRIDES = {"baseline": ["actor.kernel_backend=default"], "tik": ["actor.kernel_backend=tik"]}
+
+__all__ = ["run_arm", "run_ab", "load_steps", "analyze", "write_report", "ARMS", "PHASES"]
+
+
+def load_steps(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _arm_cmd(config: str, arm: str, steps: int, out: str, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "areal_tik.train", "--config", os.path.abspath(config),
+            *ARM_OVERRIDES[arm], f"total_train_steps={steps}", f"trial_name={arm}",
+            f"cluster.fileroot={os.path.join(os.path.abspath(out), 'runs')}",
+            "--step-log", os.path.join(os.path.abspath(out), arm, "steps.jsonl"), *overrides]
+
+
+def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = (), on_step=None,
+            timeout: float | None = None, env: dict | None = None) -> dict:
+    """Run one arm to completion; ``on_step(arm, n_done)`` after every logged step."""
+    os.makedirs(os.path.join(out, arm), exist_ok=True)
+    log = os.path.join(out, arm, "steps.jsonl")
+    if os.path.exists(log):
+        os.remove(log)
+    cmd = _arm_cmd(config, arm, steps, out, list(overrides))
+    run_env = {k: v for k, v in os.environ.items() if k not in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT")}
+    run_env.update(env or {})
+    t0 = time.perf_counter()
+    with open(os.path.join(out, arm, "train.log"), "wb") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=run_env)
+        seen = 0
+        while proc.poll() is None:
+            time.sleep(0.5)
+            if timeout is not None and time.perf_counter() - t0 > timeout:
+                proc.kill()
+                raise TimeoutError(f"{arm} arm ran past {timeout}s; see {out}/{arm}/train.log")
+            n = sum(1 for _ in open(log)) if os.path.exists(log) else 0
+            if n != seen and on_step:
+                on_step(arm, n)
+            seen = n
+    if proc.returncode != 0:
+        tail = open(os.path.join(out, arm, "train.log"), errors="replace").read()[-3000:]
+        raise RuntimeError(f"{arm} arm failed (exit {proc.returncode}); log tail:\n{tail}")
+    rows = load_steps(log) if os.path.exists(log) else []
+    if on_step:
+        on_step(arm, len(rows))
+    return {"cmd": cmd, "wall_s": time.perf_counter() - t0, "steps": rows}
+
+
+def _step_row(rec: dict) -> dict:
+    s = rec.get("stats", {})
+    row = {"step": rec["global_step"], "wall_s": float(rec["wall_s"])}
+    for name, key in PHASES:
+        row[name] = float(s.get(key, 0.0))
+    row["other"] = row["wall_s"] - sum(row[n] for n, _ in PHASES)
+    tik = rec.get("tik") or []
+    row["gen_tokens"] = sum(int(t.get("gen_tokens", 0)) for t in tik)
+    row["total_tokens"] = sum(int(t.get("total_tokens", 0)) for t in tik)
+    rewards = [t["reward_mean"] for t in tik if "reward_mean" in t]
+    row["reward"] = statistics.fmean(rewards) if rewards else float(s.get("ppo_actor/task_reward/avg", math.nan))
+    row["recompute_skipped"] = bool(tik) and all(t.get("skipped") for t in tik)
+    row["recompute_forward_s"] = sum(float(t.get("recompute_forward_s", 0.0)) for t in tik)
+    row["skip_reasons"] = sorted({r for t in tik for r in t.get("reasons", [])})
+    row["audit"] = any(t.get("audit") for t in tik)
+    row["audit_tokens"] = sum(int(t.get("audit_tokens", 0)) for t in tik)
+    row["audit_mismatch_tokens"] = sum(int(t.get("audit_mismatch_tokens", 0)) for t in tik)
+    row["audit_max_abs_diff"] = max([float(t.get("audit_max_abs_diff", 0.0)) for t in tik] or [0.0])
+    row["compare_tokens"] = sum(int(t.get("compare_tokens", 0)) for t in tik)
+    row["compare_mismatch_tokens"] = sum(int(t.get("compare_mismatch_tokens", 0)) for t in tik)
+    row["compare_max_abs_diff"] = max([float(t.get("compare_max_abs_diff", 0.0)) for t in tik] or [0.0])
+    row["tokens_per_s"] = row["gen_tokens"] / row["wall_s"] if row["wall_s"] > 0 else math.nan
+    return row
+
+
+def _spread(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": math.nan, "min": math.nan, "max": math.nan, "std": math.nan, "n": 0}
+    return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs),
+            "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
+
+
+def analyze(baseline: list[dict], tik: list[dict]) -> dict:
+    """Report dict from the two step logs (lists of step records)."""
+    rows = {"baseline": [_step_row(r) for r in baseline], "tik": [_step_row(r) for r in tik]}
+    n = min(len(rows["baseline"]), len(rows["tik"]))
+    first = 1 if n >= 2 else 0  # step 0: warm-up and the tik audit
+    measured = list(range(first, n))
+    per_step_ratio = [rows["baseline"][i]["wall_s"] / rows["tik"][i]["wall_s"] for i in measured
+                      if rows["tik"][i]["wall_s"] > 0]
+    tot = {a: sum(rows[a][i]["wall_s"] for i in measured) for a in ARMS}
+    toks = {a: sum(rows[a][i]["gen_tokens"] for i in measured) for a in ARMS}
+    phase_means = {a: {p: _spread([rows[a][i][p] for i in measured])["mean"] for p, _ in PHASES}
+                   for a in ARMS}
+    for a in ARMS:
+        phase_means[a]["other"] = _spread([rows[a][i]["other"] for i in measured])["mean"]
+        phase_means[a]["wall_s"] = _spread([rows[a][i]["wall_s"] for i in measured])["mean"]
+    rb = [rows["baseline"][i]["reward"] for i in range(n)]
+    rt = [rows["tik"][i]["reward"] for i in range(n)]
+    mean_rb, mean_rt = (statistics.fmean(rb) if rb else math.nan), (statistics.fmean(rt) if rt else math.nan)
+    tik_rows = rows["tik"]
+    report = {
+        "n_steps": n,
+        "measured_steps": measured,
+        "rows": rows,
+        "step_time_ratio": _spread(per_step_ratio),
+        "throughput_ratio_total": tot["baseline"] / tot["tik"] if tot["tik"] > 0 else math.nan,
+        "tokens_per_s": {a: (toks[a] / tot[a] if tot[a] > 0 else math.nan) for a in ARMS},
+        "tokens_per_s_ratio": ((toks["tik"] / tot["tik"]) / (toks["baseline"] / tot["baseline"])
+                               if tot["tik"] > 0 and tot["baseline"] > 0 and toks["baseline"] > 0 else math.nan),
+        "phase_mean_s": phase_means,
+        "reward_mean": {"baseline": mean_rb, "tik": mean_rt,
+                        "ratio": (mean_rt / mean_rb) if mean_rb not in (0.0,) and not math.isnan(mean_rb) else math.nan},
+        "tik": {
+            "steps_skipped": sum(r["recompute_skipped"] for r in tik_rows),
+            "audits": sum(r["audit"] for r in tik_rows),
+            "audit_tokens": sum(r["audit_tokens"] for r in tik_rows),
+            "audit_mismatch_tokens": sum(r["audit_mismatch_tokens"] for r in tik_rows),
+            "audit_max_abs_diff": max([r["audit_max_abs_diff"] for r in tik_rows] or [0.0]),
+            "skip_reasons": sorted({x for r in tik_rows for x in r["skip_reasons"]}),
+        },
+        "baseline_rollout_vs_recompute": {
+            "tokens": sum(r["compare_tokens"] for r in rows["baseline"]),
+            "mismatch_tokens": sum(r["compare_mismatch_tokens"] for r in rows["baseline"]),
+            "max_abs_diff": max([r["compare_max_abs_diff"] for r in rows["baseline"]] or [0.0]),
+        },
+    }
+    pm = phase_means["baseline"]
+    report["limiting_phase"] = {a: max(("rollout", "recompute", "train_step", "weight_update", "other"),
+                                       key=lambda p: phase_means[a][p]) for a in ARMS}
+    del pm
+    return report
+
+
+def _fmt(x, nd=3):
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def summary_markdown(report: dict, meta: dict) -> str:
+    r = report
+    lines = [f"# areal-tik A/B: {meta.get('config')}", "",
+             f"{r['n_steps']} steps per arm; ratios over steps {r['measured_steps']} "
+             "(step 0 = warm-up + tik audit, excluded when there are >= 2 steps).", "",
+             f"- **step throughput tik/baseline: {_fmt(r['throughput_ratio_total'])}x** "
+             f"(sum of baseline step times / sum of tik step times); per-step ratio mean "
+             f"{_fmt(r['step_time_ratio']['mean'])}, min {_fmt(r['step_time_ratio']['min'])}, "
+             f"max {_fmt(r['step_time_ratio']['max'])}, std {_fmt(r['step_time_ratio']['std'])}",
+             f"- generated tokens/s: baseline {_fmt(r['tokens_per_s']['baseline'], 1)}, "
+             f"tik {_fmt(r['tokens_per_s']['tik'], 1)} (ratio {_fmt(r['tokens_per_s_ratio'])})",
+             f"- mean training reward: baseline {_fmt(r['reward_mean']['baseline'])}, "
+             f"tik {_fmt(r['reward_mean']['tik'])} (ratio {_fmt(r['reward_mean']['ratio'])})",
+             f"- tik: recompute skipped on {r['tik']['steps_skipped']}/{r['n_steps']} steps, "
+             f"{r['tik']['audits']} audits, {r['tik']['audit_mismatch_tokens']}/{r['tik']['audit_tokens']} "
+             f"audited tokens mismatching (max |diff| {r['tik']['audit_max_abs_diff']:.3g}); "
+             f"reasons recompute ran: {', '.join(r['tik']['skip_reasons']) or 'none (audit only)'}",
+             f"- baseline rollout vs recompute log-probs: {r['baseline_rollout_vs_recompute']['mismatch_tokens']}/"
+             f"{r['baseline_rollout_vs_recompute']['tokens']} tokens differ "
+             f"(max |diff| {r['baseline_rollout_vs_recompute']['max_abs_diff']:.3g})",
+             f"- limiting phase: baseline {r['limiting_phase']['baseline']}, tik {r['limiting_phase']['tik']}", "",
+             "## Mean seconds per measured step", "",
+             "| arm | rollout | recompute | train step | weight update | other | step |",
+             "|---|---|---|---|---|---|---|"]
+    for a in ARMS:
+        p = r["phase_mean_s"][a]
+        lines.append(f"| {a} | {_fmt(p['rollout'])} | {_fmt(p['recompute'])} | {_fmt(p['train_step'])} | "
+                     f"{_fmt(p['weight_update'])} | {_fmt(p['other'])} | {_fmt(p['wall_s'])} |")
+    lines += ["", "## Per step", "",
+              "| arm | step | step s | rollout | recompute | recompute fwd | train | weights | gen tok | tok/s | "
+              "reward | skipped | audit mism |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for a in ARMS:
+        for x in r["rows"][a]:
+            lines.append(f"| {a} | {x['step']} | {_fmt(x['wall_s'])} | {_fmt(x['rollout'])} | {_fmt(x['recompute'])} | "
+                         f"{_fmt(x['recompute_forward_s'])} | {_fmt(x['train_step'])} | {_fmt(x['weight_update'])} | "
+                         f"{x['gen_tokens']} | {_fmt(x['tokens_per_s'], 1)} | {_fmt(x['reward'])} | "
+                         f"{'yes' if x['recompute_skipped'] else 'no'} | "
+                         f"{x['audit_mismatch_tokens'] if x['audit'] else '-'} |")
+    lines += ["", "Recompute column = AReaL's `timeperf/recompute_logp` timer (in the tik arm it holds the "
+              "skip decision: server query + weight digest); `recompute fwd` = time in the actual forward.",
+              "", f"Commands: `{' '.join(meta.get('cmd_baseline', []))}` / `{' '.join(meta.get('cmd_tik', []))}`", ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, out: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    names = [p for p, _ in PHASES] + ["other"]
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8c8c8c"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.38
+    for k, a in enumerate(ARMS):
+        rows = report["rows"][a]
+        xs = [r["step"] + (k - 0.5) * width for r in rows]
+        bottom = [0.0] * len(rows)
+        for name, c in zip(names, colors):
+            vals = [max(0.0, r[name]) for r in rows]
+            ax.bar(xs, vals, width, bottom=bottom, color=c, edgecolor="black" if a == "tik" else None,
+                   hatch="//" if a == "tik" else None, label=name if k == 0 else None)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xlabel("step (left bar: baseline, hatched: tik)")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"step time by phase (throughput ratio {_fmt(report['throughput_ratio_total'])}x)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = os.path.join(out, "step_time.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for a, c in zip(ARMS, ("#4c72b0", "#dd8452")):
+        rows = report["rows"][a]
+        ax.plot([r["step"] for r in rows], [r["reward"] for r in rows], marker="o", label=a, color=c)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean training reward")
+    ax.legend()
+    fig.tight_layout()
+    p = os.path.join(out, "reward.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+def write_report(report: dict, out: str, meta: dict) -> dict:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump({"meta": meta, **report}, f, indent=2, default=str)
+    cols = ["step", "wall_s", "rollout", "recompute", "recompute_forward_s", "train_step", "weight_update", "other",
+            "gen_tokens", "tokens_per_s", "reward", "recompute_skipped", "audit", "audit_tokens",
+            "audit_mismatch_tokens", "audit_max_abs_diff", "compare_tokens", "compare_mismatch_tokens"]
+    with open(os.path.join(out, "steps.csv"), "w") as f:
+        f.write("arm," + ",".join(cols) + "\n")
+        for a in ARMS:
+            for r in report["rows"][a]:
+                f.write(a + "," + ",".join(str(r[c]) for c in cols) + "\n")
+    md = summary_markdown(report, meta)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(md)
+    pngs = plot(report, out)
+    return {"summary": md, "files": ["report.json", "steps.csv", "summary.md", *map(os.path.basename, pngs)]}
+
+
+def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progress: bool = True,
+           timeout: float | None = None) -> dict:
+    """Run both arms (baseline first), analyze, write the report directory; return the report."""
+    os.makedirs(out, exist_ok=True)
+    results = {}
+    if progress:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                      TimeElapsedColumn()) as prog:
+            tasks = {a: prog.add_task(f"{a:8s}", total=steps) for a in ARMS}
+            for a in ARMS:
+                results[a] = run_arm(config, a, steps, out, overrides,
+                                     on_step=lambda arm, n: prog.update(tasks[arm], completed=n), timeout=timeout)
+    else:
+        for a in ARMS:
+            results[a] = run_arm(config, a, steps, out, overrides, timeout=timeout)
+    report = analyze(results["baseline"]["steps"], results["tik"]["steps"])
+    meta = {"config": config, "steps": steps, "overrides": list(overrides),
+            "cmd_baseline": results["baseline"]["cmd"], "cmd_tik": results["tik"]["cmd"],
+            "arm_wall_s": {a: results[a]["wall_s"] for a in ARMS}}
+    try:
+        from areal_tik.backend.fingerprint import compute
+        meta["environment"] = compute()["environment"]
+    except Exception:  # noqa: BLE001
+        pass
+    written = write_report(report, out, meta)
+    report["summary_md"] = written["summary"]
+    report["files"] = written["files"]
+    return report

@@ -1,0 +1,29 @@
+"""``areal-tik ab``: the recompute baseline vs tik on one recipe; writes a report directory."""
+from __future__ import annotations
+
+
+def add_parser(sub):
+    p = sub.add_parser("ab", help="throughput A/B: AReaL recompute baseline vs tik (same recipe, seed, data)")
+    p.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/tiny.yaml")
+    p.add_argument("--steps", type=int, default=2, help="training steps per arm")
+    p.add_argument("--out", default=None, help="report directory (default ab_reports/<recipe>-<time>)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per arm before giving up")
+    p.add_argument("overrides", nargs="*", help="extra AReaL overrides for both arms, e.g. gconfig.max_new_tokens=8")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    import os
+    import time
+
+    from areal_tik.bench.ab import run_ab
+
+    out = args.out or os.path.join("ab_reports", f"{os.path.splitext(os.path.basename(args.config))[0]}-"
+                                                  f"{time.strftime('%Y%m%d-%H%M%S')}")
+    report = run_ab(args.config, args.steps, out, overrides=args.overrides, progress=not args.no_progress,
+                    timeout=args.timeout)
+    print(report["summary_md"])
+    print(f"report written to {out}: {', '.join(report['files'])}")
+    return 0
