@@ -1,0 +1,373 @@
+"""CUDA C++ backend (``csrc/``) for attention, KV-cache write, RMSNorm and RoPE (issue 9).
+
+The kernels live in ``csrc/tik_attention.cu`` and ``csrc/tik_elementwise.cu`` (plain CUDA,
+no torch headers, C launcher API in ``csrc/tik_api.h``); ``csrc/tik_bindings.cpp`` binds
+them to torch. The module is ``areal_tik._C`` when ``setup.py`` built it, else a JIT build
+by :func:`areal_tik.backend.cuda_ext.load`. Nothing here touches CUDA at import time, so
+the registry can import this module on a CPU machine (the cuda backend then reports
+itself unavailable).
+
+Entry points (``OPS``), same signatures as the Triton backend (docs/interfaces.md):
+
+- ``attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale=None)`` — R1, autograd.
+- ``attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q,
+  scale=None)`` — R2/R3/R4.
+- ``kv_cache_write(k, v, k_cache, v_cache, slot_mapping)``; ``rms_norm(x, weight, eps)``;
+  ``apply_rope(x, cos, sin, positions)``.
+
+Attention maths: ``out[t,h] = softmax(scale * q[t,h] . k[j, h//G], j <= pos(t)) @ v``, bf16
+in/out, D in {64, 128}, G = Hq/Hkv, causal. Contract (within this backend): for a query at
+absolute position p the output bits are the same for every entry point, batch mix,
+packing, page size and chunking. By construction (see the header of tik_attention.cu):
+rows = (token, head) packed 16 per warp into mma.sync m16n8k16 rows (GQA group of one KV
+head per CTA); KV blocks of ``BLOCK_N`` = 64 positions aligned to 0, ascending; split-KV
+chunks of ``SPLIT`` = 256 absolute positions, each with a fresh online softmax, merged in
+ascending order by one scalar formula (in registers in FOLD mode, by a merge kernel in
+SPLIT mode); all softmax arithmetic explicitly rounded (no FMA contraction). ``mode``
+(``"auto"``, ``"fold"``, ``"split"``) is a test hook: every mode gives the same bits.
+Accuracy: relative Frobenius error vs ``attention_reference`` (float64) < 1e-2.
+
+Backward of ``attention_varlen``: recompute-based. The saved bf16 q, k, v are cast to
+float32 and, per sequence, differentiated through PyTorch's
+``scaled_dot_product_attention(is_causal=True)`` in float32 (GQA by repeating K/V); the
+gradients are those of the float32 attention, accurate but neither bitwise invariant nor
+the exact derivative of the bf16 forward. ``rms_norm`` and ``apply_rope`` backward are
+float32 PyTorch maths on the saved inputs as well.
+
+RMSNorm: HF rounding points, one warp per row, reduction order fixed by N only (row
+invariant). RoPE: fp32 products and sum rounded separately, one rounding to x's dtype.
+kv_cache_write: byte copies (exact).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+__all__ = [
+    "attention_varlen_cuda", "attention_paged_cuda", "kv_cache_write_cuda", "rms_norm_cuda", "apply_rope_cuda",
+    "OPS", "META", "CUDA_SOURCES", "BLOCK_N", "SPLIT", "extension",
+]
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CUDA_SOURCES = tuple(os.path.join(_ROOT, "csrc", f) for f in
+                     ("tik_api.h", "tik_attention.cu", "tik_elementwise.cu", "tik_bindings.cpp"))
+
+BLOCK_N = 64      # must equal TIK_ATTN_BLOCK_N in csrc/tik_api.h
+SPLIT = 256       # must equal TIK_ATTN_SPLIT
+HEAD_DIMS = (64, 128)
+_MODES = {"auto": 0, "fold": 1, "split": 2}
+LOG2E = 1.4426950408889634
+
+META = {"cuda.attn.BLOCK_N": BLOCK_N, "cuda.attn.SPLIT": SPLIT, "cuda.attn.mma": "m16n8k16 bf16->f32",
+        "cuda.attn.exp": "ex2.approx.ftz", "cuda.rms_norm": "warp/row, lane-strided 8-groups, xor tree",
+        "cuda.rope": "fp32 mul/add rn"}
+
+
+def extension():
+    """The compiled module (prebuilt or JIT). Raises RuntimeError with the reason."""
+    from areal_tik.backend import cuda_ext
+    mod = cuda_ext.load()
+    if getattr(mod, "BLOCK_N", BLOCK_N) != BLOCK_N or getattr(mod, "SPLIT", SPLIT) != SPLIT:
+        raise RuntimeError(f"areal-tik CUDA extension built with BLOCK_N={mod.BLOCK_N}, SPLIT={mod.SPLIT}; "
+                           f"cuda_ops expects {BLOCK_N}/{SPLIT}: rebuild")
+    return mod
+
+
+# ---------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------
+
+def _need_cuda(name, *named):
+    dev = None
+    for n, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{name}: the cuda backend needs CUDA tensors; {n} is on {t.device}")
+        if dev is None:
+            dev = t.device
+        elif t.device != dev:
+            raise ValueError(f"{name}: {n} is on {t.device} but the other inputs are on {dev}")
+
+
+def _check_int(name, nm, t, dims=1):
+    if t.dtype != torch.int32 or t.dim() != dims:
+        raise TypeError(f"{name}: {nm} must be int32 with {dims} dim(s), got {t.dtype} {tuple(t.shape)}")
+
+
+def _check_qkv(name, q, k, v):
+    for t, nm in ((q, "q"), (k, "k"), (v, "v")):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"{name}: {nm} must be bfloat16, got {t.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q must be [T, Hq, D], got {tuple(q.shape)}")
+    D = q.shape[-1]
+    if D not in HEAD_DIMS:
+        raise ValueError(f"{name}: head dim {D} unsupported by the cuda backend; supported {HEAD_DIMS}")
+    if k.shape != v.shape or k.shape[-1] != D:
+        raise ValueError(f"{name}: k {tuple(k.shape)} / v {tuple(v.shape)} must match and have head dim {D}")
+    hq, hkv = q.shape[1], k.shape[-2]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"{name}: Hq={hq} must be a multiple of Hkv={hkv}")
+
+
+def _check_window(window_size):
+    if window_size is not None and tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"attention (cuda): sliding windows are not supported (window_size={window_size!r})")
+
+
+def _scale(scale, D):
+    return 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+
+def _mode(mode):
+    if mode not in _MODES:
+        raise ValueError(f"attention (cuda): mode must be one of {sorted(_MODES)}, got {mode!r}")
+    return _MODES[mode]
+
+
+# ---------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------
+
+def _varlen_grad_reference(q, k, v, cu_seqlens, scale, dout):
+    """Float32 recompute of the varlen attention and its gradients, one sequence at a time."""
+    g = q.shape[1] // k.shape[1]
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk = torch.zeros_like(k, dtype=torch.float32)
+    dv = torch.zeros_like(v, dtype=torch.float32)
+    cu = cu_seqlens.tolist()
+    F = torch.nn.functional
+    for i in range(len(cu) - 1):
+        a, b = cu[i], cu[i + 1]
+        if b <= a:
+            continue
+        with torch.enable_grad():
+            qs = q[a:b].float().transpose(0, 1).unsqueeze(0).requires_grad_(True)   # [1, Hq, L, D]
+            ks = k[a:b].float().transpose(0, 1).unsqueeze(0).requires_grad_(True)   # [1, Hkv, L, D]
+            vs = v[a:b].float().transpose(0, 1).unsqueeze(0).requires_grad_(True)
+            kr = ks.repeat_interleave(g, dim=1)
+            vr = vs.repeat_interleave(g, dim=1)
+            o = F.scaled_dot_product_attention(qs, kr, vr, is_causal=True, scale=scale)
+            go = dout[a:b].float().transpose(0, 1).unsqueeze(0)
+            gq, gk, gv = torch.autograd.grad(o, (qs, ks, vs), go)
+        dq[a:b] = gq[0].transpose(0, 1)
+        dk[a:b] = gk[0].transpose(0, 1)
+        dv[a:b] = gv[0].transpose(0, 1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _VarlenCudaFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, mode):
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.scale = scale
+        return extension().attention_varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), scale, mode)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, cu = ctx.saved_tensors
+        dq, dk, dv = _varlen_grad_reference(q, k, v, cu, ctx.scale, dout)
+        return dq, dk, dv, None, None, None, None
+
+
+def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None, mode="auto"):
+    """R1 packed causal GQA attention (CUDA). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` bf16,
+    ``cu_seqlens`` int32 ``[B+1]`` (covering all T tokens), ``max_seqlen`` host int >= the
+    longest segment. Returns ``[T, Hq, D]`` bf16, bitwise equal to :func:`attention_paged_cuda`
+    for the same positions (module docstring). Autograd: recompute-based float32 backward."""
+    name = "attention_varlen"
+    _check_window(window_size)
+    _need_cuda(name, ("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens))
+    _check_qkv(name, q, k, v)
+    if k.dim() != 3 or k.shape[0] != q.shape[0]:
+        raise ValueError(f"{name}: k/v must be [T, Hkv, D] with T = q.shape[0], got {tuple(k.shape)}")
+    _check_int(name, "cu_seqlens", cu_seqlens)
+    if int(max_seqlen) < 0:
+        raise ValueError(f"{name}: max_seqlen must be >= 0")
+    sc = _scale(scale, q.shape[-1])
+    md = _mode(mode)
+    q, k, v, cu = q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous()
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VarlenCudaFunction.apply(q, k, v, cu, int(max_seqlen), sc, md)
+    return extension().attention_varlen_fwd(q, k, v, cu, int(max_seqlen), sc, md)
+
+
+def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, scale=None,
+                         window_size=None, mode="auto"):
+    """R2 prefill / R3 chunked prefill / R4 decode over the paged KV cache (CUDA).
+
+    q ``[Tq, Hq, D]`` bf16; caches ``[num_pages, page_size, Hkv, D]`` bf16 contiguous
+    (page_size a power of two 16..256); ``block_table`` int32 ``[B, max_pages]``;
+    ``cu_seqlens_q`` int32 ``[B+1]``; ``seqlens_k`` int32 ``[B]`` (includes the queries,
+    each sequence's last n_i positions); ``max_seqlen_q`` host int. No host sync (split
+    workspace is sized from ``max_pages * page_size``), so it can be graph-captured.
+    Decode-shaped launches (max_seqlen_q * G <= 16) use split-KV across CTAs."""
+    name = "attention_paged"
+    _check_window(window_size)
+    _need_cuda(name, ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
+               ("cu_seqlens_q", cu_seqlens_q), ("seqlens_k", seqlens_k))
+    _check_qkv(name, q, k_cache, v_cache)
+    if k_cache.dim() != 4:
+        raise ValueError(f"{name}: caches must be [num_pages, page_size, Hkv, D], got {tuple(k_cache.shape)}")
+    ps = k_cache.shape[1]
+    if ps < 16 or ps > 256 or ps & (ps - 1):
+        raise ValueError(f"{name}: page size {ps} must be a power of two in 16..256")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{name}: caches must be contiguous")
+    _check_int(name, "block_table", block_table, 2)
+    _check_int(name, "cu_seqlens_q", cu_seqlens_q)
+    _check_int(name, "seqlens_k", seqlens_k)
+    B = cu_seqlens_q.shape[0] - 1
+    if seqlens_k.shape[0] != B or block_table.shape[0] < B:
+        raise ValueError(f"{name}: {B} sequences but seqlens_k has {seqlens_k.shape[0]} entries and block_table "
+                         f"{block_table.shape[0]} rows")
+    if int(max_seqlen_q) < 0:
+        raise ValueError(f"{name}: max_seqlen_q must be >= 0")
+    return extension().attention_paged_fwd(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
+                                           cu_seqlens_q.contiguous(), seqlens_k.contiguous(), int(max_seqlen_q),
+                                           _scale(scale, q.shape[-1]), _mode(mode))
+
+
+def kv_cache_write_cuda(k, v, k_cache, v_cache, slot_mapping):
+    """Copy ``k[t], v[t]`` into cache slot ``slot_mapping[t]`` (negative slots skipped). In place."""
+    name = "kv_cache_write"
+    _need_cuda(name, ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping))
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"{name}: k/v must be [Tk, Hkv, D] of one shape, got {tuple(k.shape)} / {tuple(v.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+        raise ValueError(f"{name}: caches must be [num_pages, page_size, {k.shape[1]}, {k.shape[2]}], got "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype) or k.element_size() not in (2, 4):
+        raise TypeError(f"{name}: dtypes must match and be 2 or 4 bytes: {k.dtype} {v.dtype} {k_cache.dtype} "
+                        f"{v_cache.dtype}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64) or slot_mapping.shape != (k.shape[0],):
+        raise TypeError(f"{name}: slot_mapping must be int32/int64 [{k.shape[0]}], got {slot_mapping.dtype} "
+                        f"{tuple(slot_mapping.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{name}: caches must be contiguous")
+    extension().kv_cache_write(k.contiguous(), v.contiguous(), k_cache, v_cache,
+                               slot_mapping.to(torch.int64).contiguous())
+
+
+# ---------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _RMSNormCudaFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        return extension().rms_norm_fwd(x, w, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        with torch.enable_grad():
+            xf = x.detach().float().requires_grad_(True)
+            wf = w.detach().float().requires_grad_(True)
+            y = wf * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps))
+            gx, gw = torch.autograd.grad(y, (xf, wf), dy.float())
+        return gx.to(x.dtype), gw.to(w.dtype), None
+
+
+def rms_norm_cuda(x, weight, eps):
+    """HF-semantics RMSNorm ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (CUDA, one
+    warp per row; a row's bits depend only on that row and N). x ``[..., N]`` bf16/fp16/fp32
+    with a unit last stride, weight ``[N]`` of x's dtype. Backward: float32 torch maths."""
+    name = "rms_norm"
+    _need_cuda(name, ("x", x), ("weight", weight))
+    if x.dtype not in _FLOATS or weight.dtype != x.dtype:
+        raise TypeError(f"{name}: x ({x.dtype}) and weight ({weight.dtype}) must share a dtype in {_FLOATS}")
+    if weight.dim() != 1 or x.dim() < 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"{name}: x {tuple(x.shape)} and weight {tuple(weight.shape)} need x[..., N], weight[N]")
+    w = weight.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNormCudaFunction.apply(x, w, float(eps))
+    return extension().rms_norm_fwd(x, w, float(eps))
+
+
+# ---------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------
+
+def _rope_backward_torch(dy, cos, sin, positions):
+    h = dy.shape[-1] // 2
+    c = cos.index_select(0, positions)[:, None, :]
+    s = sin.index_select(0, positions)[:, None, :]
+    g = dy.float()
+    g1, g2 = g[..., :h], g[..., h:]
+    d1 = g1 * c[..., :h] + g2 * s[..., h:]
+    d2 = g2 * c[..., h:] - g1 * s[..., :h]
+    return torch.cat([d1, d2], -1).to(dy.dtype)
+
+
+class _RopeCudaFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, positions):
+        ctx.save_for_backward(cos, sin, positions)
+        return extension().apply_rope_fwd(x, cos, sin, positions)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin, positions = ctx.saved_tensors
+        return _rope_backward_torch(dy, cos, sin, positions), None, None, None
+
+
+def apply_rope_cuda(x, cos, sin, positions):
+    """Neox (rotate-half) RoPE: ``out[:h] = x1*cos1 - x2*sin1``, ``out[h:] = x2*cos2 + x1*sin2`` in
+    fp32 (each product and sum rounded, no FMA), rounded once to x's dtype. x ``[T, H, D]``
+    (unit last stride, other strides free), cos/sin fp32 ``[P, D]``, positions int32/int64
+    ``[T]`` in ``[0, P)`` (clamped on the GPU, never read out of bounds). New contiguous output."""
+    name = "apply_rope"
+    _need_cuda(name, ("x", x), ("cos", cos), ("sin", sin), ("positions", positions))
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"{name}: x dtype {x.dtype} unsupported; {_FLOATS}")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise TypeError(f"{name}: cos/sin must be float32")
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: positions must be int32/int64, got {positions.dtype}")
+    if x.dim() != 3:
+        raise ValueError(f"{name}: x must be [T, H, D], got {tuple(x.shape)}")
+    T, H, D = x.shape
+    if D % 2 or cos.dim() != 2 or cos.shape[1] != D or sin.shape != cos.shape:
+        raise ValueError(f"{name}: cos/sin must be [P, {D}] (even D), got {tuple(cos.shape)}/{tuple(sin.shape)}")
+    if positions.shape != (T,):
+        raise ValueError(f"{name}: positions must be [{T}], got {tuple(positions.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    c, s = cos.contiguous(), sin.contiguous()
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RopeCudaFunction.apply(x, c, s, pos)
+    return extension().apply_rope_fwd(x, c, s, pos)
+
+
+def describe() -> str:
+    """Registers / spills / shared memory of every attention kernel (needs the GPU)."""
+    return extension().describe()
+
+
+OPS = {
+    "attention_varlen": {"cuda": attention_varlen_cuda},
+    "attention_paged": {"cuda": attention_paged_cuda},
+    "kv_cache_write": {"cuda": kv_cache_write_cuda},
+    "rms_norm": {"cuda": rms_norm_cuda},
+    "apply_rope": {"cuda": apply_rope_cuda},
+}
+
+
+def _rope_table(*args, **kwargs):
+    """The one RoPE table (built on the CPU in float64, see ``kernels/rope.py``); listed here so
+    ``AREAL_TIK_BACKEND=cuda`` finds it. Identical for every backend."""
+    from areal_tik.kernels.rope import rope_table
+    return rope_table(*args, **kwargs)
+
+
+OPS["rope_table"] = {"cuda": _rope_table}
