@@ -4,4 +4,12 @@ from areal_tik.contract import Report
 
 __version__ = "0.1.0"
 
-__all__ = ["Report", "__version__"]
+__all__ = ["Report", "patch_model", "__version__"]
+
+
+def __getattr__(name: str):
+    # lazy: importing areal_tik must not import transformers or the kernels
+    if name == "patch_model":
+        from areal_tik.backend.patch import patch_model
+        return patch_model
+    raise AttributeError(f"module 'areal_tik' has no attribute {name!r}")

@@ -1,0 +1,72 @@
+"""The one log-prob path shared by the rollout sampler and the trainer.
+
+``logprobs_of(logits, tokens, T, kernels)`` is what the engine's sampler records;
+``packed_logprobs(model, input_ids, ...)`` is the training-side value for a packed batch
+(AReaL's shifted form: entry t is ``log p(input_ids[t+1] | tokens <= t)`` at temperature
+T, over the whole packed row, so the last entry of each sequence is meaningless and
+masked by the caller, exactly as AReaL's ``gather_logprobs(logits, roll(ids, -1))``).
+
+With ``kernels="tik"`` both go through ``areal_tik.ops``: ``logprobs_from_logits`` on
+``linear(hidden, W)`` logits, or the fused ``token_logprobs(hidden, W, ...)`` which is
+bitwise equal to it. With ``kernels="default"`` both use plain
+``log_softmax(logits.float() / T)`` (the baseline). T == 0 (greedy) uses T = 1.
+"""
+from __future__ import annotations
+
+import torch
+
+from areal_tik import ops
+
+__all__ = ["logprobs_of", "packed_logprobs", "effective_temperature"]
+
+
+def effective_temperature(t: float) -> float:
+    return 1.0 if t == 0 else float(t)
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, kernels: str = "tik") -> torch.Tensor:
+    """fp32 ``log_softmax(logits.float() / T)[token]`` per row."""
+    t = effective_temperature(temperature)
+    if kernels == "tik":
+        return ops.logprobs_from_logits(logits, tokens, t)
+    lp = torch.log_softmax(logits.float() / t, dim=-1)
+    return lp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                    temperature: float = 1.0, position_ids: torch.Tensor | None = None,
+                    fused: bool = True) -> torch.Tensor:
+    """Training-forward log-probs of one packed row (``input_ids`` ``[T]`` or ``[1, T]``).
+
+    ``cu_seqlens`` int32 ``[S+1]`` delimits the sequences (``position_ids`` default to
+    restarting at 0 in each). Runs under the caller's grad mode (autograd on for the
+    loss). ``fused=True`` uses ``ops.token_logprobs`` on the final hidden states (bounded
+    memory) with tik kernels; otherwise logits from ``lm_head`` then ``logprobs_of``.
+    """
+    from areal_tik.backend.patch import kernels_of
+
+    kernels = kernels_of(model)
+    if kernels is None:
+        raise ValueError("packed_logprobs needs a patched model (areal_tik.patch_model)")
+    ids = input_ids.reshape(-1)
+    T = ids.numel()
+    dev = ids.device
+    kw = {}
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
+        if position_ids is None:
+            lens = (cu[1:] - cu[:-1]).long()
+            starts = torch.repeat_interleave(cu[:-1].long(), lens)
+            position_ids = torch.arange(T, device=dev) - starts
+        kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int((cu[1:] - cu[:-1]).max()),
+                  max_length_k=int((cu[1:] - cu[:-1]).max()))
+    elif position_ids is None:
+        position_ids = torch.arange(T, device=dev)
+    base = getattr(model, model.base_model_prefix)
+    hidden = base(input_ids=ids[None], position_ids=position_ids.reshape(1, -1), attention_mask=None, **kw)
+    hidden = hidden.last_hidden_state[0]
+    labels = torch.roll(ids, shifts=-1)
+    t = effective_temperature(temperature)
+    if kernels == "tik" and fused:
+        return ops.token_logprobs(hidden, model.lm_head.weight, labels, t)
+    return logprobs_of(model.lm_head(hidden), labels, temperature, kernels)

@@ -1,0 +1,53 @@
+"""``EngineConfig``: the engine's typed config slice, validated on construction. No torch."""
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["EngineConfig"]
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Settings of one ``LLMEngine``.
+
+    - ``page_size``: tokens per KV page (power of two, 16..256 for the tik kernels).
+    - ``num_pages``: KV pages; ``None`` sizes the cache from free GPU memory times
+      ``gpu_memory_utilization`` (GPU) or from ``max_num_seqs * max_model_len`` (CPU).
+    - ``max_num_seqs``: sequences in flight (decode batch size bound).
+    - ``max_num_batched_tokens``: token budget of one prefill step.
+    - ``chunked_prefill``: split prompts longer than the remaining budget across steps.
+    - ``max_model_len``: longest sequence (prompt + output); ``None`` = the model's
+      ``max_position_embeddings`` capped at 8192.
+    - ``enforce_eager``: no CUDA graphs (always eager on CPU).
+    - ``cuda_graph_max_bs``: largest decode batch captured (``None`` = ``max_num_seqs``).
+    - ``eos_token_id``: ``None`` = the model config's (first) eos id.
+    - ``seed``: draws per-request seeds for requests that give none.
+    - ``page_order_seed``: shuffle physical page order (tests: placement must not matter).
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    chunked_prefill: bool = True
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+    cuda_graph_max_bs: int | None = None
+    eos_token_id: int | None = None
+    seed: int = 0
+    page_order_seed: int | None = None
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -1,0 +1,172 @@
+"""The device side of the engine: KV cache, one forward per step, sampling, CUDA graphs.
+
+- KV cache: per layer ``(k_cache, v_cache)`` of ``[num_pages + 1, page_size, Hkv, D]`` in
+  the model dtype. The last page is a spare the block manager never hands out (default
+  kernels store padding rows there; tik kernels skip slot -1).
+- Forward: the patched model's base stack on one packed row with the engine context set,
+  then ``lm_head`` on the rows that sample only (linear rows are batch-invariant, so
+  selecting first changes no bits).
+- CUDA graphs (GPU, ``enforce_eager=False``): pure-decode steps replay a graph captured
+  lazily per (batch bucket, block-table width bucket) in one memory pool, with static
+  input buffers; padding rows have slot -1, one key and page 0. Prefill and batches
+  above ``cuda_graph_max_bs`` run eagerly. On a CPU everything is eager.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from areal_tik.backend.attn_context import AttentionContext, reset_context, set_context
+from areal_tik.backend.patch import kernels_of
+from areal_tik.engine.config import EngineConfig
+from areal_tik.engine.context import prepare_step
+from areal_tik.engine.sampler import Sampler
+from areal_tik.engine.scheduler import ScheduledBatch
+
+__all__ = ["ModelRunner"]
+
+_BS_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+class ModelRunner:
+    def __init__(self, model, cfg: EngineConfig, max_model_len: int):
+        self.kernels = kernels_of(model)
+        if self.kernels is None:
+            raise ValueError("LLMEngine needs a patched model: areal_tik.patch_model(model, kernels='tik'|'default')")
+        self.model = model
+        self.base = getattr(model, model.base_model_prefix)
+        self.cfg = cfg
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        hf = model.config
+        self.num_layers = hf.num_hidden_layers
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.num_kv_heads = hf.num_key_value_heads
+        self.vocab_size = model.lm_head.weight.shape[0]
+        self.page_size = cfg.page_size
+        self.max_width = math.ceil(max_model_len / cfg.page_size)
+        self.num_pages = self._num_pages()
+        shape = (self.num_pages + 1, self.page_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
+        self.sampler = Sampler(self.vocab_size, self.device, self.kernels)
+        self.use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        self.graph_max_bs = min(cfg.cuda_graph_max_bs or cfg.max_num_seqs, _BS_BUCKETS[-1])
+        self._graphs: dict[tuple[int, int], tuple] = {}
+        self._pool = None
+        self._static = None
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+
+    # ---- sizing --------------------------------------------------------------------------
+    def _page_bytes(self) -> int:
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def _num_pages(self) -> int:
+        cap = self.cfg.max_num_seqs * self.max_width
+        if self.cfg.num_pages is not None:
+            return self.cfg.num_pages
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            n = int(free * self.cfg.gpu_memory_utilization) // self._page_bytes()
+            if n < self.max_width:
+                raise RuntimeError(f"KV cache budget of {n} pages cannot hold one sequence of {self.max_width} pages")
+            return min(n, cap)
+        return cap
+
+    # ---- one step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch):
+        """Forward + sample. Returns (tokens, logprobs), one per sampling chunk in order."""
+        if not batch.is_prefill and self.use_graphs and len(batch) <= self.graph_max_bs:
+            logits = self._run_graph(batch)
+            self.num_graph_steps += 1
+        else:
+            logits = self._run_eager(batch)
+            self.num_eager_steps += 1
+        chunks = [c for c in batch.chunks if c.sample]
+        if not chunks:
+            return [], []
+        return self.sampler(logits, [c.seq.params for c in chunks], [c.seq.seed for c in chunks],
+                            [c.seq.num_tokens for c in chunks])
+
+    def _forward(self, input_ids, positions, rows=None):
+        h = self.base(input_ids=input_ids[None], position_ids=positions[None]).last_hidden_state[0]
+        if rows is not None:
+            h = h.index_select(0, rows)
+        return self.model.lm_head(h)
+
+    def _run_eager(self, batch: ScheduledBatch) -> torch.Tensor:
+        inp = prepare_step(batch, self.page_size, self.kv_caches, self.device)
+        set_context(inp.ctx)
+        try:
+            return self._forward(inp.input_ids, inp.positions, inp.sample_rows)
+        finally:
+            reset_context()
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def _alloc_static(self):
+        n, dev = self.graph_max_bs, self.device
+        self._static = dict(
+            ids=torch.zeros(n, dtype=torch.int64, device=dev),
+            pos=torch.zeros(n, dtype=torch.int64, device=dev),
+            slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            seqk=torch.ones(n, dtype=torch.int32, device=dev),
+            cu=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            tables={},
+        )
+
+    def _table(self, width: int) -> torch.Tensor:
+        t = self._static["tables"].get(width)
+        if t is None:
+            t = torch.zeros(self.graph_max_bs, width, dtype=torch.int32, device=self.device)
+            self._static["tables"][width] = t
+        return t
+
+    def _capture(self, bs: int, width: int):
+        s = self._static
+        table = self._table(width)
+        ctx = AttentionContext(slot_mapping=s["slots"][:bs], block_table=table[:bs], cu_seqlens_q=s["cu"][:bs + 1],
+                               seqlens_k=s["seqk"][:bs], max_seqlen_q=1, kv_caches=self.kv_caches)
+        set_context(ctx)
+        try:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward(s["ids"][:bs], s["pos"][:bs])   # warm-up: compile kernels outside capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(s["ids"][:bs], s["pos"][:bs])
+            if self._pool is None:
+                self._pool = graph.pool()
+        finally:
+            reset_context()
+        self._graphs[(bs, width)] = (graph, out)
+        return graph, out
+
+    def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+        if self._static is None:
+            self._alloc_static()
+        B = len(batch)
+        bs = next(b for b in _BS_BUCKETS if b >= B)
+        bs = min(bs, self.graph_max_bs) if bs > self.graph_max_bs else bs
+        need = max(len(c.seq.block_table) for c in batch.chunks)
+        width = min(1 << max(0, (need - 1).bit_length()), self.max_width)
+        width = max(width, need)
+        inp = prepare_step(batch, self.page_size, self.kv_caches, self.device, width=width)
+        entry = self._graphs.get((bs, width)) or self._capture(bs, width)
+        graph, out = entry
+        s = self._static
+        s["ids"][:B].copy_(inp.input_ids)
+        s["pos"][:B].copy_(inp.positions)
+        s["slots"][:B].copy_(inp.ctx.slot_mapping)
+        s["slots"][B:bs].fill_(-1)
+        s["seqk"][:B].copy_(inp.ctx.seqlens_k)
+        s["seqk"][B:bs].fill_(1)
+        table = self._table(width)
+        table[:B].copy_(inp.ctx.block_table)
+        table[B:bs].zero_()
+        graph.replay()
+        return out[:B]

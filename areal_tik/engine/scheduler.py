@@ -1,0 +1,182 @@
+"""Which sequences run in the next step, and over which tokens. No torch here.
+
+Policy (nano-vllm style, plus chunked prefill):
+- Prefill first: waiting sequences, oldest first, take tokens from a budget of
+  ``max_num_batched_tokens``. With ``chunked_prefill`` the head may take only part of
+  its uncached tokens (a chunk); it stays at the head of the queue until fully cached.
+  A sequence that completes its prefill in this step samples its next token and joins
+  ``running``.
+- Otherwise decode: every running sequence computes its one uncached token (the one
+  sampled last step) and samples the next. When a page is missing, the most recently
+  admitted running sequence is preempted: its pages are freed and it goes back to the
+  head of the queue, to be re-prefilled over prompt + generated tokens (resume).
+Requests join (``add``) and leave (finish, ``abort``) between any two steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from areal_tik.engine.kv_cache import BlockManager
+from areal_tik.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["Scheduler", "ScheduledBatch", "Chunk"]
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Positions ``[start, end)`` of ``seq`` computed this step; ``sample``: end == num_tokens."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def sample(self) -> bool:
+        return self.end == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    chunks: list[Chunk]
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool = True):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queue changes -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if self.bm.pages_needed(seq, seq.num_tokens + 1) > self.bm.num_pages:
+            raise ValueError(f"sequence of {seq.num_tokens} tokens can never fit in {self.bm.num_pages} KV pages")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop ``seq`` from whichever queue holds it and free its pages (abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s KV and requeue it at the head; it will be re-prefilled."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def preempt_all(self) -> None:
+        """Preempt every running sequence and drop cached prefixes of waiting ones (weight update)."""
+        for seq in reversed(list(self.running)):
+            self.preempt(seq)
+        for seq in self.waiting:
+            if seq.block_table:
+                self.bm.free(seq)
+
+    # ---- one step --------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        chunks: list[Chunk] = []
+        admitted: list[Sequence] = []
+        for seq in list(self.waiting):
+            if len(self.running) + len(chunks) >= self.max_num_seqs or budget <= 0:
+                break
+            remaining = seq.num_tokens - seq.num_cached_tokens
+            if remaining > budget:
+                if self.chunked_prefill:
+                    take = budget
+                elif not chunks:
+                    take = remaining  # a prompt longer than the budget runs alone, unchunked
+                else:
+                    break
+            else:
+                take = remaining
+            end = seq.num_cached_tokens + take
+            if not self.bm.can_allocate(seq, end):
+                break
+            self.bm.allocate(seq, end)
+            chunks.append(Chunk(seq, seq.num_cached_tokens, end))
+            budget -= take
+            if end == seq.num_tokens:
+                admitted.append(seq)
+            else:
+                break  # a partial chunk exhausts the budget
+        if not chunks:
+            return None
+        for seq in admitted:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return ScheduledBatch(chunks, is_prefill=True)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        chunks: list[Chunk] = []
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self.bm.can_allocate(seq, seq.num_tokens):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            self.bm.allocate(seq, seq.num_tokens)
+            chunks.append(Chunk(seq, seq.num_tokens - 1, seq.num_tokens))
+        if not chunks:
+            return None
+        return ScheduledBatch(chunks, is_prefill=False)
+
+    # ---- after the forward -------------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int], logprobs: list[float], version: int,
+                    eos_token_id: int | None, max_model_len: int) -> list[Sequence]:
+        """Record cached tokens and sampled tokens; return the sequences that finished.
+
+        ``tokens``/``logprobs`` hold one entry per sampling chunk, in batch order.
+        """
+        finished = []
+        it = iter(zip(tokens, logprobs))
+        for ch in batch.chunks:
+            seq = ch.seq
+            seq.num_cached_tokens = ch.end
+            if not ch.sample:
+                continue
+            tok, lp = next(it)
+            seq.append(tok, lp, version)
+            reason = seq.check_stop(eos_token_id, max_model_len)
+            if reason is not None:
+                seq.finish_reason = reason
+                seq.status = SequenceStatus.FINISHED
+                seq.version = version
+                self.running.remove(seq)
+                self.bm.free(seq)
+                finished.append(seq)
+        return finished
