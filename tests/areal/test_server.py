@@ -1,0 +1,243 @@
+"""The tik server's HTTP contract, driven by AReaL's real SGLang client classes over 127.0.0.1.
+
+Two engines behind the server:
+- ``ScriptedEngine``: a deterministic stand-in (token t+1 after t, log-prob -0.25*(k+1),
+  one token per step with a small delay) that tests the HTTP layer on its own: shapes,
+  content type, pause -> abort with partial output -> AReaL's client re-posts and
+  resumes, weight update version bump, input log-probs;
+- the real ``LLMEngine`` on a patched ``tiny-qwen2`` (skipped until the engine lands):
+  AReaL's ``agenerate`` log-probs equal ``areal_tik.ops`` recomputation bit for bit.
+"""
+import asyncio
+import socket
+import threading
+import time
+import urllib.request
+import json
+
+import pytest
+
+pytest.importorskip("areal")
+
+from areal.api import ModelRequest  # noqa: E402
+from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig  # noqa: E402
+from areal.api.io_struct import WeightUpdateMeta  # noqa: E402
+from areal.engine.sglang_remote import RemoteSGLangEngine, SGLangBackend  # noqa: E402
+from areal.infra.utils.http import arequest_with_retry  # noqa: E402
+
+from areal_tik.engine.sequence import SamplingParams  # noqa: E402
+from areal_tik.engine.server import EngineWorker, ServerConfig, TikServer, run_server  # noqa: E402
+
+pytestmark = pytest.mark.areal
+
+
+class _Out:
+    def __init__(self, rid, prompt, ids, lps, reason, version):
+        self.request_id, self.prompt_ids, self.output_ids = rid, prompt, ids
+        self.output_logprobs, self.finish_reason, self.version = lps, reason, version
+
+
+class ScriptedEngine:
+    """Stand-in for LLMEngine (HTTP-layer test only): deterministic tokens, slow steps."""
+
+    def __init__(self, vocab=100, delay=0.02):
+        self.vocab, self.delay, self.version = vocab, delay, 0
+        self.reqs = {}
+        self.loaded = []
+
+    def add_request(self, rid, ids, params):
+        self.reqs[rid] = dict(prompt=list(ids), out=[], lps=[], params=params)
+
+    def step(self):
+        time.sleep(self.delay)
+        outs = []
+        for rid, r in list(self.reqs.items()):
+            last = (r["out"] or r["prompt"])[-1]
+            tok = (last + 1) % self.vocab
+            r["out"].append(tok)
+            r["lps"].append(-0.25 * len(r["out"]))
+            p = r["params"]
+            reason = None
+            if tok in p.stop_token_ids and not p.ignore_eos:
+                reason = "stop"
+            elif len(r["out"]) >= p.max_new_tokens:
+                reason = "length"
+            if reason:
+                del self.reqs[rid]
+            outs.append(_Out(rid, r["prompt"], list(r["out"]), list(r["lps"]), reason, self.version))
+        return outs
+
+    def abort(self, rid):
+        r = self.reqs.pop(rid, None)
+        return None if r is None else _Out(rid, r["prompt"], r["out"], r["lps"], "abort", self.version)
+
+    def update_weights(self, path, version):
+        self.loaded.append(path)
+        self.version = version
+
+    def score(self, ids, temperature):
+        return [-0.5 * (i + 1) for i in range(len(ids) - 1)]
+
+
+def _free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+@pytest.fixture
+def scripted_server():
+    eng = ScriptedEngine()
+    cfg = ServerConfig(model="scripted", kernels="tik", port=_free_port())
+    server = TikServer(EngineWorker(eng, SamplingParams, model_info=lambda: {"weights_digest": f"d{eng.version}"}),
+                       cfg, {"kernels": "tik", "kernel_fingerprint": "fp-test",
+                             "logprobs": "log_softmax(logits.float()/T)[token], unfiltered"})
+    ready, stop = threading.Event(), threading.Event()
+    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True)
+    th.start()
+    assert ready.wait(30)
+    yield eng, f"127.0.0.1:{cfg.port}"
+    stop.set()
+    th.join(15)
+
+
+def _client(addr, tmp_path):
+    cfg = InferenceEngineConfig(experiment_name="tiktest", trial_name="srv", backend="sglang:d1p1t1",
+                                setup_timeout=30, request_timeout=30, pause_grace_period=0.0,
+                                fileroot=str(tmp_path))
+    eng = RemoteSGLangEngine(cfg)
+    eng.initialize(addr=addr, train_data_parallel_size=1)
+    return eng
+
+
+def _get(addr, path):
+    with urllib.request.urlopen(f"http://{addr}{path}", timeout=10) as r:
+        assert r.headers.get_content_type() == "application/json"
+        return json.loads(r.read())
+
+
+def _post(addr, path, payload):
+    async def go():
+        import aiohttp
+        async with aiohttp.ClientSession() as s:
+            return await arequest_with_retry(session=s, addr=addr, endpoint=path, payload=payload,
+                                             method="POST", max_retries=1, timeout=30)
+    return asyncio.run(go())
+
+
+def test_health_info_and_generate_through_areal_client(scripted_server, tmp_path):
+    eng, addr = scripted_server
+    assert _get(addr, "/health")["status"] == "ok"
+    info = _get(addr, "/get_server_info")
+    assert info["kernels"] == "tik" and info["kernel_fingerprint"] == "fp-test" and info["weight_version"] == 0
+    assert _get(addr, "/model_info")["model_path"] == "scripted"
+
+    client = _client(addr, tmp_path)
+    try:
+        g = GenerationHyperparameters(max_new_tokens=5, temperature=1.0, stop_token_ids=[13])
+        resp = asyncio.run(client.agenerate(ModelRequest(rid="a", input_ids=[7, 8, 9], gconfig=g)))
+        assert resp.output_tokens == [10, 11, 12, 13] and resp.stop_reason == "stop"
+        assert resp.output_logprobs == [-0.25, -0.5, -0.75, -1.0]
+        resp = asyncio.run(client.agenerate(ModelRequest(rid="b", input_ids=[1], gconfig=g.new(stop_token_ids=[]))))
+        assert resp.output_tokens == [2, 3, 4, 5, 6] and resp.stop_reason == "length"
+        assert resp.output_versions == [0] * 5
+    finally:
+        client.destroy()
+
+
+def test_raw_shapes_and_input_logprobs(scripted_server):
+    _, addr = scripted_server
+    r = _post(addr, "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2, "temperature": 1.0,
+                                  "top_k": int(1e8), "top_p": 1.0}, "return_logprob": True, "stream": False})
+    m = r["meta_info"]
+    assert m["output_token_logprobs"] == [[-0.25, 5, None], [-0.5, 6, None]]
+    assert m["finish_reason"]["type"] == "length" and m["prompt_tokens"] == 2 and m["completion_tokens"] == 2
+    # AReaL's scoring request (SGLangBackend.build_score_request) -> parse_score_response
+    b = SGLangBackend()
+    req = b.build_score_request([1, 2, 3, 4, 5], target_len=3, with_lora=False, version=0)
+    res = _post(addr, req.endpoint, req.payload)
+    assert b.parse_score_response(res, 3) == [-1.0, -1.5, -2.0]
+    assert res["meta_info"]["input_token_logprobs"][0][1] == 2
+    bad = urllib.request.Request(f"http://{addr}/generate", data=json.dumps({"input_ids": [1], "sampling_params": {
+        "frequency_penalty": 0.5}}).encode(), headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(bad, timeout=10)
+    assert ei.value.code == 400 and ei.value.headers.get_content_type() == "application/json"
+
+
+def test_pause_abort_resume_and_weight_update(scripted_server, tmp_path):
+    eng, addr = scripted_server
+    client = _client(addr, tmp_path)
+    try:
+        g = GenerationHyperparameters(max_new_tokens=40, temperature=1.0)
+
+        async def gen():
+            return await client.agenerate(ModelRequest(rid="long", input_ids=[0], gconfig=g))
+
+        box = {}
+        th = threading.Thread(target=lambda: box.setdefault("r", asyncio.run(gen())))
+        th.start()
+        time.sleep(0.3)  # some tokens generated at version 0
+        client.pause()  # workflow executor paused: the client waits before re-posting
+        client.pause_generation()  # server aborts in-flight requests with their partial output
+        info = _get(addr, "/get_server_info")
+        assert info["paused"] and info["active_requests"] == 0
+        meta = WeightUpdateMeta(type="disk", path=str(tmp_path / "w1"))
+        for req in SGLangBackend().build_disk_weight_update_requests(meta).requests:
+            res = _post(addr, req.endpoint, req.payload)
+            assert res["success"] and res["version"] == 1
+        assert eng.loaded == [str(tmp_path / "w1")]
+        client.set_version(1)
+        client.continue_generation()
+        client.resume()
+        th.join(30)
+        resp = box["r"]
+        assert resp.output_tokens == [(i + 1) % 100 for i in range(40)]  # resumed seamlessly
+        assert resp.stop_reason == "length"
+        vs = resp.output_versions
+        assert vs[0] == 0 and vs[-1] == 1 and vs == sorted(vs)  # mixed-version trajectory, as AReaL records it
+        assert _get(addr, "/get_server_info")["weight_version"] == 1
+        assert _get(addr, "/get_server_info")["weights_digest"] == "d1"
+        assert _post(addr, "/flush_cache", {})["success"]
+    finally:
+        client.destroy()
+
+
+def test_real_engine_logprobs_match_ops(tmp_path):
+    engine_mod = pytest.importorskip("areal_tik.engine")
+    if not hasattr(engine_mod, "LLMEngine"):
+        pytest.skip("areal_tik.engine.LLMEngine not available yet")
+    import torch
+
+    from areal_tik import ops
+    from areal_tik.engine.server import build
+    cfg = ServerConfig(model="tiny-qwen2", kernels="tik", port=_free_port())
+    server = build(cfg, device="cpu", dtype="bfloat16")
+    ready, stop = threading.Event(), threading.Event()
+    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True)
+    th.start()
+    assert ready.wait(60)
+    addr = f"127.0.0.1:{cfg.port}"
+    client = _client(addr, tmp_path)
+    try:
+        g = GenerationHyperparameters(max_new_tokens=6, temperature=1.0, top_k=int(1e8), top_p=1.0)
+
+        async def many():
+            return await asyncio.gather(*[client.agenerate(ModelRequest(rid=f"r{i}", input_ids=[5, 6 + i, 7],
+                                                                        gconfig=g.new())) for i in range(3)])
+        resps = asyncio.run(many())
+        info = _get(addr, "/get_server_info")
+        assert info["kernels"] == "tik" and len(info["weights_digest"]) == 16
+        model = server.worker.engine.model if hasattr(server.worker.engine, "model") else None
+        for r in resps:
+            seq = r.input_tokens + r.output_tokens
+            lps = server.worker.engine.score(seq, 1.0)[len(r.input_tokens) - 1:]
+            assert torch.equal(torch.tensor(lps, dtype=torch.float32),
+                               torch.tensor(r.output_logprobs, dtype=torch.float32)), (lps, r.output_logprobs)
+        del model, ops
+    finally:
+        client.destroy()
+        stop.set()
+        th.join(15)
