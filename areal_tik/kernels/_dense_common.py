@@ -1,0 +1,119 @@
+"""Input checks shared by the dense kernel modules (linear, rms_norm, rope, swiglu, logprobs).
+
+Every public entry point validates its inputs with these and raises ``TypeError`` (wrong
+dtype) or ``ValueError`` (wrong device, shape, layout) with a message naming the argument,
+instead of silently falling back to a different (non-invariant) path.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in allowed)}")
+
+
+def check_same_dtype(**named: torch.Tensor) -> None:
+    items = list(named.items())
+    for n, t in items[1:]:
+        if t.dtype != items[0][1].dtype:
+            raise TypeError(f"{n} has dtype {t.dtype} but {items[0][0]} has {items[0][1].dtype}; they must match")
+
+
+def check_triton_device(*named: tuple[str, torch.Tensor]) -> None:
+    """Triton path: CUDA tensors on one device, or CPU tensors under the interpreter."""
+    dev = None
+    for n, t in named:
+        if t is None:
+            continue
+        if t.device.type == "cuda":
+            pass
+        elif t.device.type == "cpu" and interpreting():
+            pass
+        else:
+            raise ValueError(f"triton backend: {n} is on {t.device}; needs a CUDA tensor "
+                             f"(or TRITON_INTERPRET=1 for CPU tensors)")
+        if dev is None:
+            dev = t.device
+        elif t.device != dev:
+            raise ValueError(f"{n} is on {t.device} but the other inputs are on {dev}")
+
+
+def check_same_device(*named: tuple[str, torch.Tensor]) -> None:
+    dev = None
+    for n, t in named:
+        if t is None:
+            continue
+        if dev is None:
+            dev = t.device
+        elif t.device != dev:
+            raise ValueError(f"{n} is on {t.device} but the other inputs are on {dev}")
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())} for shape {tuple(t.shape)}); "
+                         f"call .contiguous() explicitly")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit stride in its last dimension (strides {tuple(t.stride())})")
+
+
+def div16_attrs(fn, names) -> dict:
+    """ASTSource ``attrs`` marking ``names`` (pointer/stride args of ``fn``) divisible by 16,
+    the specialisation Triton applies at launch to aligned tensors (compile checks)."""
+    idx = {n: i for i, n in enumerate(fn.arg_names)}
+    return {(idx[n],): [["tt.divisibility", 16]] for n in names}
+
+
+@__import__("contextlib").contextmanager
+def interpreter_sequential_dot():
+    """Tests only: make the CPU interpreter's ``tl.dot`` row- and tile-position invariant.
+
+    The interpreter computes ``tl.dot`` with numpy's BLAS, whose result for one row depends
+    on where that row sits in the tile (measured: moving a row changes its fp32 bits).
+    GPU MMAs do not do that. Inside this context ``tl.dot(a, b, acc)`` becomes
+    ``acc + a[:, 0] b[0, :] + a[:, 1] b[1, :] + ...`` in fp32, one exactly-rounded numpy op
+    at a time, ascending k — a model of a position-independent MMA chain, so CPU tests can
+    check the kernel's own indexing/masking/tiling logic for row invariance. (It also makes
+    BLOCK_K irrelevant, as measured on the H200; split-K style partition sums still
+    change bits.)
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+
+    cls = it.InterpreterBuilder
+    prev = cls.create_dot
+
+    def _f32(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return it._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return np.asarray(h.data).astype(np.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        fa, fb = _f32(a), _f32(b)
+        out = np.array(d.data, dtype=np.float32, copy=True)
+        for k in range(fa.shape[-1]):
+            out = out + fa[..., :, k:k + 1] * fb[..., k:k + 1, :]
+        return it.TensorHandle(out.astype(d.data.dtype), d.dtype.scalar)
+
+    cls.create_dot = create_dot
+    try:
+        yield
+    finally:
+        cls.create_dot = prev

@@ -1,0 +1,205 @@
+"""Row-invariant RMSNorm with HF Qwen2/Llama rounding points.
+
+Maths: ``y = w * round_to(x.dtype)( x.float() * rsqrt(mean(x.float()^2) + eps) )``, the
+final product computed in fp32 and rounded to x's dtype (as ``bf16 * bf16`` in PyTorch).
+
+Shapes/dtypes: x ``[..., N]`` (bf16, fp16 or fp32; rows may have any stride, the last dim
+unit stride), weight ``[N]`` of x's dtype, contiguous; output contiguous like x. N <= 65536.
+
+Accuracy: relative error against :func:`rms_norm_reference` (float64) below ``1e-2`` for
+bf16 (two bf16 roundings, ~4e-3 typical), ``1e-5`` for fp32.
+
+Invariance: each row is reduced by one program with a fixed block (``BLOCK_N =
+next_pow2(N)``, warps from N only), so a row's bits do not depend on the number of rows,
+their order or neighbours. torch_ref: the sum of squares is a fixed pairwise tree over
+the row padded to a power of two (exactly-rounded adds), ``rsqrt = 1/sqrt`` (each
+correctly rounded); same row invariance on any device, its own bits.
+
+Backward: dx, dweight (fp32 partial sums per program, then summed) — accurate, not
+promised invariant. The gradient treats the intermediate rounding as identity, like
+autograd through HF's module.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from areal_tik.kernels._dense_common import (
+    check_contiguous, check_dtype, check_last_dim_contiguous, check_same_device, check_same_dtype,
+    check_triton_device, div16_attrs,
+)
+
+__all__ = ["rms_norm_triton", "rms_norm_torch", "rms_norm_reference", "rms_norm_fwd"]
+
+MAX_N = 65536
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, eps,
+                         BLOCK_N: tl.constexpr, STORE_RSTD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / N
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    h = (x * rstd).to(y_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (w * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr, M, N,
+                         stride_x, stride_dy, stride_dx, ROWS_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in range(ROWS_PER_PROG):
+        row = pid * ROWS_PER_PROG + i
+        if row < M:
+            r64 = row.to(tl.int64)
+            x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + r64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row)
+            h = x * rstd
+            dw += dy * h.to(dx_ptr.dtype.element_ty).to(tl.float32)
+            dh = dy * w
+            c = tl.sum(dh * h, axis=0) / N
+            dx = rstd * (dh - h * c)
+            tl.store(dx_ptr + r64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_part_ptr + pid * N + cols, dw, mask=mask)
+
+
+def _block(N: int) -> tuple[int, int]:
+    bn = triton.next_power_of_2(N)
+    return bn, (4 if bn <= 1024 else 8 if bn <= 4096 else 16)
+
+
+def rms_norm_fwd(x2, w, eps, out=None, store_rstd=False):
+    """Launch the forward on ``x2 [M, N]``; returns ``(y, rstd or None)``."""
+    M, N = x2.shape
+    y = out if out is not None else torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x2.device) if store_rstd else None
+    if M == 0:
+        return y, rstd
+    bn, nw = _block(N)
+    _rms_norm_fwd_kernel[(M,)](x2, w, y, rstd if rstd is not None else y, N, x2.stride(0), y.stride(0), float(eps),
+                               BLOCK_N=bn, STORE_RSTD=store_rstd, num_warps=nw)
+    return y, rstd
+
+
+def _rms_norm_bwd(dy2, x2, w, rstd):
+    M, N = x2.shape
+    dy2 = dy2.contiguous()
+    dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    rows = 16 if M >= 4096 else 4
+    progs = triton.cdiv(M, rows)
+    part = torch.empty((max(progs, 1), N), dtype=torch.float32, device=x2.device)
+    if M:
+        bn, nw = _block(N)
+        _rms_norm_bwd_kernel[(progs,)](x2, w, dy2, rstd, dx, part, M, N, x2.stride(0), dy2.stride(0),
+                                       dx.stride(0), ROWS_PER_PROG=rows, BLOCK_N=bn, num_warps=nw)
+    else:
+        part.zero_()
+    return dx, part.sum(0).to(w.dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w, eps):
+        y, rstd = rms_norm_fwd(x2, w, eps, store_rstd=True)
+        ctx.save_for_backward(x2, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w, rstd = ctx.saved_tensors
+        dx, dw = _rms_norm_bwd(dy, x2, w, rstd)
+        return dx, dw, None
+
+
+def _validate(x, weight, triton_path):
+    check_dtype("x", x)
+    check_dtype("weight", weight)
+    check_same_dtype(x=x, weight=weight)
+    if weight.dim() != 1 or x.dim() < 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} and weight {tuple(weight.shape)} need x[..., N], weight[N]")
+    if x.shape[-1] > MAX_N:
+        raise ValueError(f"rms_norm: N={x.shape[-1]} exceeds the one-block row limit {MAX_N}")
+    check_contiguous("weight", weight)
+    check_last_dim_contiguous("x", x)
+    (check_triton_device if triton_path else check_same_device)(("x", x), ("weight", weight))
+
+
+def _as_2d(x):
+    if x.dim() == 2:
+        return x
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError as e:
+        raise ValueError(f"x of shape {tuple(x.shape)}/strides {tuple(x.stride())} is not viewable as [M, N]; "
+                         f"pass a contiguous tensor") from e
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF-semantics RMSNorm, one row per Triton program (see module docstring)."""
+    _validate(x, weight, True)
+    x2 = _as_2d(x)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        y = _RMSNormFn.apply(x2, weight, float(eps))
+    else:
+        y, _ = rms_norm_fwd(x2, weight, eps)
+    return y.view(x.shape)
+
+
+def tree_sum_lastdim(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim as a fixed pairwise tree (zero-padded to a power of two)."""
+    n = v.shape[-1]
+    p = 1 << max(0, (n - 1).bit_length())
+    if p != n:
+        v = torch.nn.functional.pad(v, (0, p - n))
+    while p > 1:
+        p //= 2
+        v = v[..., :p] + v[..., p:]
+    return v[..., 0]
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Row-invariant RMSNorm in plain PyTorch (autograd through plain ops)."""
+    _validate(x, weight, False)
+    xf = x.float()
+    var = tree_sum_lastdim(xf * xf) / x.shape[-1]
+    rstd = 1.0 / torch.sqrt(var + eps)
+    h = (xf * rstd[..., None]).to(x.dtype)
+    return (weight.float() * h.float()).to(x.dtype)
+
+
+def rms_norm_reference(x, weight, eps):
+    """float64 ``w * x / sqrt(mean(x^2) + eps)``."""
+    xd = x.double()
+    return weight.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+
+
+OPS = {"rms_norm": {"triton": rms_norm_triton, "torch_ref": rms_norm_torch}}
+META = {"rms_norm.BLOCK_N": "next_pow2(N)", "rms_norm.num_warps": "4/8/16 by BLOCK_N",
+        "rms_norm.torch_ref": "pairwise tree over pow2-padded row"}
+
+_FWD_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "rstd_ptr": "*fp32", "N": "i32",
+            "stride_x": "i32", "stride_y": "i32", "eps": "fp32"}
+_BWD_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "rstd_ptr": "*fp32", "dx_ptr": "*bf16",
+            "dw_part_ptr": "*fp32", "M": "i32", "N": "i32", "stride_x": "i32", "stride_dy": "i32",
+            "stride_dx": "i32"}
+COMPILE_SPECS = [
+    dict(fn=_rms_norm_fwd_kernel, signature=_FWD_SIG, constexprs={"BLOCK_N": _block(n)[0], "STORE_RSTD": s},
+         num_warps=_block(n)[1], attrs=div16_attrs(_rms_norm_fwd_kernel, ["x_ptr", "w_ptr", "y_ptr", "N"]))
+    for n, s in ((1536, False), (3584, True))
+] + [
+    dict(fn=_rms_norm_bwd_kernel, signature=_BWD_SIG, constexprs={"ROWS_PER_PROG": 16, "BLOCK_N": _block(n)[0]},
+         num_warps=_block(n)[1]) for n in (128, 3584)
+]

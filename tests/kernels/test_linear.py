@@ -1,0 +1,194 @@
+"""linear: row-subset/packing invariance (bitwise), float64 accuracy, gradients, errors.
+
+CPU runs the Triton kernel in the interpreter with tiny shapes (one fixed tile config);
+GPU tests (``-m gpu``) use real Qwen2.5 shapes and every tile config of the table.
+"""
+import pytest
+import torch
+
+from areal_tik import contract
+from areal_tik.kernels import linear as L
+
+ON_GPU = torch.cuda.is_available()
+DEV = "cuda" if ON_GPU else "cpu"
+
+
+def _rand(shape, dtype=torch.bfloat16, scale=1.0, device=DEV):
+    return (torch.randn(shape, device=device) * scale).to(dtype)
+
+
+def _wide(shape, dtype=torch.bfloat16, device=DEV):
+    """Values spread over 2**-8..2**8 so fp32 partial sums of bf16 products round."""
+    e = torch.randint(-8, 9, shape, device=device).float()
+    return (torch.randn(shape, device=device) * torch.exp2(e)).to(dtype)
+
+
+def _subsets(M, g=None):
+    g = g or torch.Generator().manual_seed(torch.seed() % 2**31)
+    out = [[0], [M - 1], [M // 2]]
+    for n in {1, 2, 3, 7, min(M, 16), max(1, M // 3)}:
+        if n <= M:
+            out.append(torch.randperm(M, generator=g)[:n].sort().values.tolist())
+    return out
+
+
+@pytest.mark.parametrize("impl,bias,dtype", [("triton", False, torch.bfloat16), ("triton", True, torch.float32),
+                                             ("torch_ref", True, torch.bfloat16), ("torch_ref", False, torch.float32)])
+def test_row_subset_invariance_cpu(impl, bias, dtype, seed_rng):
+    """fp32 in/out exposes any accumulation-order change (bf16 output rounding hides most)."""
+    fn = L.linear_triton if impl == "triton" else L.linear_torch
+    K, N = 136, 40  # K tail (136 = 2*64 + 8), partial N tile
+    w, b = _wide((N, K), dtype), (_rand((N,), dtype) if bias else None)
+    M = 33 if impl == "triton" else 129
+    x = _wide((M, K), dtype)
+    rep = contract.check_row_subset_invariance(lambda a: fn(a, w, b), x, _subsets(M))
+    assert rep, rep.summary()
+    for m in (1, 2, 3, 7, 16):  # leading rows as their own batch
+        assert contract.compare_bits(fn(x[:m].contiguous(), w, b), fn(x, w, b)[:m]), m
+
+
+def test_k_unroll_and_k_tail_do_not_change_bits(seed_rng):
+    """K_UNROLL only changes how many loads are in flight: same dot sequence, same bits."""
+    K, N, M = 200, 32, 5  # one unrolled trip (128), one plain block, one 8-wide tail
+    x, w = _wide((M, K), torch.float32), _wide((N, K), torch.float32)
+    base = dict(L.INTERPRETER_CONFIG)
+    outs = {f"unroll{u}": L.linear_fwd(x, w, config=dict(base, K_UNROLL=u)) for u in (1, 2, 3)}
+    assert contract.check_regime_equality(outs)
+
+
+def test_non_invariant_variant_is_caught(seed_rng):
+    """Negative control: a schedule whose BLOCK_K depends on M must fail the checker.
+
+    fp32 in/out so accumulation-order differences are not hidden by a bf16 rounding."""
+    K, N, M = 128, 32, 20
+    x, w = _wide((M, K), torch.float32), _wide((N, K), torch.float32)
+    c64 = dict(L.INTERPRETER_CONFIG, K_UNROLL=1)
+    c32 = dict(c64, BLOCK_K=32)
+    bad = lambda a: L.linear_fwd(a, w, config=c32 if a.shape[0] > 8 else c64)  # noqa: E731
+    rep = contract.check_row_subset_invariance(bad, x, [[0], [3, 4], list(range(8))])
+    assert not rep.passed and rep.n_mismatch > 0, rep.summary()
+
+
+def test_packing_invariance_cpu(seed_rng):
+    K, N = 64, 32
+    w = _rand((N, K), scale=0.1)
+    seqs = [_rand((n, K)) for n in (3, 1, 9)]
+    rep = contract.check_packing_invariance(lambda p, cu: L.linear_triton(p, w), seqs, n_packings=2, pad_to=16)
+    assert rep, rep.summary()
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_accuracy_and_3d_input(dtype, rtol, seed_rng):
+    K, N = 96, 48
+    x, w, b = _rand((2, 5, K), dtype), _rand((N, K), dtype, 0.1), _rand((N,), dtype)
+    for fn in (L.linear_triton, L.linear_torch):
+        y = fn(x, w, b)
+        assert y.shape == (2, 5, N) and y.dtype == dtype
+        rep = contract.check_accuracy(y, L.linear_reference(x, w, b), rtol)
+        assert rep, rep.summary()
+
+
+def test_outputs_written_and_inputs_unchanged(seed_rng):
+    x, w = _rand((17, 64)), _rand((40, 64), scale=0.1)
+    out = torch.empty(17, 40, dtype=torch.bfloat16)
+    assert contract.check_outputs_written(lambda o: L.linear_fwd(x, w, out=o), out)
+    assert contract.check_inputs_unchanged(lambda a, b: L.linear_triton(a, b), x, w)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch_ref"])
+def test_gradients_match_float64(impl, seed_rng):
+    fn = L.linear_triton if impl == "triton" else L.linear_torch
+    x = _rand((7, 64)).requires_grad_()
+    w = _rand((32, 64), scale=0.1).requires_grad_()
+    b = _rand((32,)).requires_grad_()
+    g = torch.randn(7, 32)
+    (fn(x, w, b).float() * g).sum().backward()
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    (L.linear_reference(xd, wd, bd) * g.double()).sum().backward()
+    for got, ref in ((x.grad, xd.grad), (w.grad, wd.grad), (b.grad, bd.grad)):
+        assert contract.check_accuracy(got, ref, 1e-2)
+
+
+def test_clear_errors(monkeypatch):
+    x, w = _rand((4, 64)), _rand((32, 64))
+    with pytest.raises(TypeError):
+        L.linear_triton(x.to(torch.int32), w)
+    with pytest.raises(TypeError):
+        L.linear_triton(x, w.float())
+    with pytest.raises(ValueError):
+        L.linear_triton(x, w.t().contiguous().t())  # non-contiguous weight
+    with pytest.raises(ValueError):
+        L.linear_triton(_rand((4, 128))[:, ::2], w)  # last dim not unit-stride
+    with pytest.raises(ValueError):
+        L.linear_triton(_rand((4, 63)), w)
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="CUDA"):
+            L.linear_triton(x, w)
+
+
+def test_dispatch_through_ops(seed_rng):
+    from areal_tik import ops
+    x, w = _rand((3, 64)), _rand((32, 64))
+    assert torch.equal(ops.linear(x, w, backend="torch_ref"), L.linear_torch(x, w))
+    assert torch.equal(ops.linear(x, w, backend="triton"), L.linear_triton(x, w))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+QWEN_SHAPES = {  # (N, K): 1.5B q/o, kv, gate(or up), down; 7B q/o, kv, down
+    "1.5b_q": (1536, 1536), "1.5b_kv": (256, 1536), "1.5b_up": (8960, 1536), "1.5b_down": (1536, 8960),
+    "7b_q": (3584, 3584), "7b_kv": (512, 3584), "7b_down": (3584, 18944),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["1.5b_q", "1.5b_kv", "1.5b_down", "7b_kv"])
+def test_gpu_row_subset_invariance_real_shapes(shape, seed_rng):
+    N, K = QWEN_SHAPES[shape]
+    w = _rand((N, K), scale=K ** -0.5)
+    x = _rand((4096, K))
+    full = L.linear_triton(x, w)
+    for M in (1, 2, 3, 7, 16, 64, 129, 1000, 4096):
+        xm = x[:M].contiguous()
+        ym = L.linear_triton(xm, w)
+        assert contract.compare_bits(ym, full[:M], name=f"M={M}"), (shape, M, L.pick_config(M, N, K))
+        rep = contract.check_row_subset_invariance(lambda a: L.linear_triton(a, w), xm, _subsets(M))
+        assert rep, (shape, M, rep.summary())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(QWEN_SHAPES))
+def test_gpu_all_configs_bit_identical(shape, seed_rng):
+    """Every tile config in CONFIGS gives the same bits (the claim pick_config relies on)."""
+    N, K = QWEN_SHAPES[shape]
+    w = _rand((N, K), scale=K ** -0.5)
+    for M in (1, 16, 64, 300):
+        x = _rand((M, K))
+        outs = {name: L.linear_fwd(x, w, config=name) for name in L.CONFIGS}
+        rep = contract.check_regime_equality(outs, name=f"{shape} M={M}")
+        assert rep, rep.summary()
+
+
+@pytest.mark.gpu
+def test_gpu_accuracy_gradients_bias_fp32(seed_rng):
+    N, K = 1536, 1536
+    x, w, b = _rand((333, K)), _rand((N, K), scale=K ** -0.5), _rand((N,))
+    assert contract.check_accuracy(L.linear_triton(x, w, b), L.linear_reference(x, w, b), 1e-2)
+    xf, wf = x.float(), w.float()
+    assert contract.check_accuracy(L.linear_triton(xf, wf), L.linear_reference(xf, wf), 1e-5)
+    x.requires_grad_(), w.requires_grad_()
+    g = torch.randn(333, N, device=DEV)
+    (L.linear_triton(x, w).float() * g).sum().backward()
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (L.linear_reference(xd, wd) * g.double()).sum().backward()
+    assert contract.check_accuracy(x.grad, xd.grad, 1e-2) and contract.check_accuracy(w.grad, wd.grad, 1e-2)
+    out = torch.empty(333, N, dtype=torch.bfloat16, device=DEV)
+    assert contract.check_outputs_written(lambda o: L.linear_fwd(x.detach(), w.detach(), out=o), out)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_ref_matches_cpu_bits(seed_rng):
+    """torch_ref uses only exactly-rounded elementwise ops: same bits on CPU and GPU."""
+    x, w = _rand((5, 128)), _rand((64, 128))
+    assert torch.equal(L.linear_torch(x, w).cpu(), L.linear_torch(x.cpu(), w.cpu()))
