@@ -143,6 +143,34 @@ class TikFSDPPPOActor(FSDPPPOActor):
         self.model = patched if patched is not None else self.model
         logger.info("model patched with kernels=%s before FSDP wrapping", kernels)
 
+    def initialize(self, *args, **kwargs):
+        out = super().initialize(*args, **kwargs)
+        if self.kernel_backend == "tik":
+            self._keep_rope_fp32()
+        return out
+
+    def _keep_rope_fp32(self):
+        """FSDP2's ``cast_forward_inputs=True`` (hard-wired in AReaL's ``parallelize_model``) casts
+        every floating tensor in a wrapped layer's inputs to bf16, including the fp32 RoPE table
+        the patched layers receive in their ``ForwardMeta``. DESIGN.md: the table is never cast
+        by FSDP. A pre-hook registered after FSDP's (so it runs after the cast) puts the fp32
+        table back; the rollout server (no FSDP) uses the same table."""
+        base = getattr(self.model, "model", None)
+        rope = getattr(base, "_tik_rope", None)
+        layers = getattr(base, "layers", None)
+        if rope is None or layers is None:
+            return
+
+        def fix(module, args, kwargs):
+            for a in list(args) + list(kwargs.values()):
+                c = getattr(a, "cos", None) if not isinstance(a, torch.Tensor) else None
+                if isinstance(c, torch.Tensor) and c.dtype != torch.float32:
+                    a.cos, a.sin = rope.get(a.cos.device)
+            return None
+
+        for layer in layers:
+            layer.register_forward_pre_hook(fix, with_kwargs=True)
+
     # ---- log-probs through the one areal-tik function --------------------------------
     def _labels(self, inputs):
         labels = inputs.get("rolled_input_ids", torch.roll(inputs["input_ids"], shifts=-1, dims=-1))
