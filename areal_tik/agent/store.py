@@ -377,6 +377,19 @@ class Store:
             p.append(parent_id)
         return self._select(Opportunity, " AND ".join(where), tuple(p), order="priority DESC, id")
 
+    def opportunity_outcomes(self, run_id: int) -> dict[str, list[tuple[str, dict]]]:
+        """opportunity key -> [(decision action, decision data)] of the candidates it produced."""
+        import json as _json
+        rows = self.conn.execute(
+            "SELECT o.key, d.action, d.data_json FROM opportunities o "
+            "JOIN kernel_versions v ON v.opportunity_id = o.id JOIN decisions d ON d.version_id = v.id "
+            "WHERE o.run_id = ? AND d.action IN ('reject', 'keep', 'promote', 'branch') ORDER BY d.id",
+            (run_id,)).fetchall()
+        out: dict = {}
+        for k, a, dj in rows:
+            out.setdefault(k, []).append((a, _json.loads(dj) if dj else {}))
+        return out
+
     def set_opportunity_status(self, oid: int, status: str) -> None:
         self._update("opportunities", oid, status=status, closed=time.time() if status != "open" else None)
 

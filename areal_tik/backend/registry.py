@@ -10,6 +10,9 @@ variable ``AREAL_TIK_BACKEND``, e.g. ``triton`` or ``linear=cuda,attention=trito
 that cannot be met raises :class:`BackendUnavailable` — never a silent fallback to a
 different numerical path. Without a request, ops take the first available backend of
 ``DEFAULT_ORDER`` (GPU) or ``torch_ref`` (no GPU).
+
+Agent exports (``areal_tik/kernels/exported/<op>_<arch>.py``, see :func:`_load_exported`)
+replace an op's implementation on a GPU of that architecture; the fingerprint covers them.
 """
 from __future__ import annotations
 
@@ -95,7 +98,49 @@ def _ensure_loaded() -> None:
                 meta = tuple(sorted(getattr(mod, "META", {}).items()))
                 register(ImplInfo(op=op, backend=be, fn=fn, sources=tuple(srcs), meta=meta,
                                   available=avail[be], doc=(fn.__doc__ or "")))
+    _load_exported(avail)
     _LOADED = True
+
+
+def _gpu_arch() -> str | None:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm{major}{minor}"
+    except Exception:  # pragma: no cover
+        pass
+    return None
+
+
+def _load_exported(avail: dict) -> None:
+    """Agent exports: ``areal_tik/kernels/exported/<op>_<arch>.py`` (``areal-tik agent export``).
+
+    On a GPU whose arch matches the file name (e.g. ``linear_sm90.py`` on an H200), the
+    module's ``OPS`` replace the op's implementation of that backend. The exported file is
+    prepended to the implementation's sources, so the fingerprint includes it; its ``META``
+    joins the meta-parameters. Other archs (and CPUs) ignore exports. Delete the file to go back.
+    """
+    import importlib
+    import pkgutil
+    arch = _gpu_arch()
+    if arch is None:
+        return
+    try:
+        pkg = importlib.import_module("areal_tik.kernels.exported")
+    except ModuleNotFoundError:
+        return
+    for m in pkgutil.iter_modules(pkg.__path__):
+        if not m.name.endswith("_" + arch):
+            continue
+        mod = importlib.import_module(f"{pkg.__name__}.{m.name}")
+        for op, impls in getattr(mod, "OPS", {}).items():
+            for be, fn in impls.items():
+                prev = _REGISTRY.get(op, {}).get(be)
+                srcs = (mod.__file__,) + (prev.sources if prev else ())
+                meta = tuple(sorted({**dict(prev.meta if prev else ()), **getattr(mod, "META", {})}.items()))
+                register(ImplInfo(op=op, backend=be, fn=fn, sources=srcs, meta=meta, available=avail[be],
+                                  doc=(fn.__doc__ or "")))
 
 
 def implementations() -> dict[str, dict[str, ImplInfo]]:

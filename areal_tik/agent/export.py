@@ -1,0 +1,138 @@
+"""Export the best verified version of a run back into the package, with provenance.
+
+Writes ``areal_tik/kernels/exported/<op>_<arch>.py``: the version's source text, then a
+generated adapter (``EXPORT_META``, ``PROVENANCE``, ``ARCH``, an ``OPS`` table with the
+public op signature and a torch backward). ``areal_tik/backend/registry.py`` registers
+it as the op's ``triton`` implementation on a GPU of that architecture only; the file
+is one of the implementation's sources, so the kernel fingerprint changes with it.
+A JSON twin (``<op>_<arch>.json``) holds the meta-parameters, source and provenance.
+
+Refused (:class:`ExportRefused`): runs timed with the SIMULATED timer, runs without a GPU
+architecture, versions that are not verified, or a best version with any simulated
+measurement.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from areal_tik.agent.records import canonical_json
+
+__all__ = ["ExportRefused", "export_best", "EXPORT_DIR"]
+
+EXPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "exported")
+
+
+class ExportRefused(RuntimeError):
+    pass
+
+
+_ADAPTERS = {"linear": '''
+
+# ======================= areal-tik agent export adapter (generated) =======================
+import torch as _torch
+
+OP = {op!r}
+ARCH = {arch!r}
+EXPORT_META = {meta}
+META = {{"agent_export": {hash!r}}}
+PROVENANCE = {prov}
+
+
+class _ExportedLinear(_torch.autograd.Function):
+    """Forward: the exported kernel (the contract above). Backward: plain torch matmuls
+    in fp32 (the backward need not be batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias):
+        out = _torch.empty(x2.shape[0], weight.shape[0], dtype=x2.dtype, device=x2.device)
+        forward(x2, weight, bias, out, EXPORT_META)
+        ctx.save_for_backward(x2, weight)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, weight = ctx.saved_tensors
+        gf = g.float()
+        gx = (gf @ weight.float()).to(x2.dtype)
+        gw = (gf.t() @ x2.float()).to(weight.dtype)
+        gb = gf.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return gx, gw, gb
+
+
+def linear_exported(x, weight, bias=None):
+    """``linear(x, weight, bias=None)`` with the agent-exported kernel (see PROVENANCE)."""
+    shp = x.shape
+    x2 = x.reshape(-1, shp[-1]).contiguous()
+    w = weight.contiguous()
+    if x2.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad):
+        y = _ExportedLinear.apply(x2, w, bias)
+    else:
+        y = _torch.empty(x2.shape[0], w.shape[0], dtype=x2.dtype, device=x2.device)
+        forward(x2, w, bias, y, EXPORT_META)
+    return y.reshape(*shp[:-1], w.shape[0])
+
+
+OPS = {{OP: {{"triton": linear_exported}}}}
+'''}
+
+
+def _arch_tag(arch: str) -> str:
+    return arch.replace("_", "")
+
+
+def export_best(store, run_name: str, out_dir: str | None = None) -> dict:
+    run = store.run(run_name)
+    if run is None:
+        raise ExportRefused(f"no run named {run_name!r}")
+    if run.timer != "gpu":
+        raise ExportRefused(f"run {run_name!r} used the {run.timer.upper()} timer; simulated results are never exported")
+    arch = ((run.env or {}).get("gpu") or {}).get("arch")
+    if not arch:
+        raise ExportRefused(f"run {run_name!r} recorded no GPU architecture")
+    best = store.version(run.best_version)
+    if best is None or best.status != "verified":
+        raise ExportRefused("best version is not verified")
+    meas = store.measurements(best.id)
+    if any(m.simulated for m in meas):
+        raise ExportRefused(f"version {best.id} has SIMULATED measurements; refusing")
+    if run.op not in _ADAPTERS:
+        raise ExportRefused(f"no export adapter for op {run.op!r}")
+    checks = store.checks(best.id)
+    wls = {w.id: w for w in store.workloads(run.id)}
+    final = next((d for d in reversed(store.decisions(run.id)) if d.action == "stop"), None)
+    lineage = [store.version(v) for v in store.lineage(best.id)]
+    prov = {
+        "run": run.name, "db": store.path, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "op": run.op, "kind": best.kind, "version_id": best.id, "version_hash": best.hash,
+        "root_hash": store.version(run.root_version).hash, "contract_hash": store.contract(run.id).hash,
+        "lineage": [{"id": v.id, "hash": v.hash, "description": v.description} for v in lineage],
+        "checks": {"total": len(checks), "passed": sum(c.passed for c in checks)},
+        "noise_floor": run.noise_floor, "env": run.env,
+        "final": final.data if final else None,
+        "latency_us": {wls[m.workload_id].name: m.latency_us for m in meas if m.workload_id in wls},
+        "workloads": {w.name: {"shape": w.shape, "weight": w.weight} for w in wls.values()},
+    }
+    out_dir = out_dir or EXPORT_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    init = os.path.join(out_dir, "__init__.py")
+    if not os.path.exists(init):
+        with open(init, "w") as f:
+            f.write('"""Kernels exported by the optimization agent (`areal-tik agent export`)."""\n')
+    stem = f"{run.op}_{_arch_tag(arch)}"
+    header = (f"# Exported by `areal-tik agent export` from run {run.name!r}, version {best.id} "
+              f"(hash {best.hash}), GPU arch {arch}. Do not edit by hand: re-export instead.\n")
+    body = header + best.source + _ADAPTERS[run.op].format(
+        op=run.op, arch=arch, meta=repr(json.loads(canonical_json(best.meta))), hash=best.hash,
+        prov=repr(json.loads(canonical_json(prov))))
+    py = os.path.join(out_dir, stem + ".py")
+    with open(py + ".tmp", "w") as f:
+        f.write(body)
+    os.replace(py + ".tmp", py)
+    js = os.path.join(out_dir, stem + ".json")
+    with open(js, "w") as f:
+        json.dump({"op": run.op, "arch": arch, "kind": best.kind, "meta": best.meta, "source": best.source,
+                   "provenance": prov}, f, indent=1, default=str)
+    return {"py": py, "json": js, "version": best.id, "hash": best.hash, "arch": arch}

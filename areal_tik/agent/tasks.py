@@ -1,0 +1,147 @@
+"""Tasks: what an op computes, how to build its inputs, its reference and its workloads.
+
+A task is the agent's view of one op, independent of the kernel language (``kinds.py``):
+the evaluator's checks and timer are written against this interface only. The linear
+task is the first; a decode-attention task would add its own inputs, reference and
+batch axis (sequences) in the same shape.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+__all__ = ["LinearTask", "TASKS", "get_task", "PRESETS"]
+
+# Qwen2.5-1.5B: hidden 1536, intermediate 8960, 12 q heads / 2 kv heads of 128.
+_QWEN15 = {"qkv": (2048, 1536, True), "o": (1536, 1536, False), "gate_up": (17920, 1536, False),
+           "down": (1536, 8960, False)}
+# M -> weight: decode batches run many times per prefill/training chunk (decode-heavy RL mix).
+_QWEN15_M = {16: 8.0, 256: 2.0, 4096: 1.0}
+
+PRESETS = {
+    "qwen2.5-1.5b": {
+        "workloads": [
+            {"name": f"{layer}_m{m}", "shape": {"M": m, "N": n, "K": k, "bias": b}, "weight": w,
+             "regression_limit": 0.10 if m <= 16 else 0.08}
+            for m, w in _QWEN15_M.items() for layer, (n, k, b) in _QWEN15.items()
+        ],
+        "probe_shapes": [{"M": 1, "N": 200, "K": 136, "bias": True}, {"M": 37, "N": 264, "K": 520, "bias": False},
+                         {"M": 300, "N": 96, "K": 1040, "bias": False}],
+        "rtol": 1e-2,
+    },
+    # CPU / interpreter: tiny shapes, still crossing tile boundaries and masked tails.
+    "tiny": {
+        "workloads": [
+            {"name": "a_m5", "shape": {"M": 5, "N": 48, "K": 64, "bias": True}, "weight": 4.0, "regression_limit": 0.10},
+            {"name": "b_m24", "shape": {"M": 24, "N": 32, "K": 96, "bias": False}, "weight": 1.0, "regression_limit": 0.10},
+        ],
+        "probe_shapes": [{"M": 3, "N": 40, "K": 80, "bias": False}],
+        "rtol": 1e-2,
+    },
+}
+
+
+def _seed(*parts) -> int:
+    return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:8], 16)
+
+
+class LinearTask:
+    """``out = x @ w.T (+ bias)``; batch axis = rows of x (M)."""
+
+    op = "linear"
+
+    # ---- frozen contract and workloads ----
+    def contract_spec(self, preset: str) -> dict:
+        p = PRESETS[preset]
+        return {"op": self.op, "preset": preset, "dtype": "bfloat16", "rtol": p["rtol"],
+                "probe_shapes": p["probe_shapes"], "seed": 1234,
+                "checks": ["load", "runs", "outputs_written", "inputs_unchanged", "accuracy", "shape_generality",
+                           "fresh_inputs", "determinism", "row_subset_invariance", "batch_extension_invariance"],
+                "invariance": "rows of x: any subset or extension of the batch gives identical bits for shared rows"}
+
+    def workloads(self, preset: str) -> list[dict]:
+        return [dict(w) for w in PRESETS[preset]["workloads"]]
+
+    # ---- inputs ----
+    def make_inputs(self, shape: dict, seed: int, device: str, dtype=None) -> dict:
+        import torch
+        dtype = dtype or torch.bfloat16
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        m, n, k = shape["M"], shape["N"], shape["K"]
+        x = torch.randn(m, k, generator=g).to(dtype).to(device)
+        w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(dtype).to(device)
+        b = (torch.randn(n, generator=g) * 0.1).to(dtype).to(device) if shape.get("bias") else None
+        return {"x": x, "w": w, "bias": b}
+
+    def tensors(self, inputs: dict) -> list:
+        return [t for t in (inputs["x"], inputs["w"], inputs["bias"]) if t is not None]
+
+    def alloc_out(self, inputs: dict):
+        import torch
+        x, w = inputs["x"], inputs["w"]
+        return torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+
+    def call(self, kernel, inputs: dict, out, meta: dict):
+        kernel.forward(inputs["x"], inputs["w"], inputs["bias"], out, meta)
+        return out
+
+    def reference(self, inputs: dict):
+        """float64 reference (the kernel module's ``linear_reference`` when it exists)."""
+        try:
+            from areal_tik.kernels.linear import linear_reference  # type: ignore
+            return linear_reference(inputs["x"], inputs["w"], inputs["bias"]).double()
+        except Exception:
+            x, w, b = inputs["x"].double(), inputs["w"].double(), inputs["bias"]
+            y = x @ w.T
+            return y + b.double() if b is not None else y
+
+    # ---- batch axis ----
+    def batch_size(self, inputs: dict) -> int:
+        return inputs["x"].shape[0]
+
+    def with_rows(self, inputs: dict, x) -> dict:
+        return {**inputs, "x": x}
+
+    def batch_tensor(self, inputs: dict):
+        return inputs["x"]
+
+    def flops(self, shape: dict) -> float:
+        return 2.0 * shape["M"] * shape["N"] * shape["K"]
+
+    def bytes(self, shape: dict) -> float:
+        return 2.0 * (shape["M"] * shape["K"] + shape["N"] * shape["K"] + shape["M"] * shape["N"])
+
+    # ---- the clearly labelled SIMULATED timer (CPU only; never exported) ----
+    def simulated_latency_us(self, shape: dict, meta: dict, source: str) -> float:
+        """A made-up roofline cost model of an H100-class GPU. NOT a measurement."""
+        m, n, k = shape["M"], shape["N"], shape["K"]
+        cfg = next((b for b in meta.get("buckets", []) if b.get("max_m") is None or m <= b["max_m"]),
+                   (meta.get("buckets") or [{}])[-1])
+        bm, bn, bk = cfg.get("BLOCK_M", 32), cfg.get("BLOCK_N", 32), cfg.get("BLOCK_K", 32)
+        warps, stages = cfg.get("num_warps", 4), cfg.get("num_stages", 2)
+        sms = 132
+        grouped = "GROUP_M" in source and "pid_m = first_m" in source
+        persistent = "tl.num_programs(0)" in source
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        waves = max(1, math.ceil(tiles / sms))
+        eff = min(1.0, (bm * bn) / (128 * 128)) ** 0.5 * min(1.0, bk / 64) ** 0.3
+        eff *= min(1.0, 0.55 + 0.15 * stages) * (1.0 if (warps == 8) == (bm * bn >= 128 * 128) else 0.85)
+        peak_sm = 750e12 / sms
+        t_comp = waves * (2.0 * bm * bn * k) / (peak_sm * max(eff, 0.05))
+        reread_a = math.ceil(n / bn) if not grouped else max(1, math.ceil(n / bn) / 4)
+        byts = 2.0 * (m * k * min(reread_a, 8) + n * k * math.ceil(m / bm) + m * n)
+        par = min(1.0, tiles / sms) * min(1.0, 0.5 + 0.15 * stages)
+        t_mem = byts / (4.0e12 * max(par, 0.05))
+        t = max(t_comp, t_mem) * 1e6 * (0.9 if persistent else 1.0) + 0.01 * waves
+        h = _seed(sorted(cfg.items()), shape["M"], shape["N"], shape["K"], len(source))
+        return t * (1.0 + 0.002 * ((h % 1000) / 500.0 - 1.0))
+
+
+TASKS = {"linear": LinearTask()}
+
+
+def get_task(op: str):
+    try:
+        return TASKS[op]
+    except KeyError:
+        raise KeyError(f"no agent task for op {op!r}; known: {sorted(TASKS)}") from None
