@@ -17,6 +17,17 @@
 
 namespace {
 
+at::Tensor out_or_new(const c10::optional<at::Tensor>& out, const at::Tensor& like, at::IntArrayRef sizes,
+                      const char* what) {
+  if (!out.has_value()) return at::empty(sizes, like.options());
+  const at::Tensor& o = *out;
+  TORCH_CHECK(o.device() == like.device() && o.scalar_type() == like.scalar_type() && o.sizes() == sizes &&
+                  o.is_contiguous(),
+              what, ": out must be a contiguous ", like.scalar_type(), " tensor of shape ", sizes, " on ",
+              like.device());
+  return o;
+}
+
 void check_cuda(int err, const char* what) {
   TORCH_CHECK(err == 0, "areal-tik CUDA ", what, " failed: ", cudaGetErrorString((cudaError_t)err));
 }
@@ -36,7 +47,7 @@ int dtype_code(at::ScalarType s) {
 at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cu_seqlens_q, const c10::optional<at::Tensor>& seqlens_k,
                             const c10::optional<at::Tensor>& block_table, int64_t max_seqlen_q, double scale,
-                            int64_t mode) {
+                            int64_t mode, const c10::optional<at::Tensor>& out_opt) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   check_dev(k, q, "k");
   check_dev(v, q, "v");
@@ -90,7 +101,7 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
   p.scale_log2 = (float)(scale * 1.4426950408889634);
   p.mode = (int)mode;
   at::cuda::CUDAGuard guard(q.device());
-  auto out = at::empty_like(q);
+  auto out = out_or_new(out_opt, q, q.sizes(), "attention");
   p.out = out.data_ptr();
   at::Tensor ws_acc, ws_ml, ws_nc;
   if (tik_attention_resolve_mode(&p) == TIK_ATTN_SPLIT_MODE) {
@@ -110,17 +121,20 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 at::Tensor attention_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale, int64_t mode) {
-  return attention_common(q, k, v, cu_seqlens, c10::nullopt, c10::nullopt, max_seqlen, scale, mode);
+                                const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale, int64_t mode,
+                                const c10::optional<at::Tensor>& out) {
+  return attention_common(q, k, v, cu_seqlens, c10::nullopt, c10::nullopt, max_seqlen, scale, mode, out);
 }
 
 at::Tensor attention_paged_fwd(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
-                               const at::Tensor& seqlens_k, int64_t max_seqlen_q, double scale, int64_t mode) {
-  return attention_common(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q, scale, mode);
+                               const at::Tensor& seqlens_k, int64_t max_seqlen_q, double scale, int64_t mode,
+                               const c10::optional<at::Tensor>& out) {
+  return attention_common(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q, scale, mode,
+                          out);
 }
 
-at::Tensor rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps) {
+at::Tensor rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps, const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   check_dev(w, x, "weight");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and weight dtypes differ");
@@ -132,7 +146,7 @@ at::Tensor rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps) {
   x2 = x2.reshape({-1, n});
   if (x2.stride(-1) != 1) x2 = x2.contiguous();
   at::cuda::CUDAGuard guard(x.device());
-  auto y = at::empty(x2.sizes(), x.options());
+  auto y = out_or_new(out, x, x.sizes(), "rms_norm").view(x2.sizes());
   cudaStream_t st = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   check_cuda(tik_rms_norm(x2.data_ptr(), w.data_ptr(), y.data_ptr(), x2.size(0), (int)n, x2.stride(0), (float)eps,
                           dtype_code(x.scalar_type()), st),
@@ -141,7 +155,7 @@ at::Tensor rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 
 at::Tensor apply_rope_fwd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                          const at::Tensor& positions) {
+                          const at::Tensor& positions, const c10::optional<at::Tensor>& out_opt) {
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   check_dev(cos, x, "cos");
   check_dev(sin, x, "sin");
@@ -154,7 +168,7 @@ at::Tensor apply_rope_fwd(const at::Tensor& x, const at::Tensor& cos, const at::
                   positions.size(0) == x.size(0),
               "apply_rope: positions must be contiguous int64 [T]");
   at::cuda::CUDAGuard guard(x.device());
-  auto out = at::empty(x.sizes(), x.options());
+  auto out = out_or_new(out_opt, x, x.sizes(), "apply_rope");
   cudaStream_t st = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   check_cuda(tik_apply_rope(x.data_ptr(), out.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                             positions.data_ptr<int64_t>(), x.size(0), (int)x.size(1), (int)x.size(2), x.stride(0),
@@ -199,10 +213,16 @@ std::string describe() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "areal-tik CUDA kernels (csrc/)";
-  m.def("attention_varlen_fwd", &attention_varlen_fwd, "causal varlen attention forward (bf16)");
-  m.def("attention_paged_fwd", &attention_paged_fwd, "causal attention over a paged KV cache (bf16)");
-  m.def("rms_norm_fwd", &rms_norm_fwd, "RMSNorm forward, HF rounding points");
-  m.def("apply_rope_fwd", &apply_rope_fwd, "neox RoPE, fp32 math, one rounding");
+  m.def("attention_varlen_fwd", &attention_varlen_fwd, "causal varlen attention forward (bf16)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("mode"),
+        py::arg("out") = py::none());
+  m.def("attention_paged_fwd", &attention_paged_fwd, "causal attention over a paged KV cache (bf16)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("cu_seqlens_q"), py::arg("seqlens_k"),
+        py::arg("max_seqlen_q"), py::arg("scale"), py::arg("mode"), py::arg("out") = py::none());
+  m.def("rms_norm_fwd", &rms_norm_fwd, "RMSNorm forward, HF rounding points", py::arg("x"), py::arg("w"),
+        py::arg("eps"), py::arg("out") = py::none());
+  m.def("apply_rope_fwd", &apply_rope_fwd, "neox RoPE, fp32 math, one rounding", py::arg("x"), py::arg("cos"),
+        py::arg("sin"), py::arg("positions"), py::arg("out") = py::none());
   m.def("kv_cache_write", &kv_cache_write, "scatter k/v rows into the paged caches");
   m.def("describe", &describe, "resource usage of the attention kernels (registers, spills, smem)");
   m.attr("BLOCK_N") = TIK_ATTN_BLOCK_N;

@@ -173,7 +173,7 @@ class _VarlenCudaFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None, mode="auto"):
+def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None, mode="auto", out=None):
     """R1 packed causal GQA attention (CUDA). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` bf16,
     ``cu_seqlens`` int32 ``[B+1]`` (covering all T tokens), ``max_seqlen`` host int >= the
     longest segment. Returns ``[T, Hq, D]`` bf16, bitwise equal to :func:`attention_paged_cuda`
@@ -192,11 +192,11 @@ def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_si
     q, k, v, cu = q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _VarlenCudaFunction.apply(q, k, v, cu, int(max_seqlen), sc, md)
-    return extension().attention_varlen_fwd(q, k, v, cu, int(max_seqlen), sc, md)
+    return extension().attention_varlen_fwd(q, k, v, cu, int(max_seqlen), sc, md, out=out)
 
 
 def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, scale=None,
-                         window_size=None, mode="auto"):
+                         window_size=None, mode="auto", out=None):
     """R2 prefill / R3 chunked prefill / R4 decode over the paged KV cache (CUDA).
 
     q ``[Tq, Hq, D]`` bf16; caches ``[num_pages, page_size, Hkv, D]`` bf16 contiguous
@@ -204,7 +204,9 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
     ``cu_seqlens_q`` int32 ``[B+1]``; ``seqlens_k`` int32 ``[B]`` (includes the queries,
     each sequence's last n_i positions); ``max_seqlen_q`` host int. No host sync (split
     workspace is sized from ``max_pages * page_size``), so it can be graph-captured.
-    Decode-shaped launches (max_seqlen_q * G <= 16) use split-KV across CTAs."""
+    Decode-shaped launches (max_seqlen_q * G <= 16) use split-KV across CTAs. ``out``: optional
+    contiguous ``[Tq, Hq, D]`` bf16 buffer to write (CUDA graphs, poisoned-output tests);
+    rows of tokens outside ``cu_seqlens_q[B]`` are left untouched."""
     name = "attention_paged"
     _check_window(window_size)
     _need_cuda(name, ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
@@ -228,7 +230,7 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
         raise ValueError(f"{name}: max_seqlen_q must be >= 0")
     return extension().attention_paged_fwd(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
                                            cu_seqlens_q.contiguous(), seqlens_k.contiguous(), int(max_seqlen_q),
-                                           _scale(scale, q.shape[-1]), _mode(mode))
+                                           _scale(scale, q.shape[-1]), _mode(mode), out=out)
 
 
 def kv_cache_write_cuda(k, v, k_cache, v_cache, slot_mapping):
@@ -277,7 +279,7 @@ class _RMSNormCudaFunction(torch.autograd.Function):
         return gx.to(x.dtype), gw.to(w.dtype), None
 
 
-def rms_norm_cuda(x, weight, eps):
+def rms_norm_cuda(x, weight, eps, out=None):
     """HF-semantics RMSNorm ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (CUDA, one
     warp per row; a row's bits depend only on that row and N). x ``[..., N]`` bf16/fp16/fp32
     with a unit last stride, weight ``[N]`` of x's dtype. Backward: float32 torch maths."""
@@ -290,7 +292,7 @@ def rms_norm_cuda(x, weight, eps):
     w = weight.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNormCudaFunction.apply(x, w, float(eps))
-    return extension().rms_norm_fwd(x, w, float(eps))
+    return extension().rms_norm_fwd(x, w, float(eps), out=out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -320,7 +322,7 @@ class _RopeCudaFunction(torch.autograd.Function):
         return _rope_backward_torch(dy, cos, sin, positions), None, None, None
 
 
-def apply_rope_cuda(x, cos, sin, positions):
+def apply_rope_cuda(x, cos, sin, positions, out=None):
     """Neox (rotate-half) RoPE: ``out[:h] = x1*cos1 - x2*sin1``, ``out[h:] = x2*cos2 + x1*sin2`` in
     fp32 (each product and sum rounded, no FMA), rounded once to x's dtype. x ``[T, H, D]``
     (unit last stride, other strides free), cos/sin fp32 ``[P, D]``, positions int32/int64
@@ -346,7 +348,7 @@ def apply_rope_cuda(x, cos, sin, positions):
     c, s = cos.contiguous(), sin.contiguous()
     if torch.is_grad_enabled() and x.requires_grad:
         return _RopeCudaFunction.apply(x, c, s, pos)
-    return extension().apply_rope_fwd(x, c, s, pos)
+    return extension().apply_rope_fwd(x, c, s, pos, out=out)
 
 
 def describe() -> str:

@@ -1,0 +1,472 @@
+"""CUDA C++ backend (csrc/, issue 9): the contract within the cuda backend.
+
+GPU tests (``-m gpu``, run by ``bash bench/gpu_check.sh tests``):
+- attention: R1 varlen (two packings, with a padding segment) == R2 paged prefill ==
+  R3 chunked prefill == R4 decode (all positions, shuffled batch mixes), bit for bit,
+  in every launch mode (fold / split / auto), over lengths around block and split
+  boundaries, page sizes 16..256, GQA group 1..8, D 64/128; float64 bound; outputs
+  poisoned before every call; cache slots outside the sequences poisoned with NaN.
+- kv_cache_write exactness and -1 skipping; RMSNorm row-subset invariance, strided input,
+  float64 bound; RoPE bits equal to the unfused fp32 PyTorch expression, float64 bound;
+  backward passes against float64 autograd.
+CPU test: every csrc/*.cu compiles for sm_80 and sm_90a (``areal-tik compile-check``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from areal_tik.contract import (
+    check_accuracy, check_outputs_written, check_row_subset_invariance, compare_bits, poison_,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ---------------------------------------------------------------------------------------
+# references (import the owners' float64 references; minimal fallbacks otherwise)
+# ---------------------------------------------------------------------------------------
+
+def _attention_reference(q, k, v, cu_q, cu_k=None, scale=None):
+    try:
+        from areal_tik.kernels.attention import attention_reference
+        return attention_reference(q, k, v, cu_q, cu_k, scale)
+    except ImportError:
+        pass
+    cu_k = cu_q if cu_k is None else cu_k
+    sm = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    g = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        n, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        if n == 0:
+            continue
+        qd = q[cq[i]:cq[i + 1]].double().transpose(0, 1)
+        kd = k[ck[i]:ck[i + 1]].double().repeat_interleave(g, 1).transpose(0, 1)
+        vd = v[ck[i]:ck[i + 1]].double().repeat_interleave(g, 1).transpose(0, 1)
+        s = (qd @ kd.transpose(1, 2)) * sm
+        pos = torch.arange(lk - n, lk, device=q.device)
+        s = s.masked_fill(torch.arange(lk, device=q.device)[None, :] > pos[:, None], -math.inf)
+        out[cq[i]:cq[i + 1]] = (torch.softmax(s, -1) @ vd).transpose(0, 1)
+    return out
+
+
+def _rms_norm_reference(x, w, eps):
+    try:
+        from areal_tik.kernels.rms_norm import rms_norm_reference
+        return rms_norm_reference(x, w, eps)
+    except ImportError:
+        xd = x.double()
+        return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rope_table(D, P, theta=1e6, device="cuda"):
+    try:
+        from areal_tik.kernels.rope import rope_table
+        return rope_table(D, P, theta, device=device)
+    except ImportError:
+        inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        ang = torch.arange(P, dtype=torch.float64)[:, None] * inv[None, :]
+        ang = torch.cat([ang, ang], -1)
+        return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+def _rope_reference(x, cos, sin, positions):
+    h = x.shape[-1] // 2
+    c = cos.double()[positions.long()][:, None, :]
+    s = sin.double()[positions.long()][:, None, :]
+    xd = x.double()
+    return xd * c + torch.cat([-xd[..., h:], xd[..., :h]], -1) * s
+
+
+def _ops():
+    from areal_tik.kernels import cuda_ops
+    return cuda_ops
+
+
+# ---------------------------------------------------------------------------------------
+# CPU: the sources compile
+# ---------------------------------------------------------------------------------------
+
+def test_csrc_compiles_for_sm80_and_sm90a():
+    import shutil
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-m", "areal_tik.cli", "compile-check", "--skip-triton", "--json"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    info = json.loads(r.stdout)
+    rows = {(c["source"], c["arch"]): c for c in info["cuda"]}
+    for src in ("tik_attention.cu", "tik_elementwise.cu"):
+        for arch in ("sm_80", "sm_90a"):
+            row = rows.get((src, arch))
+            assert row is not None, f"{src} {arch} not compiled"
+            assert row["ok"], f"{src} {arch}: {row.get('error')}"
+
+
+def test_cuda_ops_registered_with_sources():
+    from areal_tik.backend import registry
+    impls = registry.implementations()
+    for op in ("attention_varlen", "attention_paged", "kv_cache_write", "rms_norm", "apply_rope"):
+        info = impls[op]["cuda"]
+        assert any(s.endswith("tik_attention.cu") for s in info.sources)
+        assert dict(info.meta)["cuda.attn.BLOCK_N"] == 64
+    src = open(os.path.join(ROOT, "csrc", "tik_api.h")).read()
+    cu = _ops()
+    assert f"#define TIK_ATTN_BLOCK_N {cu.BLOCK_N} " in src and f"#define TIK_ATTN_SPLIT {cu.SPLIT} " in src
+
+
+# ---------------------------------------------------------------------------------------
+# helpers (GPU)
+# ---------------------------------------------------------------------------------------
+
+def _written(fn, shape, dtype, device="cuda"):
+    """Run ``fn(out)`` into a poisoned buffer; assert every element was written."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    rep = check_outputs_written(lambda o: fn(o), out)
+    assert rep, rep
+    return out
+
+
+def _build_cache(ks, vs, page_size, gen, extra_pages=3):
+    """Paged caches (NaN-poisoned) holding the sequences at random pages, written with the cuda
+    kv_cache_write (plus a garbage token with slot -1 that must be skipped)."""
+    cu = _ops()
+    Hkv, D = ks[0].shape[1:]
+    npg = [max(1, -(-k.shape[0] // page_size)) for k in ks]
+    num_pages = sum(npg) + extra_pages
+    max_pages = max(npg) + 2
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    bt = torch.full((len(ks), max_pages), -1, dtype=torch.int32)
+    slots, at = [], 0
+    for i, k in enumerate(ks):
+        pages = perm[at:at + npg[i]]
+        at += npg[i]
+        bt[i, :npg[i]] = torch.tensor(pages, dtype=torch.int32)
+        pos = torch.arange(k.shape[0])
+        slots.append(torch.tensor(pages)[pos // page_size] * page_size + pos % page_size)
+    kc = poison_(torch.empty(num_pages, page_size, Hkv, D, dtype=torch.bfloat16, device="cuda"))
+    vc = poison_(torch.empty_like(kc))
+    kall, vall = torch.cat(ks), torch.cat(vs)
+    junk = torch.randn(1, Hkv, D, device="cuda").bfloat16()
+    slot = torch.cat(slots + [torch.tensor([-1])]).cuda()
+    cu.kv_cache_write_cuda(torch.cat([kall, junk]), torch.cat([vall, junk]), kc, vc, slot)
+    return kc, vc, bt.cuda()
+
+
+def _regimes(lens, Hq, Hkv, D, page_size, seed):
+    cu = _ops()
+    gen = torch.Generator().manual_seed(seed)
+    dev = "cuda"
+    B = len(lens)
+    qs = [torch.randn(L, Hq, D, generator=gen).bfloat16().to(dev) for L in lens]
+    ks = [torch.randn(L, Hkv, D, generator=gen).bfloat16().to(dev) for L in lens]
+    vs = [torch.randn(L, Hkv, D, generator=gen).bfloat16().to(dev) for L in lens]
+    q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+    T = q.shape[0]
+    cu_list = [0] + torch.tensor(lens).cumsum(0).tolist()
+    cus = torch.tensor(cu_list, dtype=torch.int32, device=dev)
+    starts = cu_list[:-1]
+    maxlen = max(lens)
+    outs = {}
+
+    # R1: varlen, natural packing, every mode
+    for mode in ("auto", "fold", "split"):
+        outs[f"R1[{mode}]"] = _written(
+            lambda o: cu.attention_varlen_cuda(q, k, v, cus, maxlen, mode=mode, out=o), q.shape, q.dtype)
+    # R1: another packing (reversed order) plus a padding segment, mapped back
+    order = list(range(B))[::-1]
+    pad = int(torch.randint(1, 70, (1,), generator=gen))
+    pq = torch.cat([qs[i] for i in order] + [torch.randn(pad, Hq, D, generator=gen).bfloat16().to(dev)])
+    pk = torch.cat([ks[i] for i in order] + [torch.randn(pad, Hkv, D, generator=gen).bfloat16().to(dev)])
+    pv = torch.cat([vs[i] for i in order] + [torch.randn(pad, Hkv, D, generator=gen).bfloat16().to(dev)])
+    plens = [lens[i] for i in order] + [pad]
+    pcu = torch.tensor([0] + torch.tensor(plens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    po = _written(lambda o: cu.attention_varlen_cuda(pq, pk, pv, pcu, max(plens), out=o), pq.shape, pq.dtype)
+    back = torch.empty_like(q)
+    at = 0
+    for i in order:
+        back[cu_list[i]:cu_list[i + 1]] = po[at:at + lens[i]]
+        at += lens[i]
+    outs["R1[repacked+pad]"] = back
+
+    kc, vc, bt = _build_cache(ks, vs, page_size, gen)
+    seqk = torch.tensor(lens, dtype=torch.int32, device=dev)
+    # R2: paged prefill of whole sequences, every mode
+    for mode in ("auto", "fold", "split"):
+        outs[f"R2[{mode}]"] = _written(
+            lambda o: cu.attention_paged_cuda(q, kc, vc, bt, cus, seqk, maxlen, mode=mode, out=o), q.shape, q.dtype)
+
+    # R3: chunked prefill, random cuts (incl. 1-token and block-aligned chunks), rounds batch the
+    # r-th chunk of every sequence together
+    cuts = []
+    for L in lens:
+        c = sorted(set([0, L] + [int(x) for x in torch.randint(1, max(L, 2), (3,), generator=gen) if 0 < x < L]
+                       + ([64] if L > 64 else []) + ([L - 1] if L > 1 else [])))
+        cuts.append(c)
+    r3 = torch.empty_like(q)
+    for r in range(max(len(c) - 1 for c in cuts)):
+        idx = [i for i in range(B) if r < len(cuts[i]) - 1]
+        qq, nq, sk, rows = [], [], [], []
+        for i in idx:
+            a, b = cuts[i][r], cuts[i][r + 1]
+            qq.append(qs[i][a:b])
+            nq.append(b - a)
+            sk.append(b)
+            rows.append(i)
+        qcat = torch.cat(qq)
+        cq = torch.tensor([0] + torch.tensor(nq).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+        mode = ("auto", "fold", "split")[r % 3]
+        o = _written(lambda o: cu.attention_paged_cuda(qcat, kc, vc, bt[rows].contiguous(), cq,
+                                                       torch.tensor(sk, dtype=torch.int32, device=dev), max(nq),
+                                                       mode=mode, out=o), qcat.shape, qcat.dtype)
+        at = 0
+        for j, i in enumerate(idx):
+            a, b = cuts[i][r], cuts[i][r + 1]
+            r3[cu_list[i] + a:cu_list[i] + b] = o[at:at + nq[j]]
+            at += nq[j]
+    outs["R3"] = r3
+
+    # R4: decode. Every position of every sequence is one decode request (n=1) reading its own
+    # block-table row with seqlens_k = p + 1; one launch with all of them (natural order), one in
+    # a shuffled order, split across two launches of different batch sizes, and in fold mode.
+    owner = torch.repeat_interleave(torch.arange(B), torch.tensor(lens))
+    pos = torch.cat([torch.arange(L) for L in lens])
+
+    def decode(perm, mode="auto"):
+        res = torch.empty_like(q)
+        for part in (perm[: len(perm) // 3], perm[len(perm) // 3:]):
+            if len(part) == 0:
+                continue
+            pidx = torch.tensor(part)
+            qd = q[pidx.to(dev)]
+            bts = bt[owner[pidx].to(dev)].contiguous()
+            sk = (pos[pidx] + 1).to(torch.int32).to(dev)
+            cq = torch.arange(len(part) + 1, dtype=torch.int32, device=dev)
+            o = _written(lambda o: cu.attention_paged_cuda(qd, kc, vc, bts, cq, sk, 1, mode=mode, out=o),
+                         qd.shape, qd.dtype)
+            res[pidx.to(dev)] = o
+        return res
+
+    ident = list(range(T))
+    outs["R4[auto]"] = decode(ident)
+    outs["R4[shuffled]"] = decode(torch.randperm(T, generator=gen).tolist())
+    outs["R4[fold]"] = decode(ident, "fold")
+    ref = _attention_reference(q, k, v, cus)
+    return outs, ref, starts
+
+
+CASES = [  # (lens, Hq, Hkv, D, page_size)
+    ([1, 63, 64, 65, 300], 8, 8, 128, 16),
+    ([255, 256, 257, 2, 17], 32, 8, 128, 256),
+    ([511, 513, 129, 1], 8, 1, 64, 64),
+    ([700, 3, 128, 191], 4, 2, 64, 32),
+    ([1000, 31, 257], 14, 2, 128, 128),
+    ([1, 2, 3, 600, 512], 16, 2, 128, 16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_attention_regimes_bitwise_and_accurate(case, seed_rng):
+    lens, Hq, Hkv, D, ps = CASES[case]
+    outs, ref, _ = _regimes(lens, Hq, Hkv, D, ps, seed_rng)
+    base_name = "R1[auto]"
+    base = outs[base_name]
+    acc = check_accuracy(base, ref, 1e-2)
+    assert acc, acc
+    fails = []
+    for name, o in outs.items():
+        rep = compare_bits(base, o, name=f"{base_name}=={name}")
+        if not rep:
+            fails.append(str(rep))
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,D", [(8, 2, 128), (4, 4, 64)])
+def test_attention_random_lengths(hq, hkv, D, seed_rng):
+    g = torch.Generator().manual_seed(seed_rng)
+    lens = [int(x) for x in torch.randint(1, 900, (5,), generator=g)]
+    ps = 2 ** int(torch.randint(4, 9, (1,), generator=g))
+    outs, ref, _ = _regimes(lens, hq, hkv, D, ps, seed_rng)
+    base = outs["R1[auto]"]
+    assert check_accuracy(base, ref, 1e-2)
+    for name, o in outs.items():
+        rep = compare_bits(base, o, name=name)
+        assert rep, f"lens={lens} page_size={ps}: {rep}"
+
+
+@pytest.mark.gpu
+def test_attention_long_context_decode_matches_prefill(seed_rng):
+    """Decode at 8K context (32 split chunks) equals the varlen rows at the same positions."""
+    cu = _ops()
+    g = torch.Generator().manual_seed(seed_rng)
+    L, Hq, Hkv, D = 8192 + 37, 32, 8, 128
+    q = torch.randn(L, Hq, D, generator=g).bfloat16().cuda()
+    k = torch.randn(L, Hkv, D, generator=g).bfloat16().cuda()
+    v = torch.randn(L, Hkv, D, generator=g).bfloat16().cuda()
+    cus = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+    full = cu.attention_varlen_cuda(q, k, v, cus, L)
+    kc, vc, bt = _build_cache([k], [v], 64, g)
+    sel = torch.tensor([0, 255, 256, 4095, 4096, 8191, L - 1])
+    qd = q[sel.cuda()]
+    sk = (sel + 1).to(torch.int32).cuda()
+    o = cu.attention_paged_cuda(qd, kc, vc, bt[[0] * len(sel)].contiguous(),
+                                torch.arange(len(sel) + 1, dtype=torch.int32, device="cuda"), sk, 1)
+    rep = compare_bits(full[sel.cuda()], o, name="decode==varlen@8K")
+    assert rep, rep
+    ref = _attention_reference(q[-64:], k, v, torch.tensor([0, 64]), torch.tensor([0, L]))
+    assert check_accuracy(full[-64:], ref, 1e-2)
+
+
+@pytest.mark.gpu
+def test_attention_varlen_backward(seed_rng):
+    cu = _ops()
+    g = torch.Generator().manual_seed(seed_rng)
+    lens, Hq, Hkv, D = [70, 1, 130], 8, 2, 64
+    T = sum(lens)
+    q = torch.randn(T, Hq, D, generator=g).bfloat16().cuda().requires_grad_(True)
+    k = torch.randn(T, Hkv, D, generator=g).bfloat16().cuda().requires_grad_(True)
+    v = torch.randn(T, Hkv, D, generator=g).bfloat16().cuda().requires_grad_(True)
+    cus = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    out = cu.attention_varlen_cuda(q, k, v, cus, max(lens))
+    with torch.no_grad():
+        assert compare_bits(out, cu.attention_varlen_cuda(q, k, v, cus, max(lens)))
+    do = torch.randn(out.shape, generator=g).bfloat16().cuda()
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref = _attention_reference(qd, kd, vd, cus)
+    rgrads = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    for name, a, r in zip("qkv", grads, rgrads):
+        rep = check_accuracy(a, r, 2e-2, name=f"d{name}")
+        assert rep, rep
+
+
+@pytest.mark.gpu
+def test_attention_rejects_bad_inputs():
+    cu = _ops()
+    q = torch.randn(4, 4, 96, device="cuda").bfloat16()
+    k = torch.randn(4, 2, 96, device="cuda").bfloat16()
+    cus = torch.tensor([0, 4], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="head dim"):
+        cu.attention_varlen_cuda(q, k, k, cus, 4)
+    with pytest.raises(TypeError, match="bfloat16"):
+        cu.attention_varlen_cuda(q.float()[..., :64], k.float()[..., :64], k.float()[..., :64], cus, 4)
+    with pytest.raises(ValueError, match="CUDA"):
+        cu.attention_varlen_cuda(q.cpu(), k.cpu(), k.cpu(), cus.cpu(), 4)
+    with pytest.raises(ValueError, match="multiple"):
+        q3 = torch.randn(4, 3, 64, device="cuda").bfloat16()
+        k2 = torch.randn(4, 2, 64, device="cuda").bfloat16()
+        cu.attention_varlen_cuda(q3, k2, k2, cus, 4)
+
+
+# ---------------------------------------------------------------------------------------
+# kv_cache_write, RMSNorm, RoPE
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,slot_dtype", [(torch.bfloat16, torch.int64), (torch.float32, torch.int32)])
+def test_kv_cache_write_exact(dtype, slot_dtype):
+    cu = _ops()
+    T, H, D, P, ps = 50, 4, 64, 8, 16
+    k = torch.randn(T, H, D, device="cuda").to(dtype)
+    v = torch.randn(T, H, D, device="cuda").to(dtype)
+    slots = torch.randperm(P * ps, device="cuda")[:T]
+    slots[::7] = -1
+    kc = poison_(torch.empty(P, ps, H, D, dtype=dtype, device="cuda"))
+    vc = poison_(torch.empty_like(kc))
+    ek, ev = kc.clone(), vc.clone()
+    keep = slots >= 0
+    ek.view(-1, H, D)[slots[keep]] = k[keep]
+    ev.view(-1, H, D)[slots[keep]] = v[keep]
+    cu.kv_cache_write_cuda(k, v, kc, vc, slots.to(slot_dtype))
+    assert compare_bits(kc, ek) and compare_bits(vc, ev)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N", [(1, 128), (7, 1536), (300, 4096), (33, 123), (5, 8192), (64, 3584)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rms_norm_row_invariance_and_accuracy(M, N, dtype, seed_rng):
+    cu = _ops()
+    g = torch.Generator().manual_seed(seed_rng)
+    x = (torch.randn(M, N, generator=g) * 3).to(dtype).cuda()
+    w = (1 + 0.1 * torch.randn(N, generator=g)).to(dtype).cuda()
+    eps = 1e-6
+    fn = lambda t: cu.rms_norm_cuda(t, w, eps)  # noqa: E731
+    subsets = [[0], [M - 1], torch.randperm(M, generator=g)[: max(1, M // 2)].tolist()]
+    rep = check_row_subset_invariance(fn, x, subsets)
+    assert rep, rep
+    y = _written(lambda o: cu.rms_norm_cuda(x, w, eps, out=o), x.shape, dtype)
+    assert compare_bits(y, fn(x))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    acc = check_accuracy(y, _rms_norm_reference(x, w, eps), tol)
+    assert acc, acc
+    # strided rows (a view into a wider buffer) and a 3-D input give the same bits
+    wide = torch.zeros(M, N + 40, dtype=dtype, device="cuda")
+    wide[:, 7:7 + N] = x
+    assert compare_bits(cu.rms_norm_cuda(wide[:, 7:7 + N], w, eps), y)
+    if M % 3 == 0:
+        assert compare_bits(cu.rms_norm_cuda(x.view(3, M // 3, N), w, eps).view(M, N), y)
+
+
+@pytest.mark.gpu
+def test_rms_norm_backward(seed_rng):
+    cu = _ops()
+    x = torch.randn(9, 256, device="cuda").bfloat16().requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(256, device="cuda")).bfloat16().requires_grad_(True)
+    y = cu.rms_norm_cuda(x, w, 1e-6)
+    dy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    rx, rw = torch.autograd.grad(_rms_norm_reference(xd, wd, 1e-6), (xd, wd), dy.double())
+    assert check_accuracy(gx, rx, 2e-2) and check_accuracy(gw, rw, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [64, 128])
+def test_apply_rope_bits_invariance_accuracy(dtype, D, seed_rng):
+    cu = _ops()
+    g = torch.Generator().manual_seed(seed_rng)
+    T, H, P = 77, 6, 4096
+    cos, sin = _rope_table(D, P)
+    qkv = torch.randn(T, 3 * H, D, generator=g).to(dtype).cuda()
+    x = qkv[:, H:2 * H]  # strided view, as from a fused qkv projection
+    positions = torch.randint(0, P, (T,), generator=g).cuda()
+    y = _written(lambda o: cu.apply_rope_cuda(x, cos, sin, positions, out=o), x.shape, dtype)
+    # the unfused fp32 expression x*cos + rotate_half(x)*sin, rounded once
+    h = D // 2
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    xf = x.float()
+    expect = torch.cat([xf[..., :h] * c[..., :h] - xf[..., h:] * s[..., :h],
+                        xf[..., h:] * c[..., h:] + xf[..., :h] * s[..., h:]], -1).to(dtype)
+    rep = compare_bits(y, expect, name="rope==torch fp32 unfused")
+    assert rep, rep
+    sub = torch.tensor([3, 0, 50], device="cuda")
+    assert compare_bits(cu.apply_rope_cuda(x[sub], cos, sin, positions[sub].int()), y[sub])
+    acc = check_accuracy(y, _rope_reference(x, cos, sin, positions), 1e-5 if dtype == torch.float32 else 1e-2)
+    assert acc, acc
+
+
+@pytest.mark.gpu
+def test_apply_rope_backward():
+    cu = _ops()
+    D, T, H = 64, 20, 3
+    cos, sin = _rope_table(D, 128)
+    x = torch.randn(T, H, D, device="cuda").requires_grad_(True)
+    pos = torch.randint(0, 128, (T,), device="cuda")
+    y = cu.apply_rope_cuda(x, cos, sin, pos)
+    dy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, (x,), dy)
+    xd = x.detach().double().requires_grad_(True)
+    (rx,) = torch.autograd.grad(_rope_reference(xd, cos, sin, pos), (xd,), dy.double())
+    assert check_accuracy(gx, rx, 1e-5)
