@@ -34,9 +34,10 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, 
 
 
 def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                    temperature: float = 1.0, position_ids: torch.Tensor | None = None,
+                    temperature: float | torch.Tensor = 1.0, position_ids: torch.Tensor | None = None,
                     fused: bool = True) -> torch.Tensor:
     """Training-forward log-probs of one packed row (``input_ids`` ``[T]`` or ``[1, T]``).
+    ``temperature``: a float, or a ``[T]`` tensor of per-token temperatures.
 
     ``cu_seqlens`` int32 ``[S+1]`` delimits the sequences (``position_ids`` default to
     restarting at 0 in each). Runs under the caller's grad mode (autograd on for the
@@ -66,7 +67,20 @@ def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | N
     hidden = base(input_ids=ids[None], position_ids=position_ids.reshape(1, -1), attention_mask=None, **kw)
     hidden = hidden.last_hidden_state[0]
     labels = torch.roll(ids, shifts=-1)
-    t = effective_temperature(temperature)
+    if not isinstance(temperature, torch.Tensor):
+        return _head(model, hidden, labels, float(temperature), kernels, fused)
+    # per-token temperatures: one call per distinct value on its rows (rows are independent)
+    temps = temperature.reshape(-1).to(device=dev)
+    out = None
+    for t in sorted(set(temps.tolist())):
+        rows = torch.nonzero(temps == t).flatten()
+        lp = _head(model, hidden.index_select(0, rows), labels.index_select(0, rows), t, kernels, fused)
+        out = lp.new_zeros(T) if out is None else out
+        out = out.index_put((rows,), lp)
+    return out
+
+
+def _head(model, hidden, labels, temperature, kernels, fused):
     if kernels == "tik" and fused:
-        return ops.token_logprobs(hidden, model.lm_head.weight, labels, t)
+        return ops.token_logprobs(hidden, model.lm_head.weight, labels, effective_temperature(temperature))
     return logprobs_of(model.lm_head(hidden), labels, temperature, kernels)
