@@ -392,7 +392,7 @@ def test_registered_ops_dispatch(tiny_meta):
     from areal_tik.backend import registry
     impls = registry.implementations()
     for op in ("attention_varlen", "attention_paged", "kv_cache_write"):
-        assert set(impls[op]) == {"triton", "torch_ref"}
+        assert {"triton", "torch_ref"} <= set(impls[op])
     (q, k, v), = make_seqs([9], 2, 1, 64, dev())
     cu = cu_of([9], dev())
     a = ops.attention_varlen(q, k, v, cu, 9, backend="torch_ref")
