@@ -1,0 +1,229 @@
+"""CUDA (csrc/) attention vs the Triton attention vs PyTorch SDPA, side by side in one run.
+
+    python bench/bench_cuda.py --out DIR [--quick]
+
+Writes DIR/bench_cuda.json and prints a table. Cells (DESIGN.md section 6 / issue 9):
+prefill batch 1, 32 q heads / 8 kv heads, d=128, causal, L in 1K/4K/8K/16K (attention_varlen
+for cuda/triton, SDPA with enable_gqa); decode batch {1,4,8,16} x context {128,1K,4K,8K}
+(attention_paged, page size 64, one query per sequence; SDPA on contiguous K/V). Decode is
+timed inside a CUDA graph for every provider (as the engine runs it; eager if capture
+fails, marked). Reports ms, speed-up vs SDPA, TFLOP/s (prefill) and GB/s of KV read vs
+4.1 TB/s (decode). Also: extension build/load time (prebuilt or JIT), the ptxas resource
+report of every csrc/*.cu for this GPU, and registers/spills per attention kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PEAK_BW = 4.1e12
+HQ, HKV, D = 32, 8, 128
+PAGE = 64
+
+
+def _median_ms(fn, iters=20, reps=5):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / iters)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def _graphed(fn):
+    """Capture fn in a CUDA graph; return (replay, 'graph') or (fn, 'eager: why')."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g.replay, "graph"
+    except Exception as e:  # report, time eagerly
+        torch.cuda.synchronize()
+        return fn, f"eager ({type(e).__name__}: {str(e)[:120]})"
+
+
+def _ptxas_report(arch):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return "nvcc not found"
+    out = []
+    for src in sorted(os.listdir(os.path.join(ROOT, "csrc"))):
+        if not src.endswith(".cu"):
+            continue
+        r = subprocess.run([nvcc, "-c", os.path.join(ROOT, "csrc", src), "-o", os.devnull, "-std=c++17", "-O3",
+                            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v"],
+                           capture_output=True, text=True)
+        out.append(f"== {src} sm_{arch} rc={r.returncode}\n" + "\n".join(
+            ln for ln in (r.stderr + r.stdout).splitlines() if "Compiling entry" in ln or "Used" in ln
+            or "spill" in ln or "error" in ln))
+    return "\n".join(out)
+
+
+def _triton_ops():
+    try:
+        from areal_tik.kernels import attention as ta
+        return ta.attention_varlen_triton, ta.attention_paged_triton, None
+    except Exception as e:
+        return None, None, f"{type(e).__name__}: {e}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "prefill": [], "decode": [], "notes": []}
+    cc = torch.cuda.get_device_capability()
+    arch = f"{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")
+
+    # ---- build ---------------------------------------------------------------------------
+    t0 = time.time()
+    from areal_tik.backend import cuda_ext
+    try:
+        from areal_tik import _C  # noqa: F401
+        prebuilt = True
+    except ImportError:
+        prebuilt = False
+    try:
+        from areal_tik.kernels import cuda_ops
+        mod = cuda_ops.extension()
+        res["build"] = {"ok": True, "prebuilt": prebuilt, "seconds": round(time.time() - t0, 1),
+                        "module": getattr(mod, "__file__", str(mod))}
+    except Exception as e:
+        res["build"] = {"ok": False, "prebuilt": prebuilt, "seconds": round(time.time() - t0, 1), "error": str(e)[-3000:]}
+        print("CUDA extension build/load FAILED:\n", e)
+        json.dump(res, open(os.path.join(args.out, "bench_cuda.json"), "w"), indent=1)
+        return 1
+    print(f"extension: {'prebuilt' if prebuilt else 'JIT'} load/build {res['build']['seconds']} s "
+          f"({res['build']['module']})")
+    t1 = time.time()
+    res["ptxas"] = _ptxas_report(arch)
+    res["ptxas_seconds"] = round(time.time() - t1, 1)
+    res["kernel_attrs"] = cuda_ops.describe()
+    print(res["ptxas"])
+    print(res["kernel_attrs"])
+    _ = cuda_ext
+
+    tri_varlen, tri_paged, tri_why = _triton_ops()
+    if tri_why:
+        res["notes"].append(f"triton attention unavailable: {tri_why}")
+    F = torch.nn.functional
+    dev = "cuda"
+    torch.manual_seed(0)
+
+    # ---- prefill -------------------------------------------------------------------------
+    for L in ((1024, 4096) if args.quick else (1024, 4096, 8192, 16384)):
+        q = torch.randn(L, HQ, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(L, HKV, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(L, HKV, D, device=dev, dtype=torch.bfloat16)
+        cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+        row = {"L": L}
+        flops = 2.0 * L * L * D * HQ  # causal: half of 4*L^2*D*H
+        with torch.no_grad():
+            sd = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # noqa: E731
+            row["sdpa_ms"] = _median_ms(sd)
+            ref = sd()[0].transpose(0, 1)
+            cf = lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L)  # noqa: E731
+            row["cuda_ms"] = _median_ms(cf)
+            row["cuda_max_abs_diff_vs_sdpa"] = float((cf().float() - ref.float()).abs().max())
+            if tri_varlen is not None:
+                try:
+                    tf = lambda: tri_varlen(q, k, v, cu, L)  # noqa: E731
+                    row["triton_ms"] = _median_ms(tf)
+                except Exception as e:
+                    row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for p in ("sdpa", "cuda", "triton"):
+            if f"{p}_ms" in row:
+                row[f"{p}_tflops"] = round(flops / (row[f"{p}_ms"] * 1e-3) / 1e12, 1)
+        row["cuda_speedup_vs_sdpa"] = round(row["sdpa_ms"] / row["cuda_ms"], 3)
+        if "triton_ms" in row:
+            row["cuda_speedup_vs_triton"] = round(row["triton_ms"] / row["cuda_ms"], 3)
+        res["prefill"].append(row)
+        print(f"prefill L={L:6d}: sdpa {row['sdpa_ms']:.3f} ms  cuda {row['cuda_ms']:.3f} ms "
+              f"({row['cuda_speedup_vs_sdpa']}x, {row['cuda_tflops']} TF/s)  triton {row.get('triton_ms', float('nan')):.3f} ms")
+        del q, k, v, qs, ks, vs
+        torch.cuda.empty_cache()
+
+    # ---- decode --------------------------------------------------------------------------
+    batches = (1, 16) if args.quick else (1, 4, 8, 16)
+    ctxs = (1024, 8192) if args.quick else (128, 1024, 4096, 8192)
+    for B in batches:
+        for ctx in ctxs:
+            npg = -(-ctx // PAGE)
+            kc = torch.randn(B * npg, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            bt = torch.randperm(B * npg, device=dev, dtype=torch.int64).to(torch.int32).view(B, npg)
+            q = torch.randn(B, HQ, D, device=dev, dtype=torch.bfloat16)
+            cq = torch.arange(B + 1, dtype=torch.int32, device=dev)
+            sk = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+            # SDPA on contiguous K/V gathered from the same pages
+            kk = kc[bt.long()].reshape(B, npg * PAGE, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
+            vv = vc[bt.long()].reshape(B, npg * PAGE, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
+            qq = q.view(B, HQ, 1, D)
+            row = {"batch": B, "ctx": ctx}
+            kv_bytes = 2.0 * B * ctx * HKV * D * 2
+            with torch.no_grad():
+                sd = lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True)  # noqa: E731
+                ref = sd().view(B, HQ, D)
+                fn, how = _graphed(sd)
+                row["sdpa_ms"], row["sdpa_timing"] = _median_ms(fn), how
+                cf = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
+                row["cuda_max_abs_diff_vs_sdpa"] = float((cf().float() - ref.float()).abs().max())
+                fn, how = _graphed(cf)
+                row["cuda_ms"], row["cuda_timing"] = _median_ms(fn), how
+                if tri_paged is not None:
+                    try:
+                        tf = lambda: tri_paged(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
+                        fn, how = _graphed(tf)
+                        row["triton_ms"], row["triton_timing"] = _median_ms(fn), how
+                    except Exception as e:
+                        row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            for p in ("sdpa", "cuda", "triton"):
+                if f"{p}_ms" in row:
+                    gbs = kv_bytes / (row[f"{p}_ms"] * 1e-3) / 1e9
+                    row[f"{p}_GBps"] = round(gbs, 1)
+                    row[f"{p}_frac_of_4.1TBps"] = round(gbs * 1e9 / PEAK_BW, 3)
+            row["cuda_speedup_vs_sdpa"] = round(row["sdpa_ms"] / row["cuda_ms"], 3)
+            if "triton_ms" in row:
+                row["cuda_speedup_vs_triton"] = round(row["triton_ms"] / row["cuda_ms"], 3)
+            res["decode"].append(row)
+            print(f"decode B={B:2d} ctx={ctx:5d}: sdpa {row['sdpa_ms'] * 1e3:7.1f} us  cuda {row['cuda_ms'] * 1e3:7.1f} us "
+                  f"({row['cuda_speedup_vs_sdpa']}x, {row['cuda_GBps']} GB/s)  "
+                  f"triton {row.get('triton_ms', float('nan')) * 1e3:7.1f} us  [{row['cuda_timing'][:5]}]")
+            del kc, vc, kk, vv
+            torch.cuda.empty_cache()
+
+    json.dump(res, open(os.path.join(args.out, "bench_cuda.json"), "w"), indent=1)
+    print(f"wrote {os.path.join(args.out, 'bench_cuda.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
