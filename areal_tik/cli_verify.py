@@ -1,0 +1,72 @@
+"""``areal-tik verify``: rollout log-probs vs training log-probs, bit for bit, per regime.
+
+Builds a model (preset or HF directory), patches it (``--kernels tik|default``), runs the
+regime harness (``engine/parity.py``: R2 prefill batch mix, R3 chunked prefill, R4
+continuous batching, R5 abort/resume + weight update + preemption, R1 training packings
+with autograd) and reports mismatching tokens per regime with max |diff|. Exit status 1
+on any mismatch (so ``--kernels default`` is expected to fail: the baseline).
+"""
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("verify", help="generate under R2-R5 regimes, recompute with the training forward (R1), "
+                                      "compare log-probs bitwise")
+    p.add_argument("--model", default="tiny-qwen2", help="preset name (see areal_tik.models.PRESETS) or HF directory")
+    p.add_argument("--kernels", choices=("tik", "default"), default="tik")
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--min-prompt-len", type=int, default=3)
+    p.add_argument("--max-prompt-len", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--pad-to", type=int, default=256, help="R1 micro-batch padding multiple")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--regimes", default="R1,R2,R3,R4,R5")
+    p.add_argument("--no-backward", action="store_true", help="R1 forward with autograd but no backward pass")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from areal_tik.backend.patch import patch_model
+    from areal_tik.engine.parity import ParityConfig, run_parity
+    from areal_tik.models import build_model
+
+    model = build_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
+    patch_model(model, kernels=args.kernels)
+    cfg = ParityConfig(n_prompts=args.prompts, min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,
+                       max_new_tokens=args.max_new_tokens, seed=args.seed, pad_to=args.pad_to,
+                       backward=not args.no_backward, regimes=tuple(r.strip() for r in args.regimes.split(",")))
+    if args.json:
+        rep = run_parity(model, cfg)
+    else:
+        from rich.progress import Progress
+        with Progress(transient=True) as prog:
+            task = prog.add_task("verify", total=1.0)
+            rep = run_parity(model, cfg, progress=lambda name, frac: prog.update(task, completed=frac,
+                                                                                     description=name))
+    rep.update(model=args.model, kernels=args.kernels, device=str(next(model.parameters()).device))
+    if args.json:
+        from areal_tik.cli import print_json
+        print_json(rep)
+    else:
+        _print(rep)
+    return 0 if rep["passed"] else 1
+
+
+def _print(rep: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"areal-tik verify: {rep['model']} kernels={rep['kernels']} on {rep['device']}")
+    for col in ("regime", "tokens", "mismatching", "max |diff|", "divergent seqs", "steps", "preemptions", "result"):
+        t.add_column(col)
+    for r, v in rep["regimes"].items():
+        e = v.get("engine") or {}
+        t.add_row(r, str(v["n_tokens"]), str(v["n_mismatch"]), f"{v['max_abs_diff']:.3g}",
+                  str(v["divergent_sequences"]), str(e.get("steps", "")), str(e.get("preemptions", "")),
+                  "[green]PASS" if v["passed"] else "[red]FAIL")
+    Console().print(t)
