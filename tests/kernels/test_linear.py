@@ -13,6 +13,17 @@ ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
 
 
+@pytest.fixture
+def seq_dot():
+    """CPU: a position-independent interpreter dot (see _dense_common.interpreter_sequential_dot)."""
+    if ON_GPU:
+        yield
+        return
+    from areal_tik.kernels._dense_common import interpreter_sequential_dot
+    with interpreter_sequential_dot():
+        yield
+
+
 def _rand(shape, dtype=torch.bfloat16, scale=1.0, device=DEV):
     return (torch.randn(shape, device=device) * scale).to(dtype)
 
@@ -34,7 +45,7 @@ def _subsets(M, g=None):
 
 @pytest.mark.parametrize("impl,bias,dtype", [("triton", False, torch.bfloat16), ("triton", True, torch.float32),
                                              ("torch_ref", True, torch.bfloat16), ("torch_ref", False, torch.float32)])
-def test_row_subset_invariance_cpu(impl, bias, dtype, seed_rng):
+def test_row_subset_invariance_cpu(impl, bias, dtype, seed_rng, seq_dot):
     """fp32 in/out exposes any accumulation-order change (bf16 output rounding hides most)."""
     fn = L.linear_triton if impl == "triton" else L.linear_torch
     K, N = 136, 40  # K tail (136 = 2*64 + 8), partial N tile
@@ -48,6 +59,7 @@ def test_row_subset_invariance_cpu(impl, bias, dtype, seed_rng):
 
 
 def test_k_unroll_and_k_tail_do_not_change_bits(seed_rng):
+    # (numpy's own dot here: the same sequence of BLOCK_K-wide dots must give equal bits)
     """K_UNROLL only changes how many loads are in flight: same dot sequence, same bits."""
     K, N, M = 200, 32, 5  # one unrolled trip (128), one plain block, one 8-wide tail
     x, w = _wide((M, K), torch.float32), _wide((N, K), torch.float32)
@@ -56,20 +68,38 @@ def test_k_unroll_and_k_tail_do_not_change_bits(seed_rng):
     assert contract.check_regime_equality(outs)
 
 
-def test_non_invariant_variant_is_caught(seed_rng):
-    """Negative control: a schedule whose BLOCK_K depends on M must fail the checker.
+def test_non_invariant_variant_is_caught(seed_rng, seq_dot):
+    """Negative control: split-K (two K halves with fresh accumulators, added) for M > 8 —
+    the classic batch-size heuristic — must fail the checker.
 
     fp32 in/out so accumulation-order differences are not hidden by a bf16 rounding."""
     K, N, M = 128, 32, 20
     x, w = _wide((M, K), torch.float32), _wide((N, K), torch.float32)
-    c64 = dict(L.INTERPRETER_CONFIG, K_UNROLL=1)
-    c32 = dict(c64, BLOCK_K=32)
-    bad = lambda a: L.linear_fwd(a, w, config=c32 if a.shape[0] > 8 else c64)  # noqa: E731
-    rep = contract.check_row_subset_invariance(bad, x, [[0], [3, 4], list(range(8))])
+
+    def split_k(a):
+        if a.shape[0] <= 8:
+            return L.linear_fwd(a, w)
+        lo = L.linear_fwd(a[:, :64], w[:, :64].contiguous())
+        return lo + L.linear_fwd(a[:, 64:], w[:, 64:].contiguous())
+
+    rep = contract.check_row_subset_invariance(split_k, x, [[0], [3, 4], list(range(8))])
     assert not rep.passed and rep.n_mismatch > 0, rep.summary()
 
 
-def test_packing_invariance_cpu(seed_rng):
+def test_all_gpu_configs_bit_identical_cpu(seed_rng, seq_dot):
+    """Every config of the GPU table (tiles up to 128x256, unroll, grouping) gives the same
+    bits in the interpreter with a position-independent dot, across M and K tails."""
+    N, K = 40, 200
+    w = _wide((N, K), torch.float32)
+    for M in (1, 19):
+        x = _wide((M, K), torch.float32)
+        outs = {name: L.linear_fwd(x, w, config=name) for name in L.CONFIGS}
+        outs["interp"] = L.linear_fwd(x, w, config=L.INTERPRETER_CONFIG)
+        rep = contract.check_regime_equality(outs, name=f"M={M}")
+        assert rep, rep.summary()
+
+
+def test_packing_invariance_cpu(seed_rng, seq_dot):
     K, N = 64, 32
     w = _rand((N, K), scale=0.1)
     seqs = [_rand((n, K)) for n in (3, 1, 9)]
