@@ -4,7 +4,10 @@ Triton's interpreter stores bf16 as raw ``uint16`` numpy arrays, so ``tl.dot`` o
 operands multiplies bit patterns and ``tl.sum``/``tl.max`` on bf16 add or compare
 integers. :func:`apply` upcasts bf16 operands to float32 inside the interpreter's
 ``create_dot`` and reductions (bf16*bf16 products are exact in float32, as on the GPU's
-tensor cores, which accumulate in fp32), then casts reductions back to bf16.
+tensor cores, which accumulate in fp32), then casts reductions back to bf16. Float
+dots accumulate k by k (fixed order, independent of the tile shape), because
+``np.matmul`` rounds a row differently depending on the matrix shape, which would make
+the interpreter contradict the GPU's measured tile-shape invariance.
 
 Applied by ``tests/conftest.py`` and by CPU-only tools that run kernels under
 ``TRITON_INTERPRET=1`` (the agent's evaluator). Idempotent.
@@ -33,12 +36,21 @@ def apply() -> bool:
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         fa, fb = _to_f32(a), _to_f32(b)
-        if fa is None and fb is None:
+        if fa is None and fb is None and not (a.data.dtype == np.float32 and d.data.dtype == np.float32):
             return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-        fa = a.data if fa is None else fa
-        fb = b.data if fb is None else fb
-        out = np.matmul(fa.astype(np.float32), fb.astype(np.float32)).astype(d.data.dtype) + d.data
-        return it.TensorHandle(out, d.dtype.scalar)
+        fa = (a.data if fa is None else fa).astype(np.float32)
+        fb = (b.data if fb is None else fb).astype(np.float32)
+        # Accumulate k by k into the accumulator with separately rounded fp32 mul and add:
+        # each output element's reduction order is then fixed by K alone, never by the
+        # tile's M/N (np.matmul's BLAS blocking changes rows with the matrix shape).
+        acc = np.array(d.data, dtype=np.float32, copy=True)
+        if fa.ndim == 2:
+            for k in range(fa.shape[1]):
+                acc = acc + np.multiply(fa[:, k:k + 1], fb[k:k + 1, :])
+        else:  # batched 3-D dot
+            for k in range(fa.shape[-1]):
+                acc = acc + np.multiply(fa[..., :, k:k + 1], fb[..., k:k + 1, :])
+        return it.TensorHandle(acc.astype(d.data.dtype), d.dtype.scalar)
 
     builder_cls.create_dot = create_dot
 
