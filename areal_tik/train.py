@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     spmd = config.scheduler.type in (None, "", "null")
     if spmd:
         _spmd_env()
+    # Stale name_resolve entries from an earlier run of the same experiment/trial would make
+    # the rollout client load weights before the trainer wrote them (AReaL's launcher clears this too).
+    from areal.utils import name_resolve, names
+    name_resolve.clear_subtree(names.trial_root(config.experiment_name, config.trial_name))
     model_dir = materialize_model(config)
     config.actor.path = model_dir
     if config.ref is not None and config.ref.path.startswith("preset:"):

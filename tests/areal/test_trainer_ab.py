@@ -1,0 +1,74 @@
+"""The tiny recipe through AReaL's real PPOTrainer (FSDP actor, gloo world of one, SPMD
+mode, the areal-tik rollout server over HTTP), both arms, via ``areal-tik ab``.
+
+One 2-step A/B run (module fixture) serves three checks:
+- tik arm: step 0 audited and bitwise equal, step 1 recompute skipped (no forward);
+- default arm: recompute ran every step;
+- the report's numbers are consistent with the logged step times.
+"""
+import json
+import math
+import os
+
+import pytest
+
+pytest.importorskip("areal")
+engine = pytest.importorskip("areal_tik.engine")
+
+from areal_tik.bench.ab import PHASES, analyze, load_steps  # noqa: E402
+from areal_tik.cli import main as cli_main  # noqa: E402
+
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
+pytestmark = [pytest.mark.areal, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def ab_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ab")
+    rc = cli_main(["ab", "--config", RECIPE, "--steps", "2", "--out", str(out), "--no-progress", "--timeout", "400",
+                   "actor.tik.audit_interval=2", "experiment_name=tiktest-ab"])
+    assert rc == 0
+    return out
+
+
+def test_tik_arm_skips_and_audits_equal(ab_dir):
+    steps = load_steps(os.path.join(ab_dir, "tik", "steps.jsonl"))
+    assert [s["global_step"] for s in steps] == [0, 1]
+    s0, s1 = steps[0]["tik"][0], steps[1]["tik"][0]
+    assert s0["audit"] and s0["audit_passed"] and s0["audit_tokens"] > 0 and s0["audit_mismatch_tokens"] == 0
+    assert s0["reasons"] == []  # every DESIGN.md section 3 condition held (fingerprint, versions, digest)
+    assert s1["skipped"] and s1["recompute_forward_s"] == 0.0 and s1["reasons"] == [] and not s1["audit"]
+    assert steps[1]["stats"]["tik/recompute_skipped"] == 1.0  # through AReaL's stats tracker
+    assert "tik/audit_mismatch_tokens" in steps[0]["stats"]
+
+
+def test_default_arm_recomputes(ab_dir):
+    steps = load_steps(os.path.join(ab_dir, "baseline", "steps.jsonl"))
+    assert len(steps) == 2
+    for s in steps:
+        rec = s["tik"][0]
+        assert not rec["skipped"] and rec["reasons"] == ["backend_default"] and rec["recompute_forward_s"] > 0
+        assert s["stats"]["timeperf/recompute_logp"] >= rec["recompute_forward_s"]
+
+
+def test_report_consistent(ab_dir):
+    rep = json.load(open(os.path.join(ab_dir, "report.json")))
+    for f in ("summary.md", "steps.csv", "step_time.png", "reward.png"):
+        assert os.path.getsize(os.path.join(ab_dir, f)) > 0
+    # recompute phase absent in the tik arm on the non-audit step
+    tik_rows = rep["rows"]["tik"]
+    assert tik_rows[1]["recompute_skipped"] and tik_rows[1]["recompute_forward_s"] == 0.0
+    assert all(r["recompute_forward_s"] > 0 for r in rep["rows"]["baseline"])
+    for arm in ("baseline", "tik"):
+        for r in rep["rows"][arm]:
+            assert math.isfinite(r["reward"]) and 0.0 <= r["reward"] <= 1.0
+            assert abs(r["other"] + sum(r[p] for p, _ in PHASES) - r["wall_s"]) < 1e-9
+    # ratios recomputed from the logged times
+    b = load_steps(os.path.join(ab_dir, "baseline", "steps.jsonl"))
+    t = load_steps(os.path.join(ab_dir, "tik", "steps.jsonl"))
+    assert rep["measured_steps"] == [1]
+    assert rep["throughput_ratio_total"] == pytest.approx(b[1]["wall_s"] / t[1]["wall_s"])
+    assert rep["step_time_ratio"]["mean"] == pytest.approx(b[1]["wall_s"] / t[1]["wall_s"])
+    assert rep == {**rep, **{k: v for k, v in analyze(b, t).items() if k in ("throughput_ratio_total", "tokens_per_s")}}
+    assert rep["tik"]["audit_mismatch_tokens"] == 0 and rep["tik"]["audits"] == 1 and rep["tik"]["steps_skipped"] == 1
+    assert rep["baseline_rollout_vs_recompute"]["tokens"] > 0
