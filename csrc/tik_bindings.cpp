@@ -9,7 +9,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -42,6 +44,7 @@ int dtype_code(at::ScalarType s) {
   if (s == at::kHalf) return 1;
   if (s == at::kFloat) return 2;
   TORCH_CHECK(false, "areal-tik CUDA: unsupported dtype ", s, " (bf16, fp16, fp32)");
+  return -1;
 }
 
 at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

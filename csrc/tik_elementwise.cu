@@ -94,11 +94,11 @@ __global__ void rope_kernel(const T* __restrict__ x, T* __restrict__ out, const 
   }
 }
 
-// One CTA per token; 16-byte vectors when the row is a multiple of 16 bytes (it is for
-// D in {64, 128}), else element copies.
+// One CTA per token; 16-byte vectors when rows and pointers are 16-byte aligned (rows are
+// for D in {64, 128}), else element copies. Exact copies either way.
 __global__ void kv_write_kernel(const char* __restrict__ k, const char* __restrict__ v, char* __restrict__ kc,
                                 char* __restrict__ vc, const int64_t* __restrict__ slots, int64_t row_bytes,
-                                int64_t num_slots, int elem_bytes) {
+                                int64_t num_slots, int elem_bytes, int vec16) {
   const int64_t t = blockIdx.x;
   const int64_t slot = slots[t];
   if (slot < 0 || slot >= num_slots) return;
@@ -106,7 +106,7 @@ __global__ void kv_write_kernel(const char* __restrict__ k, const char* __restri
   const char* vs = v + t * row_bytes;
   char* kd = kc + slot * row_bytes;
   char* vd = vc + slot * row_bytes;
-  if (row_bytes % 16 == 0) {
+  if (vec16) {
     for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) {
       reinterpret_cast<uint4*>(kd)[i] = reinterpret_cast<const uint4*>(ks)[i];
       reinterpret_cast<uint4*>(vd)[i] = reinterpret_cast<const uint4*>(vs)[i];
@@ -185,9 +185,12 @@ int tik_kv_cache_write(const void* k, const void* v, void* k_cache, void* v_cach
   if (T < 0 || row_elems <= 0 || (elem_bytes != 2 && elem_bytes != 4)) return (int)cudaErrorInvalidValue;
   if (T == 0) return (int)cudaSuccess;
   if (T > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
+  const int64_t row_bytes = row_elems * elem_bytes;
+  const uintptr_t ptrs = (uintptr_t)k | (uintptr_t)v | (uintptr_t)k_cache | (uintptr_t)v_cache;
+  const int vec16 = (row_bytes % 16 == 0) && (ptrs % 16 == 0);
   tik_ew::kv_write_kernel<<<(unsigned)T, 128, 0, stream>>>(
       static_cast<const char*>(k), static_cast<const char*>(v), static_cast<char*>(k_cache),
-      static_cast<char*>(v_cache), slots, row_elems * elem_bytes, num_slots, elem_bytes);
+      static_cast<char*>(v_cache), slots, row_bytes, num_slots, elem_bytes, vec16);
   return (int)cudaGetLastError();
 }
 
