@@ -69,8 +69,8 @@ pid_m = first_m + (tile_id % num_pid_in_group) % group_size_m
 pid_n = (tile_id % num_pid_in_group) // group_size_m"""),
     "unmasked-k-loop": ("k-loop", """\
 # rows/cols past M/N wrap onto valid rows (computed, never stored): loads need no row mask
-offs_am = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
-offs_wn = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+offs_am = offs_m % M
+offs_wn = offs_n % N
 a_ptrs = a_ptr + offs_am[:, None] * s_am + offs_k[None, :] * s_ak
 b_ptrs = w_ptr + offs_wn[None, :] * s_wn + offs_k[:, None] * s_wk
 for k0 in range(0, K, BLOCK_K):

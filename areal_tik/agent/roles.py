@@ -45,7 +45,7 @@ class Policy:
     branch_max_failures: int = 3       # abandon after this many consecutive failed candidates
     branch_tolerance: float = 0.10     # a verified transform within this of its parent opens a branch
     rounds: int = 7                    # interleaved timing rounds (gpu)
-    min_ms: float = 0.5                # per timing sample (gpu)
+    min_ms: float = 1.0                # per timing sample (gpu)
 
 
 def weighted_total(workloads: list[Workload], lat: dict) -> float:
