@@ -18,6 +18,17 @@ def main() -> None:
     ap.add_argument("--command", required=True, help="the exact command that produced them")
     ap.add_argument("--label", default="")
     a = ap.parse_args()
+    import tarfile
+    import tempfile
+    tgz = os.path.join(a.src, "results.tgz")
+    if os.path.exists(tgz):  # gpu_check.sh packs its files into one archive
+        tmp = tempfile.mkdtemp()
+        with tarfile.open(tgz) as t:
+            t.extractall(tmp, filter="data")
+        for f in os.listdir(a.src):
+            if f != "results.tgz":
+                shutil.copy2(os.path.join(a.src, f), tmp)
+        a.src = tmp
     gpu = "gpu"
     env_path = os.path.join(a.src, "env.json")
     if os.path.exists(env_path):

@@ -6,7 +6,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/bench/results/local}"; mkdir -p "$OUT"
+FINAL_OUT="${OUT:-$PWD/bench/results/local}"
+# The device returns at most 8 files: stage everything and pack it into one archive at the end.
+OUT="$(mktemp -d)/stage"; mkdir -p "$OUT"; export OUT
+pack() { tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . && echo "packed $(find "$OUT" -type f | wc -l) files into $FINAL_OUT/results.tgz"; }
+trap pack EXIT
 PARTS=("$@"); [ ${#PARTS[@]} -eq 0 ] && PARTS=(env tests negctl $(ls bench/bench_*.py 2>/dev/null | sed 's#bench/bench_##; s#\.py##'))
 status=0
 commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
