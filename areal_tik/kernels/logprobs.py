@@ -67,12 +67,13 @@ def _lse_blocks_kernel(lg_ptr, stride_l, tok_ptr, state_ptr, lp_ptr, ent_ptr, c0
     """Update row ``pid``'s (m, s, t, z_tok) with absolute vocab columns [c0, c1).
 
     ``lg_ptr`` points at column c0 of row 0; rows are ``stride_l`` apart (a multiple of
-    8 elements, base 16-byte aligned: guaranteed by the launchers). Full blocks take the
+    ROW_ALIGN=8 elements, base 16-byte aligned: ``_lse_launch`` refuses anything else, and
+    the callers allocate padded buffers via ``alloc_logits_buffer``). Full blocks take the
     unmasked path, the final partial block of the vocab the masked one — the same path
     for the same absolute block whichever caller and chunking.
     """
     row = tl.program_id(0).to(tl.int64)
-    row_off = tl.multiple_of(row * stride_l, 8)
+    row_off = tl.multiple_of(row * stride_l, 8)  # == ROW_ALIGN, checked by _lse_launch
     base = lg_ptr + row_off
     sp = state_ptr + row * 4
     m = tl.load(sp)
@@ -82,9 +83,15 @@ def _lse_blocks_kernel(lg_ptr, stride_l, tok_ptr, state_ptr, lp_ptr, ent_ptr, c0
     tok = tl.load(tok_ptr + row).to(tl.int64)
     offs = tl.arange(0, V_BLOCK)
     n_full = (c1 - c0) // V_BLOCK
+    # software prefetch: block j+1 is loaded before block j is reduced (latency hiding for
+    # small T, where a few programs walk the whole vocab); the loaded values and the
+    # arithmetic on them are the same as without it.
+    x_next = tl.load(base + offs, mask=(offs < V_BLOCK) & (n_full > 0), other=0.0)
     for j in range(0, n_full):
-        off = tl.multiple_of(j * V_BLOCK, V_BLOCK)
-        z = tl.math.div_rn(tl.load(base + off + offs).to(tl.float32), temperature)
+        x_cur = x_next
+        nxt = tl.minimum(j + 1, n_full - 1)
+        x_next = tl.load(base + tl.multiple_of(nxt * V_BLOCK, V_BLOCK) + offs)
+        z = tl.math.div_rn(x_cur.to(tl.float32), temperature)
         mn = tl.maximum(m, tl.max(z, axis=0))
         e = tl.where(z > float("-inf"), tl.exp(z - mn), 0.0)
         alpha = tl.where(m > float("-inf"), tl.exp(m - mn), 0.0)
@@ -194,14 +201,40 @@ def _init_state(T, device):
 
 # --------------------------------------------------------------------------- triton path
 
+ROW_ALIGN = 8      # the kernel's ``tl.multiple_of(row * stride_l, ROW_ALIGN)`` promise (elements)
+_BUF_ALIGN = 64    # logits buffers are allocated with row strides padded to this many elements
+
+
+def lse_alignment_ok(data_ptr: int, stride0: int, n_rows: int) -> bool:
+    """True when the LSE kernel's alignment promises hold for a logits view: base pointer
+    16-byte aligned and every row offset a multiple of ROW_ALIGN elements (vector loads
+    of up to 16 bytes never straddle; with one row the stride is never used)."""
+    return data_ptr % 16 == 0 and (n_rows <= 1 or stride0 % ROW_ALIGN == 0)
+
+
 def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+    return lse_alignment_ok(t.data_ptr(), t.stride(0), t.shape[0])
+
+
+def padded_row_stride(ncols: int) -> int:
+    """Row stride (elements) of the logits buffers: ncols rounded up to _BUF_ALIGN."""
+    return max(_BUF_ALIGN, -(-ncols // _BUF_ALIGN) * _BUF_ALIGN)
+
+
+def alloc_logits_buffer(T: int, ncols: int, dtype, device) -> torch.Tensor:
+    """``[T, ncols]`` view with an aligned row stride (any ncols, odd vocab sizes included)."""
+    return torch.empty((T, padded_row_stride(ncols)), dtype=dtype, device=device)[:, :ncols]
 
 
 def _lse_launch(lg, tokens, state, lp, ent, c0, c1, temperature, last):
     T = lg.shape[0]
     if T == 0:
         return
+    if not _aligned(lg):
+        # never launch with a false multiple_of promise (misaligned vector loads crash the
+        # context); callers pass padded buffers or copy first
+        raise ValueError(f"LSE kernel needs a 16-byte aligned base and a row stride that is a multiple of "
+                         f"{ROW_ALIGN} elements; got data_ptr % 16 = {lg.data_ptr() % 16}, stride {lg.stride(0)}")
     _lse_blocks_kernel[(T,)](lg, lg.stride(0), tokens, state, lp, ent, c0, c1, temperature, int(last),
                              V_BLOCK=V_BLOCK, num_warps=LSE_WARPS)
 
@@ -209,9 +242,9 @@ def _lse_launch(lg, tokens, state, lp, ent, c0, c1, temperature, last):
 def _logits_fwd_triton(logits, tokens, temperature):
     T, V = logits.shape
     if not _aligned(logits):  # same kernel specialisation as token_logprobs' aligned buffers
-        pad = torch.empty((T, triton.cdiv(V, 64) * 64), dtype=logits.dtype, device=logits.device)
-        pad[:, :V].copy_(logits)
-        logits = pad[:, :V]
+        pad = alloc_logits_buffer(T, V, logits.dtype, logits.device)
+        pad.copy_(logits)
+        logits = pad
     state = _init_state(T, logits.device)
     lp = torch.empty(T, dtype=torch.float32, device=logits.device)
     ent = torch.empty_like(lp)
@@ -236,7 +269,7 @@ def _token_fwd_triton(hidden, weight, tokens, temperature, chunk):
     state = _init_state(T, hidden.device)
     lp = torch.empty(T, dtype=torch.float32, device=hidden.device)
     ent = torch.empty_like(lp)
-    buf = torch.empty((T, min(C, V)), dtype=hidden.dtype, device=hidden.device)
+    buf = alloc_logits_buffer(T, min(C, V), hidden.dtype, hidden.device)
     for c0 in range(0, V, C):
         c1 = min(V, c0 + C)
         lg = linear_fwd(hidden, weight[c0:c1], out=buf[:, :c1 - c0])
@@ -249,7 +282,7 @@ def _token_bwd(hidden, weight, tokens, lse, mz, glp, gent, temperature, chunk, t
     C = chunk or chunk_cols(T, V)
     dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     dw = torch.empty_like(weight)
-    buf = torch.empty((T, min(C, V)), dtype=hidden.dtype, device=hidden.device)
+    buf = alloc_logits_buffer(T, min(C, V), hidden.dtype, hidden.device)
     for c0 in range(0, V, C):
         c1 = min(V, c0 + C)
         w = weight[c0:c1]

@@ -81,6 +81,52 @@ def test_unaligned_logits_and_fp32_logits(seed_rng):
     assert (lp.double() - LP.logprobs_reference(f, tok, 2.0)[0]).abs().max() < 1e-4
 
 
+def test_alignment_decision_logic():
+    """The LSE kernel promises ``row * stride`` is a multiple of ROW_ALIGN elements and a
+    16-byte aligned base (vector loads). The H200 crashed ("misaligned address") when the
+    fused path handed it a [T, 32003] buffer. The decision logic is pure Python: check it."""
+    assert LP.ROW_ALIGN == 8
+    for V in (1, 7, 300, 2047, 2049, 32003, 32000, 151936, 151937):
+        s = LP.padded_row_stride(V)
+        assert s >= V and s % LP.ROW_ALIGN == 0 and s % 64 == 0, (V, s)
+        buf = LP.alloc_logits_buffer(3, V, torch.bfloat16, "cpu")
+        assert buf.shape == (3, V) and buf.stride(0) == s and LP._aligned(buf)
+    assert not LP.lse_alignment_ok(0, 32003, 2)      # the crashing case
+    assert LP.lse_alignment_ok(0, 32003, 1)          # one row: stride never used
+    assert not LP.lse_alignment_ok(2, 64, 1)         # base not 16-byte aligned
+    assert LP.lse_alignment_ok(32, 4096, 1000)
+
+
+def test_lse_launch_refuses_unaligned_views(seed_rng):
+    T, V = 4, 300
+    big = torch.randn(T, V + 1, device=DEV).bfloat16()
+    tok = torch.randint(0, V, (T,), device=DEV)
+    st, lp, ent = LP._init_state(T, big.device), torch.empty(T, device=DEV), torch.empty(T, device=DEV)
+    with pytest.raises(ValueError, match="aligned"):
+        LP._lse_launch(big[:, :V], tok, st, lp, ent, 0, V, 1.0, True)   # row stride 301
+    with pytest.raises(ValueError, match="aligned"):
+        LP._lse_launch(big.view(-1)[1:1 + T * V].view(T, V), tok, st, lp, ent, 0, V, 1.0, True)  # base +2 B
+
+
+@pytest.mark.parametrize("V", [VB + 3, 2 * VB - 1])
+def test_odd_vocab_buffers_aligned_and_bitwise(V, seed_rng, seq_dot, monkeypatch):
+    """Odd vocab sizes: every buffer the fused path hands the LSE kernel is aligned (the
+    kernel would refuse it otherwise), and fused == unfused bit for bit for any chunking."""
+    T, K = 6, 32
+    h, w, tok = _problem(T, V, K)
+    seen = []
+    real = LP._lse_launch
+
+    def spy(lg, *a, **k):
+        seen.append((lg.data_ptr() % 16, lg.stride(0), lg.shape[0]))
+        return real(lg, *a, **k)
+    monkeypatch.setattr(LP, "_lse_launch", spy)
+    lp_u = LP.logprobs_from_logits_triton(L.linear_triton(h, w), tok, 0.9)
+    for chunk in (None, VB):
+        assert contract.compare_bits(LP.token_logprobs_triton(h, w, tok, 0.9, _chunk_cols=chunk), lp_u), chunk
+    assert seen and all(LP.lse_alignment_ok(p, s, n) for p, s, n in seen), seen
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch_ref"])
 def test_gradients_hidden_weight_and_logits(impl, seed_rng):
     lin, lfl, tlp = _impls(impl)
@@ -104,7 +150,8 @@ def test_gradients_hidden_weight_and_logits(impl, seed_rng):
 
 def test_outputs_written_and_errors(seed_rng):
     T, V = 4, 300
-    logits = torch.randn(T, V, device=DEV).bfloat16()
+    logits = LP.alloc_logits_buffer(T, V, torch.bfloat16, DEV)  # aligned row stride (the kernel needs it)
+    logits.copy_(torch.randn(T, V, device=DEV))
     tok = torch.randint(0, V, (T,), device=DEV)
     st = LP._init_state(T, logits.device)
     lp, ent = torch.empty(T, device=DEV), torch.empty(T, device=DEV)
