@@ -3,6 +3,8 @@
 CPU runs the Triton kernel in the interpreter with tiny shapes (one fixed tile config);
 GPU tests (``-m gpu``) use real Qwen2.5 shapes and every tile config of the table.
 """
+import json
+
 import pytest
 import torch
 
@@ -93,10 +95,51 @@ def test_all_gpu_configs_bit_identical_cpu(seed_rng, seq_dot):
     w = _wide((N, K), torch.float32)
     for M in (1, 19):
         x = _wide((M, K), torch.float32)
+        assert L.tma_ok(x, w)  # the TMA / persistent-TMA kernels really run (interpreter descriptors)
         outs = {name: L.linear_fwd(x, w, config=name) for name in L.CONFIGS}
         outs["interp"] = L.linear_fwd(x, w, config=L.INTERPRETER_CONFIG)
         rep = contract.check_regime_equality(outs, name=f"M={M}")
         assert rep, rep.summary()
+
+
+def test_tma_configs_fall_back_on_unaligned_rows(seed_rng, seq_dot):
+    """A TMA config given an x whose row stride is not 16-byte aligned runs its pointer
+    twin (descriptors would be illegal): same bits as the aligned TMA launch."""
+    N, K, M = 40, 72, 9
+    w = _wide((N, K), torch.float32)
+    big = _wide((M, K + 1), torch.float32)
+    xv = big[:, :K]                      # row stride 73 floats = 292 B: no TMA
+    assert not L.tma_ok(xv, w) and L.tma_ok(xv.contiguous(), w)
+    for name in ("tma128_n128", "tmap128_n256_flat"):
+        assert contract.compare_bits(L.linear_fwd(xv, w, config=name), L.linear_fwd(xv.contiguous(), w, config=name))
+
+
+def test_tuned_table_parsing_and_selection(tmp_path):
+    tab = {"format": 1, "archs": {"sm_90": {"rules": [
+        {"N": 2048, "K": 1536, "buckets": [[8, "dec16_n16"], [256, "mid64_n64"], [None, "tmap128_n256"]]}]}}}
+    t = L.parse_tuned_table(json.dumps(tab))
+    assert L.tuned_config_name(1, 2048, 1536, "sm_90", t) == "dec16_n16"
+    assert L.tuned_config_name(8, 2048, 1536, "sm_90", t) == "dec16_n16"
+    assert L.tuned_config_name(9, 2048, 1536, "sm_90", t) == "mid64_n64"
+    assert L.tuned_config_name(10 ** 6, 2048, 1536, "sm_90", t) == "tmap128_n256"
+    assert L.tuned_config_name(9, 2048, 1537, "sm_90", t) is None       # other shape: built-in default
+    assert L.tuned_config_name(9, 2048, 1536, "sm_80", t) is None       # other arch
+    assert L.parse_tuned_table("") == {}
+    bad = json.loads(json.dumps(tab))
+    bad["archs"]["sm_90"]["rules"][0]["buckets"][1][1] = "no_such_cfg"
+    with pytest.raises(ValueError, match="unknown config"):
+        L.parse_tuned_table(json.dumps(bad))
+    bad["archs"]["sm_90"]["rules"][0]["buckets"] = [[256, "dec16_n16"], [8, "dec16_n16"]]
+    with pytest.raises(ValueError, match="ascend"):
+        L.parse_tuned_table(json.dumps(bad))
+    # pre-Hopper never gets a TMA config, and the built-in defaults are pointer kernels
+    assert not L.arch_has_tma("sm_80") and L.arch_has_tma("sm_90")
+    for M in (1, 8, 64, 256, 2048, 16384):
+        for N, K in ((2048, 1536), (151936, 1536), (3584, 18944)):
+            assert L.CONFIGS[L.default_config_name(M, N, K)]["kernel"] == "ptr"
+            assert L.pick_config(M, N, K, "sm_80") in L.CONFIGS
+    # the committed table (if any) parses and names only configs the GPU test covers
+    L.parse_tuned_table(L._load_table_text())
 
 
 def test_packing_invariance_cpu(seed_rng, seq_dot):
@@ -193,11 +236,23 @@ def test_gpu_all_configs_bit_identical(shape, seed_rng):
     """Every tile config in CONFIGS gives the same bits (the claim pick_config relies on)."""
     N, K = QWEN_SHAPES[shape]
     w = _rand((N, K), scale=K ** -0.5)
-    for M in (1, 16, 64, 300):
+    for M in (1, 16, 64, 300, 1111):
         x = _rand((M, K))
         outs = {name: L.linear_fwd(x, w, config=name) for name in L.CONFIGS}
+        # TMA configs on a non-16-byte-aligned row stride run their pointer twins
+        xv = torch.empty((M, K + 1), dtype=x.dtype, device=DEV)[:, :K]
+        xv.copy_(x)
+        outs["tma128_n256/unaligned"] = L.linear_fwd(xv, w, config="tma128_n256")
+        outs["tmap128_n128/unaligned"] = L.linear_fwd(xv, w, config="tmap128_n128")
         rep = contract.check_regime_equality(outs, name=f"{shape} M={M}")
         assert rep, rep.summary()
+        big = L.linear_fwd(x, w)  # whatever pick_config (tuned table) chooses
+        assert contract.compare_bits(big, outs["dec16_n16"], name=f"picked {L.pick_config(M, N, K, _arch())}")
+
+
+def _arch():
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
 
 
 @pytest.mark.gpu
