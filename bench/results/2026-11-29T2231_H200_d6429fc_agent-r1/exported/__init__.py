@@ -1,0 +1,1 @@
+"""Kernels exported by the optimization agent (`areal-tik agent export`)."""
