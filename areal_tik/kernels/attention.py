@@ -28,8 +28,11 @@ chunking, tile sizes and launch grid. By construction:
    (alpha is selected as exactly 1, p is exactly 0).
 2. Partition states are merged in ascending partition order with one merge
    (``_merge_state``) starting from ``(-inf, 0, 0)``, then ``out = A / L`` rounded once to bf16.
-   Decode computes partitions in parallel programs (split-KV at fixed absolute positions)
-   and merges them in a second launch; prefill/training merges in-program. Same formula.
+   Decode computes partitions in parallel programs (split-KV at fixed absolute positions);
+   the last program of a (sequence, head group) to finish (an atomic arrival counter)
+   merges them all in ascending order in the same launch; prefill/training merges
+   in-program. Same formula (a lone partition is still merged into the empty state).
+   Blocks that every row of a tile sees whole skip the causal select (an identity there).
 3. Every reduction whose order could depend on the tile layout goes through ``tl.dot``
    with an accumulator (``acc = tl.dot(p, v, acc)``; the softmax denominator is
    ``l = tl.dot(p, ones, l)``), which the H200 measurements showed to be invariant to
@@ -58,30 +61,144 @@ __all__ = [
     "attention_varlen", "attention_varlen_triton", "attention_varlen_torch",
     "attention_paged", "attention_paged_triton", "attention_paged_torch",
     "attention_reference", "AttentionVarlenFunction",
-    "BLOCK_N", "KV_PARTITION", "META", "OPS", "COMPILE_SPECS",
+    "BLOCK_N", "KV_PARTITION", "META", "OPS", "COMPILE_SPECS", "configure", "current_config", "load_tuned",
 ]
 
 # ---- bit-defining meta-parameters (fingerprinted through META) -------------------------
+# Defaults (CPU, and any GPU without an entry in attention_tuned.json). ``configure`` can
+# replace them (the tuned JSON for this GPU's arch is applied at import, see the bottom).
 BLOCK_N = 64          # KV block of the online softmax, aligned to position 0
 KV_PARTITION = 256    # split-KV partition (multiple of BLOCK_N), at absolute positions
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (64, 128)
-
-META = {"BLOCK_N": BLOCK_N, "KV_PARTITION": KV_PARTITION, "denominator": "dot(p_bf16, ones)",
-        "fp_fusion": False, "torch_ref": "exact-max, tree-64 + ascending blocks"}
+TUNED_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_tuned.json")
 
 # Launch tile sizes. These do not define bits (see module docstring, point 3); the tests
-# check that by comparing different tiles and regimes.
-_FWD_GPU = {64: dict(BLOCK_M=128, num_warps=4, num_stages=2), 128: dict(BLOCK_M=128, num_warps=8, num_stages=2)}
-_DEC_GPU = dict(num_warps=4, num_stages=2)
-_BWD_GPU = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-            128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)}
+# check that by comparing different tiles and regimes (and bench/tune_attention.py checks
+# every candidate before it may be committed).
+#   fwd:    prefill / chunked / varlen kernel; FLAT=1 walks KV in one loop with the
+#           partition merge inside it (software-pipelined across partitions), FLAT=0 in
+#           nested partition/block loops. Same arithmetic either way.
+#   decode: split-KV kernel; HSPLIT splits the GQA group's query heads over programs.
+#   bwd:    dK/dV kernel tiles (BLOCK_M1 x BLOCK_N1) and dQ kernel tiles (BLOCK_M2 x BLOCK_N2).
+_DEFAULT_FWD = {64: dict(BLOCK_M=128, num_warps=4, num_stages=3, FLAT=1),
+                128: dict(BLOCK_M=128, num_warps=8, num_stages=3, FLAT=1)}
+_DEFAULT_DEC = dict(num_warps=4, num_stages=3, HSPLIT=1)
+_DEFAULT_BWD = {64: dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, num_warps=4, num_stages=3),
+                128: dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, num_warps=4, num_stages=3)}
+_FWD_GPU = {d: dict(c) for d, c in _DEFAULT_FWD.items()}
+_DEC_GPU = dict(_DEFAULT_DEC)
+_BWD_GPU = {d: dict(c) for d, c in _DEFAULT_BWD.items()}
 _INTERP_BLOCK_M = 16
+_TUNED_SOURCE = "defaults"
+
+META: dict = {}
+
+
+def _refresh_meta() -> None:
+    """META = the bit-defining constants plus the launch configuration in use (the launch
+    tiles are not bit-defining, but fingerprinting them is the conservative choice)."""
+    META.clear()
+    META.update({
+        "BLOCK_N": BLOCK_N, "KV_PARTITION": KV_PARTITION, "denominator": "dot(p_bf16, ones)",
+        "fp_fusion": False, "torch_ref": "exact-max, tree-BLOCK_N + ascending blocks",
+        "decode": "single launch, last partition program merges ascending",
+        "launch": repr((sorted((d, sorted(c.items())) for d, c in _FWD_GPU.items()), sorted(_DEC_GPU.items()),
+                        sorted((d, sorted(c.items())) for d, c in _BWD_GPU.items()))),
+        "tuned": _TUNED_SOURCE,
+    })
+
+
+def configure(cfg: dict | None = None, source: str = "configure()") -> dict:
+    """Set the meta-parameters from a dict like one arch entry of ``attention_tuned.json``:
+    ``{"BLOCK_N": 64, "KV_PARTITION": 256, "fwd": {"128": {...}}, "decode": {...},
+    "bwd": {"128": {...}}}`` (missing keys keep the defaults). ``None`` restores the
+    defaults. Changes the bits (BLOCK_N, KV_PARTITION) and META/the fingerprint; the
+    registry reads META when it first loads, so call this before serving/training.
+    Returns the previous configuration (for the tuner / tests to restore)."""
+    global BLOCK_N, KV_PARTITION, _TUNED_SOURCE
+    prev = current_config()
+    prev["_source"] = _TUNED_SOURCE
+    cfg = dict(cfg or {})
+    BLOCK_N = int(cfg.get("BLOCK_N", 64))
+    KV_PARTITION = int(cfg.get("KV_PARTITION", 256))
+    _FWD_GPU.clear()
+    _DEC_GPU.clear()
+    _BWD_GPU.clear()
+    for d in SUPPORTED_HEAD_DIMS:
+        _FWD_GPU[d] = {**_DEFAULT_FWD[d], **{k: int(v) for k, v in cfg.get("fwd", {}).get(str(d), {}).items()}}
+        _BWD_GPU[d] = {**_DEFAULT_BWD[d], **{k: int(v) for k, v in cfg.get("bwd", {}).get(str(d), {}).items()}}
+    _DEC_GPU.update({**_DEFAULT_DEC, **{k: int(v) for k, v in cfg.get("decode", {}).items()}})
+    _TUNED_SOURCE = cfg.get("_source", source) if cfg else "defaults"
+    _cfg()
+    _refresh_meta()
+    return prev
+
+
+def current_config() -> dict:
+    return {"BLOCK_N": BLOCK_N, "KV_PARTITION": KV_PARTITION,
+            "fwd": {str(d): dict(c) for d, c in _FWD_GPU.items()}, "decode": dict(_DEC_GPU),
+            "bwd": {str(d): dict(c) for d, c in _BWD_GPU.items()}}
+
+
+def _gpu_arch_name() -> str | None:
+    try:
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm{major}{minor}"
+    except Exception:  # pragma: no cover
+        pass
+    return None
+
+
+def load_tuned(path: str | None = None, arch: str | None = None) -> bool:
+    """Apply the committed tuning for this GPU arch (``attention_tuned.json``: ``{"sm90":
+    {...configure() dict..., "_source": "bench/results/..."}}``). ``AREAL_TIK_ATTN_TUNED=0``
+    disables it, ``=<path>`` points at another file. Returns True if an entry was applied."""
+    env = os.environ.get("AREAL_TIK_ATTN_TUNED")
+    if env == "0":
+        return False
+    path = path or env or TUNED_JSON
+    if _interpreting() or not os.path.exists(path):
+        return False
+    arch = arch or _gpu_arch_name()
+    if arch is None:
+        return False
+    import json
+    with open(path) as f:
+        table = json.load(f)
+    entry = table.get(arch)
+    if not entry:
+        return False
+    import hashlib
+    digest = hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:12]
+    configure(entry, source=f"{os.path.basename(path)}:{arch}:{digest}")
+    _refresh_meta()
+    META["tuned"] = f"{os.path.basename(path)}:{arch}:{digest}"
+    return True
 
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
     """Every output/workspace allocation goes through here (tests poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(n: int, device) -> torch.Tensor:
+    """Zero-initialised int32 arrival counters for the single-launch decode merge, one
+    buffer per (device, stream) so launches on one stream never share counters while
+    running. The kernel's last arriving program resets its counter to 0, so the buffer
+    stays zero between launches (CUDA-graph safe: no per-call memset)."""
+    dev = torch.device(device)
+    key = (str(dev), torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32,
+                          device=dev)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def _interpreting() -> bool:
@@ -91,7 +208,7 @@ def _interpreting() -> bool:
 def _cfg() -> tuple[int, int]:
     """Current (BLOCK_N, KV_PARTITION), read at call time so tests can shrink them."""
     bn, part = BLOCK_N, KV_PARTITION
-    if bn < 16 or bn & (bn - 1) or part % bn:
+    if bn < 16 or bn & (bn - 1) or part % bn or part <= 0:
         raise ValueError(f"BLOCK_N={bn} must be a power of two >= 16 and KV_PARTITION={part} a multiple of it")
     return bn, part
 
@@ -101,11 +218,14 @@ def _cfg() -> tuple[int, int]:
 # =========================================================================================
 
 @triton.jit
-def _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones):
-    """One BLOCK_N step of the online softmax (log2 domain). k is [D, BN], v is [BN, D]."""
+def _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones, MASKED: tl.constexpr):
+    """One BLOCK_N step of the online softmax (log2 domain). k is [D, BN], v is [BN, D].
+    MASKED=False is for blocks every row sees whole: the select it skips would be the
+    identity there, so both forms give the same bits."""
     s = tl.dot(q, k)
     s = s * qk_scale
-    s = tl.where(valid, s, float("-inf"))
+    if MASKED:
+        s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.where(m_new > m, tl.exp2(m - m_safe), 1.0)
@@ -117,31 +237,42 @@ def _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones):
 
 
 @triton.jit
-def _merge_state(M, L, A, m, l, acc, take):
-    """Fold one partition's (m, l, acc) into the running (M, L, A) for rows where ``take``."""
+def _merge_state(M, L, A, m, l, acc, take, TAKE_ALL: tl.constexpr):
+    """Fold one partition's (m, l, acc) into the running (M, L, A) for rows where ``take``
+    (TAKE_ALL: every row; the selects it skips would be identities)."""
     m_new = tl.maximum(M, m)
     a = tl.where(m_new > M, tl.exp2(M - m_new), 1.0)
     b = tl.where(m_new > m, tl.exp2(m - m_new), 1.0)
     L2 = L * a + l * b
     A2 = A * a[:, None] + acc * b[:, None]
-    M = tl.where(take, m_new, M)
-    L = tl.where(take, L2, L)
-    A = tl.where(take[:, None], A2, A)
-    return M, L, A
+    if TAKE_ALL:
+        return m_new, L2, A2
+    else:
+        M = tl.where(take, m_new, M)
+        L = tl.where(take, L2, L)
+        A = tl.where(take[:, None], A2, A)
+        return M, L, A
 
 
 @triton.jit
 def _load_kv_block(K, V, BT, seq, hk, kv_row0, offs_n, kv_ok, offs_d,
                    stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
-                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """K block as [D, BN] and V block as [BN, D]; rows past the sequence load as 0."""
+                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """K block as [D, BN] and V block as [BN, D]; with MASKED rows past the sequence load as 0."""
     if PAGED:
-        page = tl.load(BT + seq * stride_bt + offs_n // PAGE_SIZE, mask=kv_ok, other=0)
+        if MASKED:
+            page = tl.load(BT + seq * stride_bt + offs_n // PAGE_SIZE, mask=kv_ok, other=0)
+        else:
+            page = tl.load(BT + seq * stride_bt + offs_n // PAGE_SIZE)
         row = page.to(tl.int64) * PAGE_SIZE + (offs_n % PAGE_SIZE)
     else:
         row = (kv_row0 + offs_n).to(tl.int64)
-    k = tl.load(K + row[None, :] * stride_kt + hk * stride_kh + offs_d[:, None], mask=kv_ok[None, :], other=0.0)
-    v = tl.load(V + row[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+    if MASKED:
+        k = tl.load(K + row[None, :] * stride_kt + hk * stride_kh + offs_d[:, None], mask=kv_ok[None, :], other=0.0)
+        v = tl.load(V + row[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+    else:
+        k = tl.load(K + row[None, :] * stride_kt + hk * stride_kh + offs_d[:, None])
+        v = tl.load(V + row[:, None] * stride_vt + hk * stride_vh + offs_d[None, :])
     return k, v
 
 
@@ -151,11 +282,13 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, BT, CUQ, SEQK, qk_scale,
                      stride_ot, stride_oh, stride_lt, stride_bt,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, PAGED: tl.constexpr,
-                     PAGE_SIZE: tl.constexpr, STORE_LSE: tl.constexpr):
-    """Prefill / chunked prefill / packed varlen: one program = BLOCK_M queries x 1 head."""
-    pid_m = tl.program_id(0)
-    seq = tl.program_id(1)
-    hq = tl.program_id(2)
+                     PAGE_SIZE: tl.constexpr, STORE_LSE: tl.constexpr, FLAT: tl.constexpr):
+    """Prefill / chunked prefill / packed varlen: one program = BLOCK_M queries x 1 head.
+    Grid (Hq, m-blocks, B); m-blocks run last-first so the longest causal rows start first.
+    Blocks every row of the tile sees whole run unmasked; the rest (the diagonal) masked."""
+    hq = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
     hk = hq // GROUP
     q_start = tl.load(CUQ + seq)
     n_q = tl.load(CUQ + seq + 1) - q_start
@@ -172,26 +305,68 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, BT, CUQ, SEQK, qk_scale,
         q_rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(Q + q_rows[:, None] * stride_qt + hq * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
+        pos_first = pos0 + pid_m * BLOCK_M
         kv_end = pos0 + tl.minimum(n_q, (pid_m + 1) * BLOCK_M)
+        n_full = ((pos_first + 1) // BLOCK_N) * BLOCK_N      # blocks below: seen whole by every row
         ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.bfloat16)
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
         L = tl.zeros([BLOCK_M], tl.float32)
         A = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for part_start in range(0, kv_end, PARTITION):
+        if FLAT:
             m = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_t = tl.zeros([BLOCK_M, 16], tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            part_end = tl.minimum(part_start + PARTITION, kv_end)
-            for start_n in range(part_start, part_end, BLOCK_N):
+            for start_n in range(0, n_full, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                k, v = _load_kv_block(K, V, BT, seq, hk, q_start, offs_n, offs_n < seqlen_k, offs_d,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                                      PAGED, PAGE_SIZE, False)
+                m, l_t, acc = _block_step(q, k, v, 0, m, l_t, acc, qk_scale, ones, False)
+                if (start_n + BLOCK_N) % PARTITION == 0:
+                    M, L, A = _merge_state(M, L, A, m, tl.max(l_t, 1), acc, 0, True)
+                    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                    l_t = tl.zeros([BLOCK_M, 16], tl.float32)
+                    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            for start_n in range(n_full, kv_end, BLOCK_N):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 kv_ok = offs_n < seqlen_k
                 k, v = _load_kv_block(K, V, BT, seq, hk, q_start, offs_n, kv_ok, offs_d,
                                       stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
-                                      PAGED, PAGE_SIZE)
+                                      PAGED, PAGE_SIZE, True)
                 valid = (offs_n[None, :] <= pos[:, None]) & kv_ok[None, :]
-                m, l_t, acc = _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones)
-            l = tl.max(l_t, 1)
-            M, L, A = _merge_state(M, L, A, m, l, acc, pos >= part_start)
+                m, l_t, acc = _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones, True)
+                if (start_n + BLOCK_N) % PARTITION == 0:
+                    M, L, A = _merge_state(M, L, A, m, tl.max(l_t, 1), acc,
+                                           pos >= start_n + BLOCK_N - PARTITION, False)
+                    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                    l_t = tl.zeros([BLOCK_M, 16], tl.float32)
+                    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            end_blk = tl.cdiv(kv_end, BLOCK_N) * BLOCK_N
+            if end_blk % PARTITION != 0:
+                M, L, A = _merge_state(M, L, A, m, tl.max(l_t, 1), acc,
+                                       pos >= (end_blk // PARTITION) * PARTITION, False)
+        else:
+            for part_start in range(0, kv_end, PARTITION):
+                m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_t = tl.zeros([BLOCK_M, 16], tl.float32)
+                acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+                part_end = tl.minimum(part_start + PARTITION, kv_end)
+                mid = tl.maximum(tl.minimum(n_full, part_end), part_start)
+                for start_n in range(part_start, mid, BLOCK_N):
+                    offs_n = start_n + tl.arange(0, BLOCK_N)
+                    k, v = _load_kv_block(K, V, BT, seq, hk, q_start, offs_n, offs_n < seqlen_k, offs_d,
+                                          stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                                          PAGED, PAGE_SIZE, False)
+                    m, l_t, acc = _block_step(q, k, v, 0, m, l_t, acc, qk_scale, ones, False)
+                for start_n in range(mid, part_end, BLOCK_N):
+                    offs_n = start_n + tl.arange(0, BLOCK_N)
+                    kv_ok = offs_n < seqlen_k
+                    k, v = _load_kv_block(K, V, BT, seq, hk, q_start, offs_n, kv_ok, offs_d,
+                                          stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                                          PAGED, PAGE_SIZE, True)
+                    valid = (offs_n[None, :] <= pos[:, None]) & kv_ok[None, :]
+                    m, l_t, acc = _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones, True)
+                M, L, A = _merge_state(M, L, A, m, tl.max(l_t, 1), acc, pos >= part_start, False)
         out = A / L[:, None]
         tl.store(O + q_rows[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -200,24 +375,30 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, BT, CUQ, SEQK, qk_scale,
 
 
 @triton.jit
-def _attn_decode_kernel(Q, KC, VC, BT, CUQ, SEQK, WM, WL, WA, qk_scale,
+def _attn_decode_kernel(Q, KC, VC, BT, CUQ, SEQK, O, WM, WL, WA, CNT, qk_scale,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
-                        n_parts, n_heads_q,
+                        stride_ot, stride_oh, n_parts, n_heads_q, n_hslots,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Decode split-KV: one program = one sequence x one KV head (its GROUP query heads packed
-    into MMA rows) x one fixed absolute partition. Writes the partition state."""
+                        BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                        HSPLIT: tl.constexpr):
+    """Decode split-KV in ONE launch: a program = one sequence x GROUP/HSPLIT query heads of
+    one KV head (packed into MMA rows) x one fixed absolute partition. It writes its
+    partition state, counts itself in with an atomic; the last of the sequence's partitions
+    to arrive merges all of them in ascending order (the prefill merge formula) and writes
+    the output, then resets the counter to 0. A single partition merges in registers."""
     part = tl.program_id(0)
-    hk = tl.program_id(1)
+    hslot = tl.program_id(1)            # hk * HSPLIT + split index
     seq = tl.program_id(2)
+    hk = hslot // HSPLIT
     seqlen_k = tl.load(SEQK + seq)
-    part_start = part * PARTITION
-    if part_start < seqlen_k:
+    n_mine = tl.cdiv(seqlen_k, PARTITION)
+    if part < n_mine:
+        part_start = part * PARTITION
         q_row = tl.load(CUQ + seq).to(tl.int64)
         pos = seqlen_k - 1
         offs_h = tl.arange(0, BLOCK_H)
-        h_ok = offs_h < GROUP
-        hq = hk * GROUP + offs_h
+        h_ok = offs_h < GROUP // HSPLIT
+        hq = hslot * (GROUP // HSPLIT) + offs_h
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + q_row * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
                     mask=h_ok[:, None], other=0.0)
@@ -226,47 +407,72 @@ def _attn_decode_kernel(Q, KC, VC, BT, CUQ, SEQK, WM, WL, WA, qk_scale,
         l_t = tl.zeros([BLOCK_H, 16], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         part_end = tl.minimum(part_start + PARTITION, seqlen_k)
-        for start_n in range(part_start, part_end, BLOCK_N):
+        full_end = part_start + ((part_end - part_start) // BLOCK_N) * BLOCK_N
+        for start_n in range(part_start, full_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k, v = _load_kv_block(KC, VC, BT, seq, hk, 0, offs_n, offs_n < seqlen_k, offs_d,
+                                  stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                                  True, PAGE_SIZE, False)
+            m, l_t, acc = _block_step(q, k, v, 0, m, l_t, acc, qk_scale, ones, False)
+        for start_n in range(full_end, part_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kv_ok = offs_n < seqlen_k
             k, v = _load_kv_block(KC, VC, BT, seq, hk, 0, offs_n, kv_ok, offs_d,
                                   stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
-                                  True, PAGE_SIZE)
+                                  True, PAGE_SIZE, True)
             valid = (offs_n[None, :] <= pos) & kv_ok[None, :] & (offs_h[:, None] >= 0)
-            m, l_t, acc = _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones)
+            m, l_t, acc = _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones, True)
         l = tl.max(l_t, 1)
-        ws = (seq * n_heads_q + hq).to(tl.int64) * n_parts + part
-        tl.store(WM + ws, m, mask=h_ok)
-        tl.store(WL + ws, l, mask=h_ok)
-        tl.store(WA + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=h_ok[:, None])
+        o_ptr = O + q_row * stride_ot + hq[:, None] * stride_oh + offs_d[None, :]
+        M = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        L = tl.zeros([BLOCK_H], tl.float32)
+        A = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        if n_mine == 1:
+            M, L, A = _merge_state(M, L, A, m, l, acc, h_ok, False)
+            tl.store(o_ptr, (A / L[:, None]).to(O.dtype.element_ty), mask=h_ok[:, None])
+        else:
+            base = (seq * n_heads_q + hq).to(tl.int64) * n_parts
+            ws = base + part
+            tl.store(WM + ws, m, mask=h_ok)
+            tl.store(WL + ws, l, mask=h_ok)
+            tl.store(WA + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=h_ok[:, None])
+            tl.debug_barrier()      # every thread's state stores precede the release below
+            cnt = CNT + seq * n_hslots + hslot
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_mine - 1:
+                for j in range(0, n_mine):
+                    mj = tl.load(WM + base + j, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
+                    lj = tl.load(WL + base + j, mask=h_ok, other=0.0, cache_modifier=".cg")
+                    aj = tl.load(WA + (base + j)[:, None] * HEAD_DIM + offs_d[None, :], mask=h_ok[:, None],
+                                 other=0.0, cache_modifier=".cg")
+                    M, L, A = _merge_state(M, L, A, mj, lj, aj, h_ok, False)
+                tl.store(o_ptr, (A / L[:, None]).to(O.dtype.element_ty), mask=h_ok[:, None])
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _attn_merge_kernel(WM, WL, WA, CUQ, SEQK, O, stride_ot, stride_oh, n_parts, n_heads_q,
-                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                       PARTITION: tl.constexpr):
-    """Decode: merge partition states in ascending order and normalise (same formula as prefill)."""
-    hk = tl.program_id(0)
-    seq = tl.program_id(1)
-    seqlen_k = tl.load(SEQK + seq)
-    q_row = tl.load(CUQ + seq).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    h_ok = offs_h < GROUP
-    hq = hk * GROUP + offs_h
-    offs_d = tl.arange(0, HEAD_DIM)
-    M = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    L = tl.zeros([BLOCK_H], tl.float32)
-    A = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    n_mine = tl.cdiv(seqlen_k, PARTITION)
-    base = (seq * n_heads_q + hq).to(tl.int64) * n_parts
-    for j in range(0, n_mine):
-        m = tl.load(WM + base + j, mask=h_ok, other=float("-inf"))
-        l = tl.load(WL + base + j, mask=h_ok, other=0.0)
-        acc = tl.load(WA + (base + j)[:, None] * HEAD_DIM + offs_d[None, :], mask=h_ok[:, None], other=0.0)
-        M, L, A = _merge_state(M, L, A, m, l, acc, h_ok)
-    out = A / L[:, None]
-    tl.store(O + q_row * stride_ot + hq[:, None] * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=h_ok[:, None])
+def _bwd_dkdv_step(q_ptrs_base, Q, DO, LSE, DELTA, k, v, dk, dv, s0, n, start_m, offs_n, offs_d, hq,
+                   qk_scale, stride_qt, stride_qh, stride_lt,
+                   BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < n
+    qrow = (s0 + offs_m).to(tl.int64)
+    q_off = qrow[:, None] * stride_qt + hq * stride_qh + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=m_ok[:, None], other=0.0)
+    do = tl.load(DO + q_off, mask=m_ok[:, None], other=0.0)
+    lse = tl.load(LSE + qrow * stride_lt + hq, mask=m_ok, other=0.0)
+    dl = tl.load(DELTA + qrow * stride_lt + hq, mask=m_ok, other=0.0)
+    sT = tl.dot(k, tl.trans(q)) * qk_scale
+    pT = tl.exp2(sT - lse[None, :])
+    if MASKED:
+        pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+    # rows past the sequence load q = do = 0, lse = delta = 0: p = 1 finite, and both
+    # contributions below are exactly 0, so they need no mask
+    dv = tl.dot(pT.to(tl.bfloat16), do, dv)
+    dpT = tl.dot(v, tl.trans(do))
+    dsT = pT * (dpT - dl[None, :])
+    dk = tl.dot(dsT.to(tl.bfloat16), q, dk)
+    return dk, dv
 
 
 @triton.jit
@@ -275,7 +481,9 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, qk_scale, sm_scal
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV for one KV block of one sequence and one KV head (sums its GROUP q heads).
-    q/do/o share strides (stride_q*), k/v/dk/dv share strides (stride_k*)."""
+    q/do/o share strides (stride_q*), k/v/dk/dv share strides (stride_k*). BLOCK_N is a
+    multiple of BLOCK_M: the query blocks overlapping the key block are masked, later ones not.
+    Grid (kv-blocks, B, Hkv), kv-blocks run first-first (the longest loops start first)."""
     pid_n = tl.program_id(0)
     seq = tl.program_id(1)
     hk = tl.program_id(2)
@@ -292,24 +500,15 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, qk_scale, sm_scal
         v = tl.load(V + kv_off, mask=n_ok[:, None], other=0.0)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        diag_end = tl.minimum(start_n + BLOCK_N, n)
         for g in range(0, GROUP):
             hq = hk * GROUP + g
-            for start_m in range(start_n, n, BLOCK_M):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                m_ok = offs_m < n
-                qrow = (s0 + offs_m).to(tl.int64)
-                q_off = qrow[:, None] * stride_qt + hq * stride_qh + offs_d[None, :]
-                q = tl.load(Q + q_off, mask=m_ok[:, None], other=0.0)
-                do = tl.load(DO + q_off, mask=m_ok[:, None], other=0.0)
-                lse = tl.load(LSE + qrow * stride_lt + hq, mask=m_ok, other=0.0)
-                dl = tl.load(DELTA + qrow * stride_lt + hq, mask=m_ok, other=0.0)
-                sT = tl.dot(k, tl.trans(q)) * qk_scale
-                ok = (offs_m[None, :] >= offs_n[:, None]) & m_ok[None, :] & n_ok[:, None]
-                pT = tl.where(ok, tl.exp2(sT - lse[None, :]), 0.0)
-                dv = tl.dot(pT.to(tl.bfloat16), do, dv)
-                dpT = tl.dot(v, tl.trans(do))
-                dsT = pT * (dpT - dl[None, :])
-                dk = tl.dot(dsT.to(tl.bfloat16), q, dk)
+            for start_m in range(start_n, diag_end, BLOCK_M):
+                dk, dv = _bwd_dkdv_step(0, Q, DO, LSE, DELTA, k, v, dk, dv, s0, n, start_m, offs_n, offs_d, hq,
+                                        qk_scale, stride_qt, stride_qh, stride_lt, BLOCK_M, True)
+            for start_m in range(start_n + BLOCK_N, n, BLOCK_M):
+                dk, dv = _bwd_dkdv_step(0, Q, DO, LSE, DELTA, k, v, dk, dv, s0, n, start_m, offs_n, offs_d, hq,
+                                        qk_scale, stride_qt, stride_qh, stride_lt, BLOCK_M, False)
         tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok[:, None])
         tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
 
@@ -319,10 +518,12 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, qk_scale, sm_scale,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_lt,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dQ for BLOCK_M queries of one sequence and one q head."""
-    pid_m = tl.program_id(0)
-    seq = tl.program_id(1)
-    hq = tl.program_id(2)
+    """dQ for BLOCK_M queries of one sequence and one q head (BLOCK_M a multiple of
+    BLOCK_N: key blocks before the query block unmasked, the diagonal ones masked).
+    Grid (Hq, m-blocks, B), m-blocks last-first."""
+    hq = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
     hk = hq // GROUP
     s0 = tl.load(CU + seq)
     n = tl.load(CU + seq + 1) - s0
@@ -338,8 +539,19 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, qk_scale, sm_scale,
         lse = tl.load(LSE + qrow * stride_lt + hq, mask=m_ok, other=0.0)
         dl = tl.load(DELTA + qrow * stride_lt + hq, mask=m_ok, other=0.0)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for start_n in range(0, start_m, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            krow = (s0 + offs_n).to(tl.int64)
+            kv_off = krow[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+            k = tl.load(K + kv_off)
+            v = tl.load(V + kv_off)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            p = tl.exp2(s - lse[:, None])
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - dl[:, None])
+            dq = tl.dot(ds.to(tl.bfloat16), k, dq)
         end_n = tl.minimum(n, start_m + BLOCK_M)
-        for start_n in range(0, end_n, BLOCK_N):
+        for start_n in range(start_m, end_n, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n
             krow = (s0 + offs_n).to(tl.int64)
@@ -347,7 +559,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, qk_scale, sm_scale,
             k = tl.load(K + kv_off, mask=n_ok[:, None], other=0.0)
             v = tl.load(V + kv_off, mask=n_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
-            ok = (offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :] & m_ok[:, None]
+            ok = (offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :]
             p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - dl[:, None])
@@ -412,7 +624,7 @@ def _check_index(t, nm, name, device, dims=1):
 
 def _fwd_tiles(D):
     if _interpreting():
-        return dict(BLOCK_M=_INTERP_BLOCK_M, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=_INTERP_BLOCK_M, num_warps=4, num_stages=1, FLAT=_FWD_GPU[D].get("FLAT", 1))
     return dict(_FWD_GPU[D])
 
 
@@ -426,7 +638,7 @@ def _launch_fwd(q, k, v, out, lse, block_table, cu_q, seqlens_k, max_seqlen_q, q
     B = cu_q.shape[0] - 1
     if B == 0 or max_seqlen_q == 0:
         return
-    grid = (triton.cdiv(max_seqlen_q, tiles["BLOCK_M"]), B, hq)
+    grid = (hq, triton.cdiv(max_seqlen_q, tiles["BLOCK_M"]), B)
     if paged:
         kk, vv = k.view(-1, hkv, D), v.view(-1, hkv, D)
         bt, sk, sbt = block_table, seqlens_k, block_table.stride(0)
@@ -438,7 +650,7 @@ def _launch_fwd(q, k, v, out, lse, block_table, cu_q, seqlens_k, max_seqlen_q, q
         q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
         out.stride(0), out.stride(1), (lse.stride(0) if lse is not None else 0), sbt,
         GROUP=hq // hkv, HEAD_DIM=D, BLOCK_M=tiles["BLOCK_M"], BLOCK_N=bn, PARTITION=part,
-        PAGED=paged, PAGE_SIZE=page_size, STORE_LSE=lse is not None,
+        PAGED=paged, PAGE_SIZE=page_size, STORE_LSE=lse is not None, FLAT=int(tiles.get("FLAT", 1)),
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], enable_fp_fusion=False)
 
 
@@ -463,8 +675,12 @@ def _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, qk_scale, want_lse, block_m=Non
 
 def _bwd_tiles(D):
     if _interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(_BWD_GPU[D])
+        return dict(BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, num_warps=4, num_stages=1)
+    t = dict(_BWD_GPU[D])
+    if t["BLOCK_N1"] % t["BLOCK_M1"] or t["BLOCK_M2"] % t["BLOCK_N2"]:
+        raise ValueError(f"attention backward tiles {t}: BLOCK_N1 must be a multiple of BLOCK_M1 and "
+                         "BLOCK_M2 a multiple of BLOCK_N2")
+    return t
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
@@ -491,14 +707,15 @@ class AttentionVarlenFunction(torch.autograd.Function):
         t = _bwd_tiles(D)
         B = cu.shape[0] - 1
         if B > 0 and ctx.max_seqlen > 0:
-            common = dict(GROUP=hq // hkv, HEAD_DIM=D, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
-                          num_warps=t["num_warps"], num_stages=t["num_stages"])
-            _attn_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, t["BLOCK_N"]), B, hkv)](
+            common = dict(GROUP=hq // hkv, HEAD_DIM=D, num_warps=t["num_warps"], num_stages=t["num_stages"])
+            _attn_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, t["BLOCK_N1"]), B, hkv)](
                 q, k, v, dout, lse, delta, dk, dv, cu, ctx.qk_scale, ctx.sm_scale,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), **common)
-            _attn_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, t["BLOCK_M"]), B, hq)](
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+                BLOCK_M=t["BLOCK_M1"], BLOCK_N=t["BLOCK_N1"], **common)
+            _attn_bwd_dq_kernel[(hq, triton.cdiv(ctx.max_seqlen, t["BLOCK_M2"]), B)](
                 q, k, v, dout, lse, delta, dq, cu, ctx.qk_scale, ctx.sm_scale,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), **common)
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+                BLOCK_M=t["BLOCK_M2"], BLOCK_N=t["BLOCK_N2"], **common)
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, None, None, None
@@ -549,9 +766,12 @@ def attention_paged_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seqle
     ``block_table`` int32 ``[B, max_pages]``; ``cu_seqlens_q`` int32 ``[B+1]``;
     ``seqlens_k`` int32 ``[B]`` (includes the queries, which are each sequence's last
     positions); ``max_seqlen_q`` host int. ``max_seqlen_q == 1`` takes the split-KV decode
-    path (GQA heads packed in MMA rows, partitions of ``KV_PARTITION`` tokens merged in a
-    second launch), else the prefill kernel; both give the same bits per query position.
-    No host synchronisation (CUDA-graph safe for decode)."""
+    path (GQA heads packed in MMA rows, partitions of ``KV_PARTITION`` tokens merged in
+    ascending order by the last partition program of the same launch), else the prefill
+    kernel; both give the same bits per query position. No host synchronisation; decode
+    uses a persistent per-(device, stream) counter buffer that returns to zero after every
+    launch (CUDA-graph safe; launches on one stream must not run concurrently, which a
+    stream guarantees)."""
     _check_window(window_size)
     D, hq, hkv, ps, B = _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k,
                                       max_seqlen_q, True)
@@ -572,23 +792,24 @@ def _decode(q, k_cache, v_cache, block_table, cu_q, seqlens_k, out, qk_scale):
     bn, part = _cfg()
     B = cu_q.shape[0] - 1
     group = hq // hkv
-    block_h = max(16, triton.next_power_of_2(group))
+    cfg = dict(num_warps=4, num_stages=1, HSPLIT=1) if _interpreting() else dict(_DEC_GPU)
+    hsplit = int(cfg.get("HSPLIT", 1))
+    if hsplit < 1 or group % hsplit:
+        hsplit = 1                     # not bit-defining: fall back for groups it does not divide
+    block_h = max(16, triton.next_power_of_2(group // hsplit))
     n_parts = max(1, triton.cdiv(block_table.shape[1] * ps, part))
     dev = q.device
     wm = _alloc((B * hq * n_parts,), torch.float32, dev)
     wl = _alloc((B * hq * n_parts,), torch.float32, dev)
     wa = _alloc((B * hq * n_parts * D,), torch.float32, dev)
+    cnt = _counters(B * hkv * hsplit, dev)
     kk, vv = k_cache.view(-1, hkv, D), v_cache.view(-1, hkv, D)
-    nw = 4 if _interpreting() else _DEC_GPU["num_warps"]
-    ns = 1 if _interpreting() else _DEC_GPU["num_stages"]
-    _attn_decode_kernel[(n_parts, hkv, B)](
-        q, kk, vv, block_table, cu_q, seqlens_k, wm, wl, wa, qk_scale,
+    _attn_decode_kernel[(n_parts, hkv * hsplit, B)](
+        q, kk, vv, block_table, cu_q, seqlens_k, out, wm, wl, wa, cnt, qk_scale,
         q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1), block_table.stride(0),
-        n_parts, hq, GROUP=group, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_N=bn, PARTITION=part, PAGE_SIZE=ps,
-        num_warps=nw, num_stages=ns, enable_fp_fusion=False)
-    _attn_merge_kernel[(hkv, B)](
-        wm, wl, wa, cu_q, seqlens_k, out, out.stride(0), out.stride(1), n_parts, hq,
-        GROUP=group, HEAD_DIM=D, BLOCK_H=block_h, PARTITION=part, num_warps=4, enable_fp_fusion=False)
+        out.stride(0), out.stride(1), n_parts, hq, hkv * hsplit,
+        GROUP=group, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_N=bn, PARTITION=part, PAGE_SIZE=ps, HSPLIT=hsplit,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)
 
 
 # =========================================================================================
@@ -804,25 +1025,26 @@ def _compile_specs():
         t = _FWD_GPU[D]
         for paged, ps, lse in ((False, 16, True), (True, 16, False), (True, 256, False)):
             c = dict(GROUP=4, HEAD_DIM=D, BLOCK_M=t["BLOCK_M"], BLOCK_N=BLOCK_N, PARTITION=KV_PARTITION,
-                     PAGED=paged, PAGE_SIZE=ps, STORE_LSE=lse)
+                     PAGED=paged, PAGE_SIZE=ps, STORE_LSE=lse, FLAT=int(t.get("FLAT", 1)))
             specs.append(dict(fn=_attn_fwd_kernel, signature=_sig(_attn_fwd_kernel, fwd_t, c), constexprs=c,
                               num_warps=t["num_warps"], num_stages=t["num_stages"]))
+        dec = _DEC_GPU
         for group, ps in ((4, 16), (8, 64)):
-            c = dict(GROUP=group, HEAD_DIM=D, BLOCK_H=16, BLOCK_N=BLOCK_N, PARTITION=KV_PARTITION, PAGE_SIZE=ps)
-            ty = dict(Q=bf, KC=bf, VC=bf, BT=i32, CUQ=i32, SEQK=i32, WM=f32, WL=f32, WA=f32)
+            c = dict(GROUP=group, HEAD_DIM=D, BLOCK_H=16, BLOCK_N=BLOCK_N, PARTITION=KV_PARTITION, PAGE_SIZE=ps,
+                     HSPLIT=int(dec.get("HSPLIT", 1)))
+            ty = dict(Q=bf, KC=bf, VC=bf, BT=i32, CUQ=i32, SEQK=i32, O=bf, WM=f32, WL=f32, WA=f32, CNT=i32)
             specs.append(dict(fn=_attn_decode_kernel, signature=_sig(_attn_decode_kernel, ty, c), constexprs=c,
-                              **_DEC_GPU))
-        c = dict(GROUP=4, HEAD_DIM=D, BLOCK_H=16, PARTITION=KV_PARTITION)
-        ty = dict(WM=f32, WL=f32, WA=f32, CUQ=i32, SEQK=i32, O=bf)
-        specs.append(dict(fn=_attn_merge_kernel, signature=_sig(_attn_merge_kernel, ty, c), constexprs=c,
-                          num_warps=4))
+                              num_warps=dec["num_warps"], num_stages=dec["num_stages"]))
         b = _BWD_GPU[D]
-        c = dict(GROUP=4, HEAD_DIM=D, BLOCK_M=b["BLOCK_M"], BLOCK_N=b["BLOCK_N"])
         ty = dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK=bf, DV=bf, DQ=bf, CU=i32)
-        for fn in (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel):
+        for fn, bm, bn_ in ((_attn_bwd_dkdv_kernel, b["BLOCK_M1"], b["BLOCK_N1"]),
+                            (_attn_bwd_dq_kernel, b["BLOCK_M2"], b["BLOCK_N2"])):
+            c = dict(GROUP=4, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn_)
             specs.append(dict(fn=fn, signature=_sig(fn, ty, c), constexprs=c,
                               num_warps=b["num_warps"], num_stages=b["num_stages"]))
     return specs
 
 
+_refresh_meta()
+load_tuned()
 COMPILE_SPECS = _compile_specs()
