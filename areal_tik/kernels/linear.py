@@ -238,7 +238,7 @@ CONFIGS = {
     "tmap128_n256": _cfg(128, 256, 8, 3, kernel="tma_p"),
     "tmap128_n128_flat": _cfg(128, 128, 8, 4, kernel="tma_p", flatten=True),
     "tmap128_n256_flat": _cfg(128, 256, 8, 3, kernel="tma_p", flatten=True),
-    "tmap128_n128_ws": _cfg(128, 128, 4, 4, kernel="tma_p", ws=True),
+    "tmap128_n128_ws": _cfg(128, 128, 8, 4, kernel="tma_p", ws=True),
     "tmap128_n256_ws": _cfg(128, 256, 8, 3, kernel="tma_p", ws=True),
 }
 TMA_KERNELS = ("tma", "tma_p")
