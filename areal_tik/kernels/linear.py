@@ -18,8 +18,14 @@ BLOCK_K=64 steps, fp32 accumulator, no split-K. The tile sizes in M and N (and w
 stages, K-loop unrolling) are chosen per problem size from :data:`CONFIGS`; on the H200
 with Triton 3.6 that form has been measured bit-identical across such tiles, and
 ``tests/kernels/test_linear.py::test_gpu_all_configs_bit_identical`` proves it for every
-config in the table on the GPU it runs on. Under the CPU interpreter one fixed config is
-used (the interpreter's numpy matmul is *not* tile-shape invariant).
+config in the table on the GPU it runs on. Tiles come through plain pointer loads, TMA
+descriptors (sm_90+; a pointer twin runs when a row stride is not 16-byte aligned) or a
+persistent TMA kernel — the same dot chain per output tile in each. Which config runs for
+(arch, N, K, M) comes from ``linear_tuned.json`` beside this module when it has a rule
+(written by ``bench/tune_linear.py``, every entry bit-checked there and by the GPU test;
+its hash is in META), else from :func:`default_config_name` (pointer kernels). Under the
+CPU interpreter one fixed config is used (the interpreter's numpy matmul is *not*
+tile-shape invariant).
 
 torch_ref backend: the same row invariance on any device, from a loop over K of
 ``acc = acc + x[:, k] * W[:, k]`` (separately rounded fp32 ops, ascending k). Its bits
