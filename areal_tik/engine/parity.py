@@ -55,6 +55,8 @@ class ParityConfig:
     backward: bool = True
     regimes: tuple = REGIMES
     ignore_eos: bool = True
+    r4_max_num_seqs: tuple = (2, 4)     # R4 slots drawn from this range (few: constant join/leave)
+    r5_concurrent: int = 2              # R5 KV pages for this many full-length sequences (preemption)
 
 
 def _requests(cfg: ParityConfig, vocab: int, rng: random.Random):
@@ -105,7 +107,7 @@ def _run_r3(model, cfg, reqs, rng):
 
 
 def _run_r4(model, cfg, reqs, rng):
-    eng = _engine(model, cfg, page_size=rng.choice(cfg.page_sizes), max_num_seqs=rng.randint(2, 4),
+    eng = _engine(model, cfg, page_size=rng.choice(cfg.page_sizes), max_num_seqs=rng.randint(*cfg.r4_max_num_seqs),
                   max_num_batched_tokens=rng.randint(cfg.max_prompt_len, 4 * cfg.max_prompt_len),
                   page_order_seed=rng.getrandbits(32))
     pending = rng.sample(reqs, len(reqs))
@@ -124,15 +126,16 @@ def _run_r5(model, cfg, reqs, rng):
     """Abort + client resume, a weight update mid-flight, and memory-pressure preemption."""
     max_len = cfg.max_prompt_len + cfg.max_new_tokens + 1
     ps = cfg.page_sizes[0]
-    pages = max(2 * ((max_len + ps - 1) // ps), 3)     # room for ~2 sequences: forces preemption
+    pages = max(cfg.r5_concurrent * ((max_len + ps - 1) // ps), 3)   # room for few sequences: preemption
     eng = _engine(model, cfg, page_size=ps, num_pages=pages, page_order_seed=rng.getrandbits(32),
                   max_num_batched_tokens=rng.randint(8, 2 * cfg.max_prompt_len))
     res: dict[str, RequestOutput] = {}
     partial: dict[str, RequestOutput] = {}
     for rid, p, sp in reqs:
         eng.add_request(rid, p, sp)
-    abort_at = rng.randint(2, 2 + cfg.max_new_tokens)
-    update_at = abort_at + rng.randint(1, 4)
+    abort_at = rng.randint(2, 2 + cfg.max_new_tokens // 2)
+    update_at = abort_at + rng.randint(1, 3)
+    updated = False
     step = 0
     params = {rid: sp for rid, _, sp in reqs}
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -146,8 +149,9 @@ def _run_r5(model, cfg, reqs, rng):
                 if left > 0:
                     eng.add_request(o.request_id, o.prompt_ids + o.output_ids,
                                     dataclasses.replace(sp, max_new_tokens=left))
-        if step == update_at:
-            eng.update_weights(state, eng.version + 1)
+        if step >= update_at and not updated and eng.scheduler.running:
+            eng.update_weights(state, eng.version + 1)     # same weights, new version: re-prefill in flight
+            updated = True
         for o in eng.step():
             res[o.request_id] = o
     merged = {}

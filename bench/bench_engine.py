@@ -1,0 +1,104 @@
+"""Engine throughput on the GPU, tik kernels vs HF-default kernels, side by side in one run.
+
+Same engine (paged KV cache, continuous batching, CUDA graphs for decode), same
+Qwen2.5-1.5B-shaped random weights; only the kernels differ (``patch_model(kernels=...)``).
+For each batch size B: prefill tokens/s (B prompts of ``--prompt-len`` tokens in one
+step) and decode tokens/s (B sequences, ``--steps`` decode steps after a warm-up that
+captures the CUDA graph). Each point runs once unmeasured first (JIT, graph capture).
+Writes ``engine_throughput.json`` with ratio tik/default per point.
+
+    python bench/bench_engine.py --out DIR [--quick] [--model qwen2.5-1.5b]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from areal_tik.backend.patch import patch_model  # noqa: E402
+from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from areal_tik.models import build_model  # noqa: E402
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=steps + 8, ignore_eos=True, seed=seed)
+    for i in range(B):
+        eng.add_request(f"b{B}-{seed}-{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), sp)
+    _sync()
+    t0 = time.perf_counter()
+    n_prefill = 0
+    while eng.scheduler.waiting:
+        eng.step()
+        n_prefill += 1
+    _sync()
+    t_prefill = time.perf_counter() - t0
+    for _ in range(2):      # warm-up decode (graph capture on the unmeasured pass)
+        eng.step()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    _sync()
+    t_decode = time.perf_counter() - t0
+    eng.abort_all()
+    return dict(batch=B, prefill_tokens_per_s=B * prompt_len / t_prefill, prefill_steps=n_prefill,
+                prefill_ms=1e3 * t_prefill, decode_tokens_per_s=B * steps / t_decode,
+                decode_ms_per_step=1e3 * t_decode / steps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", default="qwen2.5-1.5b")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    batches = [1, 16, 64] if a.quick else [1, 2, 4, 8, 16, 32, 64]
+    steps = 16 if a.quick else 64
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    res = {"model": a.model, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+           "torch": torch.__version__, "prompt_len": a.prompt_len, "decode_steps": steps, "kernels": {}}
+    for kernels in ("default", "tik"):
+        model = patch_model(build_model(a.model, device=dev), kernels=kernels)
+        eng = LLMEngine(model, EngineConfig(max_num_seqs=max(batches), max_model_len=a.prompt_len + steps + 64,
+                                            max_num_batched_tokens=max(batches) * a.prompt_len,
+                                            chunked_prefill=False, gpu_memory_utilization=0.3))
+        rows = []
+        for B in batches:
+            measure(eng, B, a.prompt_len, steps, model.config.vocab_size, seed=1)   # warm-up pass
+            r = measure(eng, B, a.prompt_len, steps, model.config.vocab_size, seed=2)
+            rows.append(r)
+            print(f"{kernels:8s} B={B:3d} prefill {r['prefill_tokens_per_s']:10.0f} tok/s  "
+                  f"decode {r['decode_tokens_per_s']:9.0f} tok/s ({r['decode_ms_per_step']:.2f} ms/step)", flush=True)
+        res["kernels"][kernels] = dict(rows=rows, engine=eng.stats())
+        del eng, model
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    res["ratio_tik_over_default"] = [
+        dict(batch=t["batch"], prefill=t["prefill_tokens_per_s"] / d["prefill_tokens_per_s"],
+             decode=t["decode_tokens_per_s"] / d["decode_tokens_per_s"])
+        for t, d in zip(res["kernels"]["tik"]["rows"], res["kernels"]["default"]["rows"])]
+    for r in res["ratio_tik_over_default"]:
+        print(f"tik/default B={r['batch']:3d}: prefill {r['prefill']:.2f}x  decode {r['decode']:.2f}x")
+    with open(os.path.join(a.out, "engine_throughput.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
