@@ -57,6 +57,7 @@ class ParityConfig:
     ignore_eos: bool = True
     r4_max_num_seqs: tuple = (2, 4)     # R4 slots drawn from this range (few: constant join/leave)
     r5_concurrent: int = 2              # R5 KV pages for this many full-length sequences (preemption)
+    max_tokens_per_mb: int = 16384      # R1 micro-batches are also cut at this many tokens (memory)
 
 
 def _requests(cfg: ParityConfig, vocab: int, rng: random.Random):
@@ -186,7 +187,17 @@ def _training_logprobs(model, outs: list[RequestOutput], temps: list[float], cfg
         cuts = sorted(rng.sample(range(1, len(order)), n_mb - 1))
     else:
         cuts = []
-    groups = [order[a:b] for a, b in zip([0] + cuts, cuts + [len(order)])]
+    groups = []
+    for g in (order[a:b] for a, b in zip([0] + cuts, cuts + [len(order)])):
+        cur, n = [], 0
+        for i in g:
+            ln = len(outs[i].prompt_ids) + len(outs[i].output_ids)
+            if cur and n + ln > cfg.max_tokens_per_mb:
+                groups.append(cur)
+                cur, n = [], 0
+            cur.append(i)
+            n += ln
+        groups.append(cur)
     result: list[torch.Tensor | None] = [None] * len(outs)
     for g_i, group in enumerate(groups):
         ids, cu, temps_tok, spans = [], [0], [], []
