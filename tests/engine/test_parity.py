@@ -52,3 +52,13 @@ def test_gpu_default_kernels_mismatch():
     m = patch_model(build_model("tiny-qwen2", device="cuda"), kernels="default")
     rep = run_parity(m, ParityConfig(n_prompts=16, max_prompt_len=200, max_new_tokens=48, seed=5))
     assert rep["n_mismatch_total"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter case; the GPU tests cover triton")
+def test_triton_interpreter_tiny_case(monkeypatch):
+    """The triton kernels (CPU interpreter, conftest) keep R1-R4 bitwise on a 1-layer model."""
+    monkeypatch.setenv("AREAL_TIK_BACKEND", "triton")
+    m = patch_model(build_model("tiny-qwen2", device="cpu", num_hidden_layers=1))
+    rep = run_parity(m, ParityConfig(n_prompts=2, max_prompt_len=12, max_new_tokens=3, pad_to=16,
+                                     regimes=("R1", "R2", "R3", "R4")))
+    assert rep["passed"], rep["regimes"]
