@@ -227,8 +227,10 @@ class EngineWorker:
         if p is None:
             return False
         r = self.engine.abort(rid)
-        if r is not None and not isinstance(r, (list, tuple)):
-            p.out_ids, p.out_lps = list(r.output_ids), [float(x) for x in (r.output_logprobs or [])]
+        outs = r if isinstance(r, (list, tuple)) else ([] if r is None else [r])
+        for o in outs:  # LLMEngine.abort returns the request's unfinished samples
+            if str(o.request_id) == rid and len(o.output_ids) >= len(p.out_ids):
+                p.out_ids, p.out_lps = list(o.output_ids), [float(x) for x in (o.output_logprobs or [])]
         self._finish(p, "abort")
         return True
 
