@@ -188,15 +188,16 @@ _COUNTERS: dict = {}
 
 def _counters(n: int, device) -> torch.Tensor:
     """Zero-initialised int32 arrival counters for the single-launch decode merge, one
-    buffer per (device, stream) so launches on one stream never share counters while
-    running. The kernel's last arriving program resets its counter to 0, so the buffer
-    stays zero between launches (CUDA-graph safe: no per-call memset)."""
-    dev = torch.device(device)
-    key = (str(dev), torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+    buffer per device. The kernel's last arriving program resets its counter to 0, so the
+    buffer stays zero between launches (CUDA-graph safe: no per-call memset; a buffer first
+    created during graph capture is zeroed by a captured memset, still correct). Two decode
+    launches must not run at the same time on one device (different streams without
+    ordering); one engine stream, or graph replays on one stream, never do."""
+    key = str(torch.device(device))
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32,
-                          device=dev)
+        buf = torch.zeros(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32,
+                          device=device)
         _COUNTERS[key] = buf
     return buf
 
@@ -769,9 +770,8 @@ def attention_paged_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seqle
     path (GQA heads packed in MMA rows, partitions of ``KV_PARTITION`` tokens merged in
     ascending order by the last partition program of the same launch), else the prefill
     kernel; both give the same bits per query position. No host synchronisation; decode
-    uses a persistent per-(device, stream) counter buffer that returns to zero after every
-    launch (CUDA-graph safe; launches on one stream must not run concurrently, which a
-    stream guarantees)."""
+    uses a persistent per-device counter buffer that returns to zero after every launch
+    (CUDA-graph safe; two decode launches must not run concurrently on one device)."""
     _check_window(window_size)
     D, hq, hkv, ps, B = _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k,
                                       max_seqlen_q, True)

@@ -268,8 +268,9 @@ def test_tile_shape_does_not_change_bits(tiny_meta, seed_rng):
 
 @pytest.mark.skipif(HAS_GPU, reason="CPU check of the real META; the GPU tests use it everywhere")
 def test_real_meta_crosses_partition(seed_rng):
-    """BLOCK_N=64, KV_PARTITION=256 as shipped: one sequence across the 256 boundary."""
-    assert (A.BLOCK_N, A.KV_PARTITION) == (64, 256)
+    """The shipped CPU META (defaults: BLOCK_N=64, KV_PARTITION=256): one sequence across
+    the partition boundary."""
+    assert (A.BLOCK_N, A.KV_PARTITION) == (64, 256), "CPU runs the defaults (no tuned JSON off-GPU)"
     torch.manual_seed(seed_rng)
     L = 300
     (q, k, v), = make_seqs([L], 2, 1, 64, "cpu")
@@ -397,7 +398,71 @@ def test_registered_ops_dispatch(tiny_meta):
     cu = cu_of([9], dev())
     a = ops.attention_varlen(q, k, v, cu, 9, backend="torch_ref")
     assert compare_bits(a, A.attention_varlen_torch(q, k, v, cu, 9))
-    assert dict(registry.select_impl("attention_paged").meta)["KV_PARTITION"] == 256
+    assert dict(registry.select_impl("attention_paged").meta)["KV_PARTITION"] == A.META["KV_PARTITION"]
+
+
+@pytest.fixture
+def restore_config():
+    prev, src, meta = A.current_config(), A._TUNED_SOURCE, dict(A.META)
+    yield
+    A.configure(prev, source=src)
+    A.META.clear()
+    A.META.update(meta)
+
+
+@pytest.mark.parametrize("flat,hsplit", [(0, 2), (1, 4)])
+def test_launch_variants_same_bits(flat, hsplit, tiny_meta, restore_config, seed_rng):
+    """FLAT (one KV loop with in-loop partition merges vs nested loops) and HSPLIT (GQA
+    group split over decode programs) are launch choices, not bit-defining."""
+    if HAS_GPU:
+        pytest.skip("GPU version: test_launch_variants_gpu")
+    rng = random.Random(seed_rng)
+    seqs = make_seqs([70, 1, 33], 8, 2, 64, dev())
+    base = run_regimes("triton", seqs, 16, random.Random(seed_rng))
+    bn, part = A.BLOCK_N, A.KV_PARTITION
+    cfg = A.current_config()
+    cfg["fwd"]["64"]["FLAT"] = flat
+    cfg["decode"]["HSPLIT"] = hsplit
+    A.configure(cfg)
+    A.BLOCK_N, A.KV_PARTITION = bn, part      # configure() reset them; keep the tiny ones
+    _fwd_tiles = A._fwd_tiles
+    assert _fwd_tiles(64)["FLAT"] == flat
+    res = run_regimes("triton", seqs, 16, rng)
+    assert_regimes_equal(res, [70, 1, 33])
+    for i in range(3):
+        assert compare_bits(res["R1"][i], base["R1"][i], name="FLAT"), "FLAT changed the bits"
+        assert compare_bits(res["R4"][i], base["R4"][i], name="HSPLIT"), "HSPLIT changed the bits"
+
+
+def test_decode_counters_return_to_zero(tiny_meta, seed_rng):
+    """Single-launch decode: the arrival counters are back at 0 after every launch and a
+    repeated launch gives the same bits (the merge order is fixed, not arrival order)."""
+    rng = random.Random(seed_rng)
+    L = 4 * A.KV_PARTITION + 3 if INTERP or not HAS_GPU else 3000
+    seqs = make_seqs([L, 5], 8, 2, 64, dev())
+    res = run_regimes("triton", seqs, 16, rng)
+    assert_regimes_equal(res, [L, 5])
+    for buf in A._COUNTERS.values():
+        assert int(buf.abs().sum()) == 0, "decode left a non-zero arrival counter"
+
+
+def test_tuned_json_is_applied_and_fingerprinted(tmp_path, restore_config, monkeypatch):
+    """attention_tuned.json: the entry for the GPU arch becomes the configuration and META."""
+    import json
+    entry = {"BLOCK_N": 128, "KV_PARTITION": 512, "fwd": {"128": {"BLOCK_M": 64, "num_warps": 4}},
+             "decode": {"num_stages": 2}, "_source": "test"}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"sm90": entry}))
+    monkeypatch.setattr(A, "_interpreting", lambda: False)
+    monkeypatch.delenv("AREAL_TIK_ATTN_TUNED", raising=False)
+    assert not A.load_tuned(str(path), arch="sm80")
+    assert A.load_tuned(str(path), arch="sm90")
+    assert (A.BLOCK_N, A.KV_PARTITION) == (128, 512)
+    assert A.META["BLOCK_N"] == 128 and A.META["KV_PARTITION"] == 512 and A.META["tuned"].startswith("t.json:sm90:")
+    assert A._FWD_GPU[128]["BLOCK_M"] == 64 and A._DEC_GPU["num_stages"] == 2
+    monkeypatch.setenv("AREAL_TIK_ATTN_TUNED", "0")
+    A.configure(None)
+    assert not A.load_tuned(str(path), arch="sm90") and A.BLOCK_N == 64
 
 
 # ---- GPU: real shapes ------------------------------------------------------------------
@@ -455,3 +520,51 @@ def test_poisoned_gpu(monkeypatch, seed_rng):
         for o in outs:
             assert _no_poison(o), name
     assert_regimes_equal(res, [1, 300, 513])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flat,hsplit", [(0, 2), (1, 4), (1, 1)])
+def test_launch_variants_gpu(flat, hsplit, restore_config, seed_rng):
+    rng = random.Random(seed_rng)
+    lens = [1, A.BLOCK_N + 1, A.KV_PARTITION + 1, 2 * A.KV_PARTITION + A.BLOCK_N - 1, 1100]
+    seqs = make_seqs(lens, 32, 8, 128, "cuda")
+    base = run_regimes("triton", seqs, 16, random.Random(seed_rng))
+    cfg = A.current_config()
+    cfg["fwd"]["128"]["FLAT"] = flat
+    cfg["decode"]["HSPLIT"] = hsplit
+    A.configure(cfg)
+    res = run_regimes("triton", seqs, 16, rng)
+    assert_regimes_equal(res, lens)
+    for i in range(len(lens)):
+        assert compare_bits(res["R1"][i], base["R1"][i], name="FLAT"), "FLAT changed the bits"
+        assert compare_bits(res["R4"][i], base["R4"][i], name="HSPLIT"), "HSPLIT changed the bits"
+
+
+@pytest.mark.gpu
+def test_decode_cuda_graph_replay_gpu(seed_rng):
+    """Decode captured in a CUDA graph and replayed (counters persist across replays)
+    gives the eager bits every time."""
+    torch.manual_seed(seed_rng)
+    B, ctx, page = 4, 3000, 16
+    npg = math.ceil(ctx / page)
+    kc = torch.randn(B * npg, page, 8, 128, device="cuda").bfloat16()
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(B * npg, device="cuda").int().view(B, npg)
+    q = torch.randn(B, 32, 128, device="cuda").bfloat16()
+    cuq = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    sk = torch.tensor([ctx, 1, 257, 2048], dtype=torch.int32, device="cuda")
+    eager = A.attention_paged_triton(q, kc, vc, bt, cuq, sk, 1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        A.attention_paged_triton(q, kc, vc, bt, cuq, sk, 1)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = A.attention_paged_triton(q, kc, vc, bt, cuq, sk, 1)
+    for _ in range(5):
+        g.replay()
+        torch.cuda.synchronize()
+        assert compare_bits(out, eager, name="graph replay")
+    for buf in A._COUNTERS.values():
+        assert int(buf.abs().sum()) == 0
