@@ -1,6 +1,6 @@
 """Tune the unified attention's meta-parameters on one GPU, checking the contract for each.
 
-    python bench/tune_attention.py --out DIR [--budget-s 220]
+    python bench/tune_attention.py --out DIR [--budget-s 190]
 
 For each global (bit-defining) candidate ``(BLOCK_N, KV_PARTITION)`` it
   1. checks the contract at real shapes (32q/8kv heads, d=128, page 16, lengths around
@@ -319,7 +319,7 @@ def tune_backward(A, out_rows, deadline):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=220.0)
+    ap.add_argument("--budget-s", type=float, default=190.0)
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if not torch.cuda.is_available():
