@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -27,6 +28,23 @@ from areal_tik.engine.scheduler import ScheduledBatch
 __all__ = ["ModelRunner"]
 
 _BS_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+# Test hook: on a CPU, run the graph path with an emulated graph (capture records the
+# forward without running it, replay re-runs it on the static buffers), so the capture /
+# static-buffer / bucket logic is exercised by CPU tests with the same side effects as on
+# the GPU (the eager warm-up before a capture runs for real, as it does there).
+EMULATE_GRAPHS_ON_CPU = False
+
+
+class _EmulatedGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on a CPU: ``replay`` runs ``fn`` and copies
+    its result into the static output ``out`` (allocated, unwritten, at capture)."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        self.out.copy_(self.fn())
 
 
 class ModelRunner:
@@ -51,7 +69,8 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
         self.sampler = Sampler(self.vocab_size, self.device, self.kernels)
-        self.use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        self.emulate_graphs = self.device.type != "cuda" and EMULATE_GRAPHS_ON_CPU
+        self.use_graphs = (self.device.type == "cuda" or self.emulate_graphs) and not cfg.enforce_eager
         self.graph_max_bs = min(cfg.cuda_graph_max_bs or cfg.max_num_seqs, _BS_BUCKETS[-1])
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._pool = None
@@ -112,6 +131,7 @@ class ModelRunner:
             ids=torch.zeros(n, dtype=torch.int64, device=dev),
             pos=torch.zeros(n, dtype=torch.int64, device=dev),
             slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            noslots=torch.full((n,), -1, dtype=torch.int64, device=dev),   # warm-up: store nothing
             seqk=torch.ones(n, dtype=torch.int32, device=dev),
             cu=torch.arange(n + 1, dtype=torch.int32, device=dev),
             tables={},
@@ -125,22 +145,47 @@ class ModelRunner:
         return t
 
     def _capture(self, bs: int, width: int):
+        """Capture the decode forward for (bs, width) on the static buffers.
+
+        The eager warm-up before the capture really runs, so it must have no side effect
+        on the KV cache: it runs with every slot -1 (no K/V store). Before this, it stored
+        K/V at whatever the static slots held -- the *previous* graph step's slots, with
+        that step's token ids and positions, but attending through this width's table
+        (zeros when new, or stale rows): it overwrote the previous token's K/V in layers
+        >= 1 of every sequence of the previous step with garbage whenever a new (bucket,
+        width) graph was captured mid-generation, e.g. when the longest sequence crossed
+        into a new table-width bucket. (The caller now also fills the static inputs before
+        capturing, so the warm-up attends over this step's real tables.)"""
         s = self._static
         table = self._table(width)
         ctx = AttentionContext(slot_mapping=s["slots"][:bs], block_table=table[:bs], cu_seqlens_q=s["cu"][:bs + 1],
                                seqlens_k=s["seqk"][:bs], max_seqlen_q=1, kv_caches=self.kv_caches)
-        set_context(ctx)
+        warm = dataclasses.replace(ctx, slot_mapping=s["noslots"][:bs])
+        set_context(warm)
         try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._forward(s["ids"][:bs], s["pos"][:bs])   # warm-up: compile kernels outside capture
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(s["ids"][:bs], s["pos"][:bs])
-            if self._pool is None:
-                self._pool = graph.pool()
+            if self.emulate_graphs:
+                out = self._forward(s["ids"][:bs], s["pos"][:bs])   # warm-up (runs for real, as on the GPU)
+                out = torch.empty_like(out)
+
+                def fn(ctx=ctx, bs=bs):
+                    set_context(ctx)
+                    try:
+                        return self._forward(s["ids"][:bs], s["pos"][:bs])
+                    finally:
+                        reset_context()
+                graph = _EmulatedGraph(fn, out)
+            else:
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._forward(s["ids"][:bs], s["pos"][:bs])   # warm-up: compile kernels outside capture
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                set_context(ctx)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = self._forward(s["ids"][:bs], s["pos"][:bs])
+                if self._pool is None:
+                    self._pool = graph.pool()
         finally:
             reset_context()
         self._graphs[(bs, width)] = (graph, out)
@@ -156,8 +201,6 @@ class ModelRunner:
         width = min(1 << max(0, (need - 1).bit_length()), self.max_width)
         width = max(width, need)
         inp = prepare_step(batch, self.page_size, self.kv_caches, self.device, width=width)
-        entry = self._graphs.get((bs, width)) or self._capture(bs, width)
-        graph, out = entry
         s = self._static
         s["ids"][:B].copy_(inp.input_ids)
         s["pos"][:B].copy_(inp.positions)
@@ -168,5 +211,6 @@ class ModelRunner:
         table = self._table(width)
         table[:B].copy_(inp.ctx.block_table)
         table[B:bs].zero_()
+        graph, out = self._graphs.get((bs, width)) or self._capture(bs, width)
         graph.replay()
         return out[:B]
