@@ -132,6 +132,7 @@ class ModelRunner:
             pos=torch.zeros(n, dtype=torch.int64, device=dev),
             slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
             noslots=torch.full((n,), -1, dtype=torch.int64, device=dev),   # warm-up: store nothing
+            ones=torch.ones(n, dtype=torch.int32, device=dev),              # warm-up: read one key
             seqk=torch.ones(n, dtype=torch.int32, device=dev),
             cu=torch.arange(n + 1, dtype=torch.int32, device=dev),
             tables={},
@@ -148,7 +149,8 @@ class ModelRunner:
         """Capture the decode forward for (bs, width) on the static buffers.
 
         The eager warm-up before the capture really runs, so it must have no side effect
-        on the KV cache: it runs with every slot -1 (no K/V store). Before this, it stored
+        on the KV cache: it runs with every slot -1 (no K/V store) and one key per row
+        (reads stay inside any table, whatever the static buffers hold). Before this, it stored
         K/V at whatever the static slots held -- the *previous* graph step's slots, with
         that step's token ids and positions, but attending through this width's table
         (zeros when new, or stale rows): it overwrote the previous token's K/V in layers
@@ -160,7 +162,7 @@ class ModelRunner:
         table = self._table(width)
         ctx = AttentionContext(slot_mapping=s["slots"][:bs], block_table=table[:bs], cu_seqlens_q=s["cu"][:bs + 1],
                                seqlens_k=s["seqk"][:bs], max_seqlen_q=1, kv_caches=self.kv_caches)
-        warm = dataclasses.replace(ctx, slot_mapping=s["noslots"][:bs])
+        warm = dataclasses.replace(ctx, slot_mapping=s["noslots"][:bs], seqlens_k=s["ones"][:bs])
         set_context(warm)
         try:
             if self.emulate_graphs:

@@ -58,6 +58,7 @@ class ParityConfig:
     r4_max_num_seqs: tuple = (2, 4)     # R4 slots drawn from this range (few: constant join/leave)
     r5_concurrent: int = 2              # R5 KV pages for this many full-length sequences (preemption)
     max_tokens_per_mb: int = 16384      # R1 micro-batches are also cut at this many tokens (memory)
+    enforce_eager: bool = False         # engines without CUDA graphs (isolates graph capture/replay)
 
 
 def _requests(cfg: ParityConfig, vocab: int, rng: random.Random):
@@ -76,7 +77,8 @@ def _requests(cfg: ParityConfig, vocab: int, rng: random.Random):
 
 def _engine(model, cfg: ParityConfig, **kw) -> LLMEngine:
     max_len = cfg.max_prompt_len + cfg.max_new_tokens + 1
-    base = dict(max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=8192)
+    base = dict(max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=8192,
+                enforce_eager=cfg.enforce_eager)
     base.update(kw)
     return LLMEngine(model, EngineConfig(**base))
 

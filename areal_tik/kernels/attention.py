@@ -196,10 +196,15 @@ def _counters(n: int, device) -> torch.Tensor:
     key = str(torch.device(device))
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED_COUNTERS.append(buf)   # graphs captured earlier still point at it: never free it
         buf = torch.zeros(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32,
                           device=device)
         _COUNTERS[key] = buf
     return buf
+
+
+_RETIRED_COUNTERS: list = []
 
 
 def _interpreting() -> bool:
