@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on the device: GPU tests + benchmarks, JSON/logs under $OUT.
 #   bash bench/gpu_check.sh [PART ...]   parts: env tests negctl <bench name without bench_/.py> ...; default: all
-#   GPU_TESTS='tests/kernels/test_x.py ...' limits the tests part; BENCH_ARGS is passed to every bench script (e.g. --quick)
+#   GPU_TESTS='tests/kernels/test_x.py ...' limits the tests part; part "isolate" runs the decode-path
+#   isolation tests (tests/engine/test_gpu_decode_isolation.py + the tiny GPU parity) into gpu_isolate.log; BENCH_ARGS is passed to every bench script (e.g. --quick)
 # Locally, copy $OUT into bench/results/<date>_<gpu>_<commit>/ (bench/collect_results.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,7 @@ for part in "${PARTS[@]}"; do
   case "$part" in
     env) python -m areal_tik.cli env --json > "$OUT/env.json" || status=1; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >> "$OUT/env_smi.txt" 2>&1 ;;
     tests) python -m pytest -q -rfE -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    isolate) python -m pytest -q -rfE -m gpu tests/engine/test_gpu_decode_isolation.py tests/engine/test_parity.py -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_isolate.xml" 2>&1 | tee "$OUT/gpu_isolate.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     negctl) python bench/negative_controls.py --out "$OUT" || status=1 ;;
     *) python "bench/bench_${part}.py" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_${part}.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
   esac

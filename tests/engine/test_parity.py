@@ -40,9 +40,13 @@ def test_default_kernels_negative_control(seed_rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3", "tiny-llama"])
-def test_gpu_zero_mismatches_with_cuda_graphs(name):
+@pytest.mark.parametrize("max_prompt_len,max_new_tokens", [(200, 48), (300, 64)], ids=["ctx<256", "ctx>256"])
+def test_gpu_zero_mismatches_with_cuda_graphs(name, max_prompt_len, max_new_tokens):
+    """ctx>256: contexts cross KV_PARTITION (multi-partition split-KV decode, new table-width
+    graphs captured mid-generation)."""
     m = patch_model(build_model(name, device="cuda"))
-    rep = run_parity(m, ParityConfig(n_prompts=16, max_prompt_len=200, max_new_tokens=48, seed=5))
+    rep = run_parity(m, ParityConfig(n_prompts=16, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
+                                     seed=5))
     assert rep["passed"], {r: (v["n_mismatch"], v["max_abs_diff"]) for r, v in rep["regimes"].items()}
     assert rep["regimes"]["R2"]["engine"]["graph_steps"] > 0
 
