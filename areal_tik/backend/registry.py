@@ -103,14 +103,8 @@ def _ensure_loaded() -> None:
 
 
 def _gpu_arch() -> str | None:
-    try:
-        import torch
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            return f"sm{major}{minor}"
-    except Exception:  # pragma: no cover
-        pass
-    return None
+    from areal_tik.kernels._device import gpu_arch_name
+    return gpu_arch_name()
 
 
 def _load_exported(avail: dict) -> None:

@@ -141,14 +141,7 @@ def current_config() -> dict:
             "bwd": {str(d): dict(c) for d, c in _BWD_GPU.items()}}
 
 
-def _gpu_arch_name() -> str | None:
-    try:
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            return f"sm{major}{minor}"
-    except Exception:  # pragma: no cover
-        pass
-    return None
+from areal_tik.kernels._device import gpu_arch_name as _gpu_arch_name  # noqa: E402
 
 
 def load_tuned(path: str | None = None, arch: str | None = None) -> bool:
