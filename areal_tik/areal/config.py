@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from areal.api.cli_args import PPOActorConfig, PPOConfig
+from areal.api.cli_args import PPOActorConfig, PPOConfig, PPOCriticConfig
 
 KERNEL_BACKENDS = ("default", "tik")
 MISMATCH_POLICIES = ("fallback", "raise")
@@ -30,6 +30,7 @@ __all__ = [
     "MISMATCH_POLICIES",
     "TikConfig",
     "TikPPOActorConfig",
+    "TikPPOCriticConfig",
     "TikPPOConfig",
     "TikGRPOConfig",
     "ConfigError",
@@ -90,13 +91,44 @@ class TikPPOActorConfig(PPOActorConfig):
 
 
 @dataclass
+class TikPPOCriticConfig(PPOCriticConfig):
+    """``PPOCriticConfig`` plus ``kernel_backend`` (``auto`` follows ``actor.kernel_backend``).
+
+    The critic (HF ``*ForTokenClassification`` under FSDP) is patched like the actor:
+    ``tik`` puts it on the tik kernels, ``default`` keeps HF's math but gives it a
+    packed-varlen attention (AReaL's own packed sdpa path attends across sequences)."""
+
+    kernel_backend: str = field(
+        default="auto",
+        metadata={"help": "'auto' (= actor.kernel_backend), 'default' or 'tik'.",
+                  "choices": ["auto", *KERNEL_BACKENDS]},
+    )
+
+    def __post_init__(self):
+        if self.kernel_backend not in ("auto", *KERNEL_BACKENDS):
+            raise ConfigError(f"critic.kernel_backend must be one of {('auto', *KERNEL_BACKENDS)}, "
+                              f"got {self.kernel_backend!r}")
+        super().__post_init__()
+
+
+@dataclass
 class TikPPOConfig(PPOConfig):
-    """``PPOConfig`` whose actor is a :class:`TikPPOActorConfig`; cross-field checks."""
+    """``PPOConfig`` whose actor is a :class:`TikPPOActorConfig` (and critic, if any, a
+    :class:`TikPPOCriticConfig`); cross-field checks."""
 
     actor: TikPPOActorConfig = field(default_factory=TikPPOActorConfig)
+    critic: TikPPOCriticConfig | None = field(default=None)
 
     def __post_init__(self):
         super().__post_init__()
+        c = self.critic
+        if c is not None:
+            if not isinstance(c, TikPPOCriticConfig):
+                raise ConfigError(f"critic must be a TikPPOCriticConfig, got {type(c).__name__}")
+            if c.kernel_backend == "auto":
+                c.kernel_backend = self.actor.kernel_backend
+            if not c.is_critic:
+                raise ConfigError("critic.is_critic must be true (the critic is a value model)")
         a = self.actor
         if a.kernel_backend != "tik":
             return

@@ -1,7 +1,8 @@
 """``patch_model``: put an HF Qwen2/Qwen2.5, Qwen3 or Llama-3 causal LM on tik kernels, in place.
 
 What changes (``kernels="tik"``):
-- every ``nn.Linear`` under the decoder and ``lm_head`` -> ``TikLinear`` (``ops.linear``);
+- every ``nn.Linear`` under the decoder and ``lm_head`` (or a critic's value head ``score``)
+  -> ``TikLinear`` (``ops.linear``);
 - every RMSNorm -> ``TikRMSNorm`` (``ops.rms_norm``), Qwen3's q/k norms included;
 - MLPs -> ``TikMLP`` (``ops.silu_mul``);
 - attention -> ``PagedAttention``: RoPE from one fp32 table built by ``ops.rope_table``
@@ -83,8 +84,9 @@ def _validate(model: nn.Module) -> tuple[nn.Module, object]:
         raise UnsupportedModelError(f"{mt}: {cfg.num_attention_heads} query heads not a multiple of "
                                     f"{cfg.num_key_value_heads} KV heads")
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
-        raise UnsupportedModelError(f"{type(model).__name__}: expected a *ForCausalLM with .model.layers and .lm_head")
+    if base is None or not hasattr(base, "layers") or _head_name(model) is None:
+        raise UnsupportedModelError(f"{type(model).__name__}: expected a *ForCausalLM with .model.layers and .lm_head "
+                                    "(or a *ForTokenClassification value model with .model.layers and .score)")
     for i, layer in enumerate(base.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))):
@@ -103,12 +105,22 @@ def _validate(model: nn.Module) -> tuple[nn.Module, object]:
     return base, cfg
 
 
+def _head_name(model: nn.Module) -> str | None:
+    """``lm_head`` (causal LM) or ``score`` (HF ``*ForTokenClassification``: AReaL's critic,
+    ``is_critic=True``, a linear value head with bias on the final-norm hidden states)."""
+    for n in ("lm_head", "score"):
+        if isinstance(getattr(model, n, None), nn.Linear):
+            return n
+    return None
+
+
 def _swap(module: nn.Module, cls: type) -> None:
     module.__class__ = cls
 
 
 def patch_model(model: nn.Module, kernels: str = "tik") -> nn.Module:
-    """Patch ``model`` (an HF Qwen2/Qwen3/Llama ``*ForCausalLM``) in place and return it.
+    """Patch ``model`` (an HF Qwen2/Qwen3/Llama ``*ForCausalLM``, or the same decoder under a
+    ``*ForTokenClassification`` value head as AReaL's critic builds it) in place and return it.
 
     ``kernels="tik"``: every op on the tik kernels (bitwise rollout == training).
     ``kernels="default"``: HF's own math, but attention understands packed sequences and
@@ -151,7 +163,7 @@ def patch_model(model: nn.Module, kernels: str = "tik") -> nn.Module:
         layer.forward = types.MethodType(M.decoder_layer_forward, layer)
     if tik:
         _swap(base.norm, M.TikRMSNorm)
-        _swap(model.lm_head, M.TikLinear)
+        _swap(getattr(model, _head_name(model)), M.TikLinear)
         theta, scaling = _rope_spec(cfg)
         base._tik_rope = M.RopeCache(head_dim, cfg.max_position_embeddings, theta, scaling)
     base._tik_kernels = kernels
