@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     config.actor.path = model_dir
     if config.ref is not None and config.ref.path.startswith("preset:"):
         config.ref.path = model_dir
+    if config.critic is not None and config.critic.path.startswith("preset:"):
+        config.critic.path = model_dir  # value head initialised fresh (AutoModelForTokenClassification)
     config.sglang.model_path = model_dir
     if config.tokenizer_path in ("", None):
         config.tokenizer_path = model_dir

@@ -3,6 +3,9 @@
 - the actor (``actor.backend: fsdp:...`` with a :class:`TikPPOActorConfig`) is a
   :class:`TikFSDPPPOActor` in both AReaL modes (SPMD: built here; single controller:
   ``as_controller`` ships the class to the worker by dotted path);
+- the critic (PPO recipes, ``critic.backend: fsdp:...`` with a :class:`TikPPOCriticConfig`)
+  is a :class:`TikFSDPPPOCritic`: its value model is patched like the actor's
+  (``critic.kernel_backend``, ``auto`` = ``actor.kernel_backend``);
 - the rollout engine is :class:`TikRemoteSGLangEngine` when ``actor.kernel_backend=tik``
   or when SGLang is not installed; its server args come from :func:`rollout.server_args`,
   not ``SGLangConfig.build_args`` (which needs the sglang package);
@@ -24,7 +27,8 @@ from areal.utils import logging
 from areal.utils.environ import is_single_controller
 
 from areal_tik.areal.actor import TikFSDPPPOActor
-from areal_tik.areal.config import TikPPOActorConfig
+from areal_tik.areal.config import TikPPOActorConfig, TikPPOCriticConfig
+from areal_tik.areal.critic import TikFSDPPPOCritic
 from areal_tik.areal.rollout import TikRemoteSGLangEngine, server_args
 
 logger = logging.getLogger("TikTrainer")
@@ -57,6 +61,16 @@ class TikPPOTrainer(PPOTrainer):
             actor = TikFSDPPPOActor(config=actor_config)
         actor.create_process_group(parallel_strategy=alloc.parallel)
         return actor
+
+    def _create_critic(self, critic_config, alloc):
+        if alloc.backend != "fsdp" or not isinstance(critic_config, TikPPOCriticConfig):
+            return super()._create_critic(critic_config, alloc)
+        if is_single_controller():
+            critic = TikFSDPPPOCritic.as_controller(critic_config, self.scheduler)
+        else:
+            critic = TikFSDPPPOCritic(config=critic_config)
+        critic.create_process_group(parallel_strategy=alloc.parallel)
+        return critic
 
     def _init_rollout(self, rollout_config, is_eval: bool = False, lora_path: str | None = None):
         if self.rollout_alloc.backend != "sglang" or not use_tik_server(self.config):

@@ -3,14 +3,14 @@ one, CPU): values per token must not depend on which sequences share the packed 
 
 - ``tik``: bitwise packing invariance (``contract.check_packing_invariance``) through the
   FSDP-wrapped value model with AReaL's packed-call convention, and through AReaL's own
-  ``compute_values`` (its packing and 256-token... padding) for a batch vs each sequence alone;
+  ``compute_values`` (its own packing and micro-batch padding): a batch vs each sequence alone;
 - ``default``: AReaL's math with our varlen attention: packed == alone up to bf16 noise;
 - control: AReaL's unpatched critic (``attn_impl=sdpa``) is NOT packing invariant (the
   second sequence attends to the first), which is why the critic is patched at all;
-- the value head keeps its parameter names (``score.weight``/``score.bias``).
+- the value head keeps its parameter names (``score.weight``/``score.bias``);
+- slow: ``recipes/tiny_ppo.yaml`` (actor + critic) runs 2 steps of AReaL's PPOTrainer with tik.
 
-The model is built once per kernels value in a subprocess-free way: one process group for
-the module (created on first use, destroyed at the end).
+The critics share one gloo process group (world of one, this process), destroyed at the end.
 """
 import os
 
@@ -158,3 +158,36 @@ def test_unpatched_areal_critic_not_packing_invariant(make_critic):
     alone = [_values(c, [s])[0] for s in seqs]
     assert torch.allclose(two[0], alone[0], atol=2e-2, rtol=2e-2)  # the first sequence sees nothing before it
     assert (two[1] - alone[1]).abs().max() > 5e-2  # the second attends to the first
+
+
+RECIPE_PPO = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny_ppo.yaml")
+
+
+@pytest.mark.slow
+def test_tiny_ppo_two_steps_tik(tmp_path):
+    """recipes/tiny_ppo.yaml through AReaL's real PPOTrainer (actor + critic + GAE), 2 steps,
+    kernel_backend=tik: the critic is the patched TikFSDPPPOCritic and trains; the actor's
+    recompute is audited equal on step 0 and skipped on step 1 with a critic in the loop."""
+    import json
+    import subprocess
+    import sys
+    log, steps = tmp_path / "run.log", tmp_path / "steps.jsonl"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "AREAL_LLM_SERVER_ADDRS")}
+    cmd = [sys.executable, "-m", "areal_tik.train", "--config", RECIPE_PPO, "actor.kernel_backend=tik",
+           "total_train_steps=2", "experiment_name=tiktest-ppo", f"cluster.fileroot={tmp_path}/exp",
+           f"cluster.name_resolve.nfs_record_root={tmp_path}/nr", "--step-log", str(steps)]
+    with open(log, "wb") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=500).returncode
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-4000:]
+    assert "critic value model patched with kernels=tik before FSDP wrapping" in text
+    recs = [json.loads(l) for l in steps.read_text().splitlines()]
+    assert [r["global_step"] for r in recs] == [0, 1]
+    for r in recs:
+        s = r["stats"]
+        assert s["timeperf/critic_values"] > 0 and s["timeperf/critic_train_step"] > 0
+        assert s["ppo_critic/update_successful"] == 1.0 and s["ppo_critic/critic_loss/avg"] == s["ppo_critic/critic_loss/avg"]
+    t0, t1 = recs[0]["tik"][0], recs[1]["tik"][0]
+    assert t0["audit"] and t0["audit_passed"] and t0["audit_mismatch_tokens"] == 0 and t0["reasons"] == []
+    assert t1["skipped"] and t1["reasons"] == []
