@@ -9,6 +9,13 @@ dots accumulate k by k (fixed order, independent of the tile shape), because
 ``np.matmul`` rounds a row differently depending on the matrix shape, which would make
 the interpreter contradict the GPU's measured tile-shape invariance.
 
+fp32 -> bf16 casts: the interpreter truncates (``_convert_float`` with no rounding mode,
+and its "RTNE" mode neither breaks ties to even nor carries into the exponent), while the
+GPU's ``.to(tl.bfloat16)`` rounds to nearest even. The patch rounds every fp32 -> bf16
+conversion (casts, ``fp_to_fp``, bf16 reduction results) to nearest even, via PyTorch's
+conversion, so a CPU test of rounding points (e.g. HF's ``silu`` rounded to bf16) sees
+the GPU's bits.
+
 Applied by ``tests/conftest.py`` and by CPU-only tools that run kernels under
 ``TRITON_INTERPRET=1`` (the agent's evaluator). Idempotent.
 """
@@ -54,6 +61,31 @@ def apply() -> bool:
 
     builder_cls.create_dot = create_dot
 
+    import torch
+
+    def _f32_to_bf16_bits(data):
+        """Round float32 values to bf16 (nearest even, like the GPU); uint16 bit patterns."""
+        f = np.ascontiguousarray(np.asarray(data, dtype=np.float32))
+        return torch.from_numpy(f).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+    orig_cast = builder_cls.cast_impl
+    orig_fp_to_fp = builder_cls.create_fp_to_fp
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return it.TensorHandle(_f32_to_bf16_bits(src.data.view(np.float32)), dst_type.scalar)
+        return orig_cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16
+                and rounding_mode in (None, it._ir.ROUNDING_MODE.RTNE)):
+            return it.TensorHandle(_f32_to_bf16_bits(src.data.view(np.float32)), dst_type.scalar)
+        return orig_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder_cls.cast_impl = cast_impl
+    builder_cls.create_fp_to_fp = create_fp_to_fp
+    builder_cls.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
+
     red = it.ReduceOps
     orig_sum, orig_min_max = red.sum, red.min_max
 
@@ -68,8 +100,7 @@ def apply() -> bool:
         return tl.core.tensor(it.TensorHandle(np.asarray(data), dtype.scalar), dtype)
 
     def _back_to_bf16(t):
-        data = it._convert_float(np.asarray(t.handle.data, dtype=np.float32), tl.float32, tl.bfloat16, None)
-        return self_to_tensor(data.view(np.uint16), tl.bfloat16)
+        return self_to_tensor(_f32_to_bf16_bits(t.handle.data), tl.bfloat16)
 
     def sum_(self, input):
         if input.dtype.scalar == tl.bfloat16:

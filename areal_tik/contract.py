@@ -88,7 +88,10 @@ class Report:
 
 
 def _merge(check: str, parts: Sequence[Report], detail: str = "") -> Report:
-    rep = Report(check=check, passed=all(p.passed for p in parts), detail=detail, cases=list(parts))
+    """Combine sub-checks. Nothing compared is a failure, never a vacuous pass."""
+    if not parts:
+        detail = (detail + "; " if detail else "") + "nothing compared"
+    rep = Report(check=check, passed=bool(parts) and all(p.passed for p in parts), detail=detail, cases=list(parts))
     for p in parts:
         rep.n_compared += p.n_compared
         rep.n_mismatch += p.n_mismatch
@@ -158,9 +161,11 @@ def check_packing_invariance(
     ``fn(packed, cu_seqlens)`` takes the sequences concatenated along dim 0 (``cu_seqlens``
     int32 prefix sums, a trailing padding segment allowed) and returns one row per token.
     Each packing uses a random order of the sequences and pads the total to a multiple of
-    ``pad_to`` with random tokens that form their own segment.
+    ``pad_to`` with random tokens that form their own segment (floats: normal draws;
+    integer token ids: uniform over the range the sequences use). Without ``generator``
+    the packings are drawn from the global torch RNG (fresh per test under ``seed_rng``).
     """
-    g = generator or torch.Generator().manual_seed(0)
+    g = generator or torch.Generator().manual_seed(int(torch.randint(2**62, ())))
     dev = seqs[0].device
     solo = []
     for s in seqs:
@@ -176,6 +181,10 @@ def check_packing_invariance(
             filler = seqs[0][:1].expand(pad, *seqs[0].shape[1:]).clone()
             if filler.is_floating_point():
                 filler = torch.randn(filler.shape, generator=g).to(filler)
+            elif filler.dtype != torch.bool:
+                lo = min(int(s.min()) for s in seqs if s.numel())
+                hi = max(int(s.max()) for s in seqs if s.numel())
+                filler = torch.randint(lo, hi + 1, filler.shape, generator=g).to(filler)
             chunks = chunks + [filler]
         lens = [c.shape[0] for c in chunks]
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev)

@@ -45,4 +45,5 @@ def seed_rng(request):
     seed = random.SystemRandom().randrange(2**31)
     torch.manual_seed(seed)
     request.node.user_properties.append(("seed", seed))
+    print(f"seed_rng: {seed}")  # captured; pytest shows it with the failure report
     return seed

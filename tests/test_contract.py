@@ -137,3 +137,25 @@ def test_report_round_trips_to_dict():
     rep = contract.compare_bits(torch.zeros(3), torch.ones(3))
     d = rep.to_dict()
     assert d["n_mismatch"] == 3 and d["passed"] is False and d["first_mismatch"] == "(0,)"
+
+
+def test_nothing_compared_is_a_failure(seed_rng):
+    """An empty subset list, zero packings or no inputs must not pass vacuously."""
+    x = torch.randn(5, 3)
+    assert not contract.check_row_subset_invariance(row_sum_fixed_order, x, []).passed
+    assert not contract.check_packing_invariance(_seg_cumsum, [x[:2], x[2:]], n_packings=0).passed
+    assert not contract.check_inputs_unchanged(lambda: None).passed
+
+
+def test_packing_pads_integer_tokens_with_random_ids(seed_rng):
+    """Integer token sequences get random padding ids from their own range (not one repeated token)."""
+    seqs = [torch.randint(3, 1000, (n,)) for n in (5, 9)]
+    seen = []
+
+    def fn(packed, cu):
+        seen.append(packed[int(cu[-2]):int(cu[-1])].clone() if len(cu) > 3 else None)
+        return packed.double()
+    assert contract.check_packing_invariance(fn, seqs, n_packings=4, pad_to=64).passed
+    pads = torch.cat([p for p in seen if p is not None])
+    assert pads.numel() == 4 * 50 and int(pads.min()) >= 3 and int(pads.max()) < 1000
+    assert len(set(pads.tolist())) > 10

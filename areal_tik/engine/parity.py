@@ -282,12 +282,13 @@ def run_parity(model, cfg: ParityConfig | None = None,
         report["regimes"][r] = _row(rep, divergent=divergent, stats=runs[r]["stats"], gen_s=runs[r]["gen_s"])
         done += 1
     progress("done", 1.0)
-    report["passed"] = all(v["passed"] for v in report["regimes"].values())
+    report["passed"] = bool(report["regimes"]) and all(v["passed"] for v in report["regimes"].values())
     report["n_mismatch_total"] = sum(v["n_mismatch"] for v in report["regimes"].values())
     return report
 
 
 def _row(rep: contract.Report, divergent: int, stats: dict, gen_s: float = 0.0) -> dict:
-    return dict(passed=rep.passed and divergent == 0, n_tokens=rep.n_compared, n_mismatch=rep.n_mismatch,
+    # a regime that compared no token proves nothing: it does not pass
+    return dict(passed=rep.passed and divergent == 0 and rep.n_compared > 0, n_tokens=rep.n_compared, n_mismatch=rep.n_mismatch,
                 max_abs_diff=rep.max_abs_diff, first_mismatch=None if rep.first_mismatch is None else str(rep.first_mismatch),
                 divergent_sequences=divergent, engine=stats, generate_s=round(gen_s, 3))

@@ -89,9 +89,9 @@ def _decode_eager_check(hq, hkv, D, lens, starts, steps, page, device, seed=0, w
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (6, 2)])
-def test_decode_vs_varlen_cpu_small(hq, hkv):
+def test_decode_vs_varlen_cpu_small(hq, hkv, seed_rng):
     """Harness check on a CPU (torch_ref, small partition crossings are the GPU tests' job)."""
-    bad = _decode_eager_check(hq, hkv, 64, [40, 70], [30, 60], 6, 16, "cpu", widths=("tight", "max"))
+    bad = _decode_eager_check(hq, hkv, 64, [40, 70], [30, 60], 6, 16, "cpu", seed=seed_rng, widths=("tight", "max"))
     assert not bad, bad[:5]
 
 
@@ -191,8 +191,8 @@ def _unaligned(x, K):
     return v
 
 
-def test_linear_rows_cpu_small():
-    assert not _linear_rows_check(96, 64, [1, 2, 5, 16], "cpu", big_m=40)
+def test_linear_rows_cpu_small(seed_rng):
+    assert not _linear_rows_check(96, 64, [1, 2, 5, 16], "cpu", big_m=40, seed=seed_rng)
 
 
 @pytest.mark.gpu
@@ -258,8 +258,8 @@ def _logprob_check(V, K, T_rows, temps, device, seed=0):
     return bad
 
 
-def test_logprobs_cpu_small():
-    assert not _logprob_check(1000, 64, 20, (1.0, 0.7), "cpu")
+def test_logprobs_cpu_small(seed_rng):
+    assert not _logprob_check(1000, 64, 20, (1.0, 0.7), "cpu", seed=seed_rng)
 
 
 @pytest.mark.gpu

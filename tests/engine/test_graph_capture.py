@@ -51,11 +51,12 @@ def _prompts(lens, seed=0):
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
 
 
-def test_capture_warmup_leaves_kv_cache_untouched(graphs, model):
+def test_capture_warmup_leaves_kv_cache_untouched(graphs, model, seed_rng):
     """Capturing a new (bucket, width) graph mid-generation must not write the KV cache."""
     eng = _engine(model, eager=False)
-    for i, p in enumerate(_prompts([20, 30, 9])):
-        eng.add_request(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=40, seed=i, ignore_eos=True))
+    for i, p in enumerate(_prompts([20, 30, 9], seed_rng)):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=40, seed=seed_rng + i,
+                                                   ignore_eos=True))
     for _ in range(4):                      # prefill + a few graph decode steps (width 2 / 4 pages)
         eng.step()
     assert eng.runner.num_graph_steps > 0
@@ -68,13 +69,13 @@ def test_capture_warmup_leaves_kv_cache_untouched(graphs, model):
         assert torch.equal(k0, k1) and torch.equal(v0, v1), "graph capture wrote the KV cache"
 
 
-def test_graphs_equal_eager_and_training_across_width_buckets(graphs, model):
+def test_graphs_equal_eager_and_training_across_width_buckets(graphs, model, seed_rng):
     """Contexts cross table-width buckets (1->2->4->8 pages) and batch buckets change as
     requests finish: graph decode == eager decode == training, bit for bit."""
     lens = [14, 31, 47, 5, 60]
-    params = [SamplingParams(temperature=t, max_new_tokens=n, seed=100 + i, ignore_eos=True)
+    params = [SamplingParams(temperature=t, max_new_tokens=n, seed=seed_rng + i, ignore_eos=True)
               for i, (t, n) in enumerate(zip([1.0, 0.7, 0.0, 1.0, 0.7], [70, 40, 55, 20, 66]))]
-    prompts = _prompts(lens, 1)
+    prompts = _prompts(lens, seed_rng)
     e_graph = _engine(model, eager=False)
     got = _run(e_graph, prompts, params)
     ref = _run(_engine(model, eager=True), prompts, params)
@@ -87,8 +88,8 @@ def test_graphs_equal_eager_and_training_across_width_buckets(graphs, model):
         assert torch.equal(train, torch.tensor(lps, dtype=torch.float32)), "graph decode != training"
 
 
-def test_parity_all_regimes_with_graphs(graphs, model):
-    rep = run_parity(model, ParityConfig(n_prompts=4, max_prompt_len=36, max_new_tokens=10, pad_to=64, seed=2,
+def test_parity_all_regimes_with_graphs(graphs, model, seed_rng):
+    rep = run_parity(model, ParityConfig(n_prompts=4, max_prompt_len=36, max_new_tokens=10, pad_to=64, seed=seed_rng,
                                          backward=False))
     for r, v in rep["regimes"].items():
         assert v["n_mismatch"] == 0 and v["divergent_sequences"] == 0, (r, v)

@@ -59,10 +59,19 @@ def test_gpu_default_kernels_mismatch():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter case; the GPU tests cover triton")
-def test_triton_interpreter_tiny_case(monkeypatch):
+def test_triton_interpreter_tiny_case(monkeypatch, seed_rng):
     """The triton kernels (CPU interpreter, conftest) keep R1-R4 bitwise on a 1-layer model."""
     monkeypatch.setenv("AREAL_TIK_BACKEND", "triton")
-    m = patch_model(build_model("tiny-qwen2", device="cpu", num_hidden_layers=1))
-    rep = run_parity(m, ParityConfig(n_prompts=2, max_prompt_len=12, max_new_tokens=3, pad_to=16,
+    m = patch_model(build_model("tiny-qwen2", device="cpu", num_hidden_layers=1, seed=seed_rng % 1000))
+    rep = run_parity(m, ParityConfig(n_prompts=2, max_prompt_len=12, max_new_tokens=3, pad_to=16, seed=seed_rng,
                                      regimes=("R1", "R2", "R3", "R4")))
     assert rep["passed"], rep["regimes"]
+
+
+def test_regime_that_compares_no_token_does_not_pass(seed_rng):
+    """Zero generated tokens: nothing compared, so no regime may report a pass."""
+    m = patch_model(build_model("tiny-llama", device="cpu", seed=seed_rng % 1000))
+    rep = run_parity(m, ParityConfig(n_prompts=2, max_prompt_len=8, max_new_tokens=0, pad_to=16, seed=seed_rng,
+                                     backward=False, regimes=("R2",)))
+    assert rep["regimes"]["R2"]["n_tokens"] == 0
+    assert not rep["regimes"]["R2"]["passed"] and not rep["passed"]

@@ -29,7 +29,7 @@ def test_patch_keeps_names_params_and_layer_classes(name):
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_tik_forward_close_to_hf(name):
+def test_tik_forward_close_to_hf(name, seed_rng):
     """Accuracy sanity: tik logits are within bf16 noise of HF's own forward."""
     ref = build_model(name, device="cpu")
     m = patch_model(build_model(name, device="cpu"))

@@ -191,7 +191,7 @@ def _regimes(lens, Hq, Hkv, D, page_size, seed):
     plens = [lens[i] for i in order] + [pad]
     pcu = torch.tensor([0] + torch.tensor(plens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     po = _written(lambda o: cu.attention_varlen_cuda(pq, pk, pv, pcu, max(plens), out=o), pq.shape, pq.dtype)
-    back = torch.empty_like(q)
+    back = poison_(torch.empty_like(q))     # rows never mapped back stay NaN-poisoned
     at = 0
     for i in order:
         back[cu_list[i]:cu_list[i + 1]] = po[at:at + lens[i]]
@@ -212,7 +212,7 @@ def _regimes(lens, Hq, Hkv, D, page_size, seed):
         c = sorted(set([0, L] + [int(x) for x in torch.randint(1, max(L, 2), (3,), generator=gen) if 0 < x < L]
                        + ([64] if L > 64 else []) + ([L - 1] if L > 1 else [])))
         cuts.append(c)
-    r3 = torch.empty_like(q)
+    r3 = poison_(torch.empty_like(q))
     for r in range(max(len(c) - 1 for c in cuts)):
         idx = [i for i in range(B) if r < len(cuts[i]) - 1]
         qq, nq, sk, rows = [], [], [], []
@@ -242,7 +242,7 @@ def _regimes(lens, Hq, Hkv, D, page_size, seed):
     pos = torch.cat([torch.arange(L) for L in lens])
 
     def decode(perm, mode="auto"):
-        res = torch.empty_like(q)
+        res = poison_(torch.empty_like(q))
         for part in (perm[: len(perm) // 3], perm[len(perm) // 3:]):
             if len(part) == 0:
                 continue

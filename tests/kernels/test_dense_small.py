@@ -11,7 +11,9 @@ DEV = "cuda" if ON_GPU else "cpu"
 
 
 def _subsets(M):
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    # drawn from the global RNG that seed_rng seeded (torch.seed() would re-seed it
+    # non-deterministically and make the failure seed useless for every later input)
+    g = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
     return [[0], [M - 1]] + [torch.randperm(M, generator=g)[:n].tolist() for n in (2, 3, 7) if n <= M]
 
 
@@ -130,7 +132,15 @@ def test_silu_mul_hf_rounding_invariance_grad(impl, dtype, seed_rng):
     assert contract.check_accuracy(y, S.silu_mul_reference(g, u), 1e-2 if dtype == torch.bfloat16 else 1e-5)
     if dtype == torch.bfloat16:  # HF rounding points: silu rounded to bf16, then the product
         hf = torch.nn.functional.silu(g.double()).to(dtype) * u
-        assert (y.float() - hf.float()).abs().max() <= 2 ** -6 * hf.float().abs().max()
+        one_rounding = (torch.nn.functional.silu(g.double()) * u.double()).to(dtype)
+        rep = contract.compare_bits(y, hf, name="silu_mul == HF rounding points")
+        # torch_ref rounds a float64 silu: exactly HF. Triton's fp32 silu may land on the other
+        # side of a bf16 rounding boundary in rare elements (a few fp32 ulps): allow 1%, 1 ulp.
+        allowed = 0 if impl == "torch_ref" else y.numel() // 100
+        ulp = (y.view(torch.int16).int() - hf.view(torch.int16).int()).abs().max()
+        assert rep.n_mismatch <= allowed and int(ulp) <= 1, rep.summary()
+        # the check discriminates: a single final rounding (no bf16 silu) breaks it
+        assert contract.compare_bits(one_rounding, hf).n_mismatch > allowed
     for idx in _subsets(13):
         i = torch.tensor(idx, device=DEV)
         assert contract.compare_bits(fn(g[i], u[i]), y[i])

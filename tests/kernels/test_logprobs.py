@@ -156,6 +156,9 @@ def test_outputs_written_and_errors(seed_rng):
     st = LP._init_state(T, logits.device)
     lp, ent = torch.empty(T, device=DEV), torch.empty(T, device=DEV)
     assert contract.check_outputs_written(lambda o: LP._lse_launch(logits, tok, st.clone(), o, ent, 0, V, 1.0, True), lp)
+    assert contract.check_outputs_written(lambda o: LP._lse_launch(logits, tok, st.clone(), lp, o, 0, V, 1.0, True), ent)
+    ref_lp, ref_ent = LP.logprobs_reference(logits, tok, 1.0)
+    assert (lp.double() - ref_lp).abs().max() < 1e-4 and (ent.double() - ref_ent).abs().max() < 1e-4
     assert contract.check_inputs_unchanged(lambda a, b: LP.logprobs_from_logits_triton(a, b, 1.0), logits, tok)
     with pytest.raises(ValueError):
         LP.logprobs_from_logits_triton(logits, tok, 0.0)
