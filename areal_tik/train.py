@@ -15,6 +15,9 @@ Recipe conventions resolved here (the only place that reads files / environment)
 - ``train_dataset.path: builtin:arith/<task>?n=<N>`` -> the generated arithmetic set,
   reward :func:`areal_tik.areal.arith.reward_fn`; any other path goes to AReaL's
   ``get_custom_dataset`` (e.g. ``openai/gsm8k``, reward ``areal.reward.gsm8k``).
+- ``scheduler.type: local``: AReaL's single-controller mode; its ``LocalScheduler`` starts
+  RPC workers for the actor (``TikFSDPPPOActor`` by dotted path) and the rollout, whose
+  ``launch_server`` starts ``areal-tik serve``; the workflow travels as a dotted path.
 - Without ``scheduler.type`` (null) this process runs AReaL's SPMD mode as a world of
   one (``AREAL_SPMD_MODE=1``, gloo on a CPU); if ``AREAL_LLM_SERVER_ADDRS`` is unset it
   starts ``areal-tik serve`` itself (``AREAL_TIK_SERVER_DEVICE`` picks its device, e.g.
@@ -95,7 +98,7 @@ def load_dataset(config, tokenizer):
         task = (u.path.strip("/") or "add1")
         q = urllib.parse.parse_qs(u.query)
         n = int(q.get("n", ["256"])[0])
-        return arith.make_dataset(n, seed=config.seed, task=task), arith.reward_fn
+        return arith.make_dataset(n, seed=config.seed, task=task), "areal_tik.areal.arith.reward_fn"
     from areal.dataset import get_custom_dataset
     ds = get_custom_dataset(split="train", dataset_config=config.train_dataset, tokenizer=tokenizer)
     return ds, "areal.reward.gsm8k.gsm8k_reward_fn"
@@ -148,10 +151,14 @@ def main(argv: list[str] | None = None) -> int:
                                            log_path=os.path.join(log_dir, "tik_server.log"))
         os.environ["AREAL_LLM_SERVER_ADDRS"] = addr
     try:
-        workflow = RLVRWorkflow(reward_fn=reward, gconfig=config.gconfig, tokenizer=tokenizer,
-                                enable_thinking=False)
         with TikPPOTrainer(config, train_dataset=dataset, step_log=own.get("step_log")) as trainer:
-            trainer.train(workflow=workflow)
+            if spmd:
+                trainer.train(workflow=RLVRWorkflow(reward_fn=reward, gconfig=config.gconfig, tokenizer=tokenizer,
+                                                    enable_thinking=False))
+            else:  # single controller: the rollout workers build the workflow from its dotted path
+                trainer.train(workflow="areal.workflow.rlvr.RLVRWorkflow",
+                              workflow_kwargs=dict(reward_fn=reward, gconfig=config.gconfig,
+                                                   tokenizer=config.tokenizer_path, enable_thinking=False))
     finally:
         if server is not None:
             os.environ.pop("AREAL_LLM_SERVER_ADDRS", None)

@@ -233,6 +233,12 @@ class TikFSDPPPOActor(FSDPPPOActor):
             addrs = os.environ["AREAL_LLM_SERVER_ADDRS"].split(",")
         return addrs
 
+    def set_server_addresses(self, addrs: list[str]) -> None:
+        """Rollout servers to ask before skipping. Single-controller mode: this actor runs in an
+        RPC worker that never sees the rollout engine, so the controller sends the addresses of
+        the servers ``launch_server`` started (``TikPPOTrainer._init_rollout``)."""
+        self._server_addrs_override = [str(a) for a in addrs]
+
     def query_servers(self) -> list[dict] | None:
         out = []
         for a in self.server_addresses():

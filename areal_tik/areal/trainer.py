@@ -96,6 +96,11 @@ class TikPPOTrainer(PPOTrainer):
             init_kwargs["server_infos"] = self.rollout.server_infos
             init_kwargs["role"] = "eval-rollout"
         controller.initialize(**init_kwargs)
+        if not is_eval and isinstance(self.config.actor, TikPPOActorConfig) and hasattr(self, "actor"):
+            # the actor lives in an RPC worker: tell it which servers to ask before skipping the recompute
+            addrs = [f"{i.host}:{i.port}" for i in controller.server_infos]
+            self.actor._custom_function_call("set_server_addresses", addrs, rpc_meta={"broadcast": True})
+            logger.info("tik actor workers told the rollout server addresses %s", addrs)
         return controller
 
     def _export_and_commit_stats(self, epoch: int, epoch_step: int, global_step: int):
