@@ -29,6 +29,14 @@
 
 Every decision is logged through AReaL's ``stats_tracker`` (keys ``tik/...``) and kept
 in ``self.tik_records`` (one dict per batch).
+
+Timing semantics (known, left as is): AReaL's ``timeperf/recompute_logp`` timer wraps the
+whole ``compute_logp`` call, so on a skipped step it still counts the skip decision: one
+``/get_server_info`` round trip per rollout server and the bf16 digest of the trainer's
+parameters (``own_digest``: cached per weight version, and the version advances every step,
+so in practice one full pass over the parameters per step). ``tik/recompute_forward_s`` is
+the forward alone (0.0 when skipped). Single-controller mode: this actor runs in an RPC worker; the controller sends
+the rollout server addresses through :meth:`set_server_addresses`.
 """
 from __future__ import annotations
 
