@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import selectors
 import subprocess
 import sys
@@ -88,12 +89,15 @@ def _check_shape(task, kern, meta, shape: dict, role: str, rtol: float, seed: in
         add("inputs_unchanged", rep.passed, rep.to_dict(), label)
         rep = C.check_accuracy(out1, ref1, rtol, name=acc_name)
         add(acc_name, rep.passed, rep.to_dict(), label)
-        inp2 = task.make_inputs(shape, seed + 1, device)
+        # Drawn per audit from the OS, never from the frozen contract seed, so no candidate
+        # can have seen (or precomputed answers for) these inputs; the seed is recorded.
+        fresh_seed = random.SystemRandom().randrange(2**31)
+        inp2 = task.make_inputs(shape, fresh_seed, device)
         ref2 = task.reference({k: (v.clone() if v is not None else None) for k, v in inp2.items()})
         out2 = run(inp2)
         sync()
         rep = C.check_accuracy(out2, ref2, rtol, name="fresh_inputs")
-        add("fresh_inputs", rep.passed, rep.to_dict(), label)
+        add("fresh_inputs", rep.passed, {**rep.to_dict(), "seed": fresh_seed}, label)
         out1b = run(inp1)
         sync()
         rep = C.compare_bits(out1, out1b, name="determinism")
