@@ -416,6 +416,390 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, bool small, cudaStream_t 
   return small ? launch<D, 1, false>(p, stream) : launch<D, 4, false>(p, stream);
 }
 
+// ---------------------------------------------------------------------------------------
+// Variant 2 of the decode path (TikAttnParams.variant == 2; launches with at most 16 rows,
+// i.e. max_seqlen_q * G <= 16). Same per-row arithmetic as attn_kernel, instruction for
+// instruction on every value that reaches a row's result, so the bits are unchanged:
+//   * 4 warps per CTA all hold the same 16 rows. Each computes S = Q K^T and the online
+//     softmax (m, l) for the whole block exactly as attn_kernel does (redundantly), then
+//     P V only for its quarter of the head dim (D/4 output columns; an output column's
+//     accumulator sees the same P, the same V column and the same k-step order).
+//   * loader: 128 threads instead of 32; each thread's page lookups for a tile are issued
+//     together before its cp.async (v1 re-read the block table and divided by page_size
+//     behind every cp.async, serialised by the asm memory clobber).
+//   * 3-stage cp.async ring, one barrier per block.
+//   * SPLIT mode: the merge kernel prefetches the chunk partials 16 at a time and folds them
+//     in the same ascending order with the same scalar code; it derives each row's chunk
+//     count from cu_seqlens_q / seqlens_k, so no ws_nc memset node is needed.
+// ---------------------------------------------------------------------------------------
+constexpr int V2_WARPS = 4;
+constexpr int V2_STAGES = 3;
+
+template <int D>
+constexpr int v2_smem_bytes() {
+  return V2_STAGES * 2 * BN * (D + 8) * 2;
+}
+
+template <int D, bool SPLITM>
+__global__ void __launch_bounds__(V2_WARPS * 32) attn_decode_v2_kernel(const TikAttnParams p) {
+  constexpr int NT = BN / 8;
+  constexpr int KC = D / 16;
+  constexpr int DT = D / 8;
+  constexpr int DTW = DT / V2_WARPS;  // output n-tiles per warp
+  constexpr int NPW = DTW / 2;        // 16-column V k-step pairs per warp
+  constexpr int LDS = D + 8;
+  constexpr int NTH = V2_WARPS * 32;
+  constexpr int SEGS = D / 8;
+  constexpr int PER_T = BN * SEGS / NTH;  // 16-byte segments per thread per tile
+  constexpr int RSTEP = NTH / SEGS;       // row step between a thread's segments
+  static_assert(DTW % 2 == 0 && DTW >= 2, "head dim split needs an even number of n-tiles per warp");
+  static_assert((BN * SEGS) % NTH == 0 && NTH % SEGS == 0, "loader shape");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Ks = reinterpret_cast<bf16*>(smem_raw);   // [STAGES][BN][LDS]
+  bf16* Vs = Ks + V2_STAGES * BN * LDS;           // [STAGES][BN][LDS]
+
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const int G = p.Hq / p.Hkv;
+  int tile, chunk = 0;
+  if (SPLITM) {
+    const int maxc = max_chunks_of(p);
+    tile = blockIdx.x / maxc;
+    chunk = blockIdx.x % maxc;
+  } else {
+    tile = blockIdx.x;
+  }
+  const int q0 = p.cu_seqlens_q[b];
+  const int nq = p.cu_seqlens_q[b + 1] - q0;
+  const int kv_len = p.paged ? p.seqlens_k[b] : nq;
+  const int rows_total = nq * G;
+  const int row0 = tile * 16;
+  if (row0 >= rows_total) return;
+  const int pos_off = kv_len - nq;
+  const int last_row = min(rows_total, row0 + 16) - 1;
+  const int tile_max_pos = pos_off + last_row / G;
+  if (tile_max_pos < 0) return;
+  const int nblk = tile_max_pos / BN + 1;
+  int jb = 0, je = nblk;
+  if (SPLITM) {
+    jb = chunk * BPC;
+    je = min(nblk, jb + BPC);
+    if (jb >= je) return;
+  }
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wrow0 = row0;  // every warp holds the same 16 rows
+  const int warp_max_pos = pos_off + (min(rows_total, wrow0 + 16) - 1) / G;
+  const int dt0 = warp * DTW;  // first output n-tile of this warp
+
+  int rpos[2], rlast[2];
+  bool rvalid[2];
+  int64_t rowid[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = wrow0 + g + 8 * i;
+    const int j = r / G;
+    rvalid[i] = r < rows_total && pos_off + j >= 0;
+    rpos[i] = rvalid[i] ? pos_off + j : -1;
+    rlast[i] = rvalid[i] ? rpos[i] / SPLIT : -1;
+    rowid[i] = (int64_t)(q0 + j) * p.Hq + (int64_t)hk * G + r % G;
+  }
+
+  uint32_t qa[KC][4];
+  {
+    const uint32_t* qp0 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(p.q) + (rvalid[0] ? rowid[0] : 0) * D);
+    const uint32_t* qp1 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(p.q) + (rvalid[1] ? rowid[1] : 0) * D);
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+      qa[kc][0] = rvalid[0] ? qp0[kc * 8 + t] : 0u;
+      qa[kc][1] = rvalid[1] ? qp1[kc * 8 + t] : 0u;
+      qa[kc][2] = rvalid[0] ? qp0[kc * 8 + 4 + t] : 0u;
+      qa[kc][3] = rvalid[1] ? qp1[kc * 8 + 4 + t] : 0u;
+    }
+  }
+
+  float acc[DTW][4];
+  float m[2], l[2];
+  float O[SPLITM ? 1 : DTW][4];
+  float M[2], L[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    m[i] = -CUDART_INF_F;
+    l[i] = 0.f;
+    M[i] = -CUDART_INF_F;
+    L[i] = 0.f;
+  }
+#pragma unroll
+  for (int dt = 0; dt < DTW; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
+  if constexpr (!SPLITM) {
+#pragma unroll
+    for (int dt = 0; dt < DTW; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) O[dt][e] = 0.f;
+  }
+
+  const bf16* kg0 = static_cast<const bf16*>(p.k);
+  const bf16* vg0 = static_cast<const bf16*>(p.v);
+  const int64_t kv_base = p.paged ? 0 : (int64_t)q0;
+  const int* bt_row = p.paged ? p.block_table + (int64_t)b * p.max_pages : nullptr;
+  const int lr0 = threadIdx.x / SEGS, ls = threadIdx.x % SEGS;
+  const uint32_t ks_s = (uint32_t)__cvta_generic_to_shared(Ks), vs_s = (uint32_t)__cvta_generic_to_shared(Vs);
+
+  auto load_tile = [&](int j, int buf) {
+    int64_t off[PER_T];
+    // phase 1: all page lookups of this thread (independent loads, issued together)
+#pragma unroll
+    for (int u = 0; u < PER_T; ++u) {
+      const int pos = j * BN + lr0 + u * RSTEP;
+      int64_t o = -1;
+      if (pos < kv_len) {
+        int64_t slot;
+        if (p.paged) {
+          const int page = __ldg(bt_row + pos / p.page_size);
+          slot = (int64_t)page * p.page_size + pos % p.page_size;
+        } else {
+          slot = kv_base + pos;
+        }
+        o = (slot * p.Hkv + hk) * D + ls * 8;
+      }
+      off[u] = o;
+    }
+    // phase 2: the copies (zero-fill past kv_len, as attn_kernel)
+#pragma unroll
+    for (int u = 0; u < PER_T; ++u) {
+      const bool ok = off[u] >= 0;
+      const int64_t o = ok ? off[u] : 0;
+      const uint32_t so = (uint32_t)(((buf * BN + lr0 + u * RSTEP) * LDS + ls * 8) * 2);
+      cp_async16(ks_s + so, kg0 + o, ok ? 16 : 0);
+      cp_async16(vs_s + so, vg0 + o, ok ? 16 : 0);
+    }
+  };
+
+  const float sl2 = p.scale_log2;
+#pragma unroll
+  for (int s = 0; s < V2_STAGES - 1; ++s) {
+    if (jb + s < je) load_tile(jb + s, s);
+    cp_async_commit();
+  }
+  for (int j = jb; j < je; ++j) {
+    const int buf = (j - jb) % V2_STAGES;
+    cp_async_wait<V2_STAGES - 2>();  // tile j has landed (this thread's copies)
+    __syncthreads();                 // ... everyone's; and everyone is done with tile j-1
+    {
+      const int jn = j + V2_STAGES - 1;
+      if (jn < je) load_tile(jn, (jn - jb) % V2_STAGES);
+      cp_async_commit();
+    }
+
+    if (warp_max_pos >= j * BN) {
+      const bf16* Kb = Ks + buf * BN * LDS;
+      const bf16* Vb = Vs + buf * BN * LDS;
+      float s[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const bf16* kr = Kb + (nt * 8 + g) * LDS + kc * 16 + 2 * t;
+          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
+          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+          mma16816(s[nt], qa[kc], b0, b1);
+        }
+      }
+      float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * BN + nt * 8 + 2 * t + (e & 1);
+          const int i = e >> 1;
+          const float v = (col <= rpos[i]) ? __fmul_rn(s[nt][e], sl2) : -CUDART_INF_F;
+          s[nt][e] = v;
+          mx[i] = fmaxf(mx[i], v);
+        }
+      float alpha[2], muse[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float mn = fmaxf(m[i], mx[i]);
+        muse[i] = (mn == -CUDART_INF_F) ? 0.f : mn;
+        alpha[i] = ex2(__fsub_rn(m[i], muse[i]));
+        m[i] = mn;
+      }
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pe = ex2(__fsub_rn(s[nt][e], muse[e >> 1]));
+          s[nt][e] = pe;
+          rs[e >> 1] = __fadd_rn(rs[e >> 1], pe);
+        }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));
+        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));
+        l[i] = __fadd_rn(__fmul_rn(l[i], alpha[i]), rs[i]);
+      }
+#pragma unroll
+      for (int dt = 0; dt < DTW; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[dt][e] = __fmul_rn(acc[dt][e], alpha[e >> 1]);
+      const uint32_t vbase = (uint32_t)__cvta_generic_to_shared(Vb);
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) {
+        uint32_t pa[4];
+        pa[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
+        pa[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
+        pa[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        pa[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+#pragma unroll
+        for (int npl = 0; npl < NPW; ++npl) {
+          const int np = warp * NPW + npl;
+          const int vr = kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          const int vc = np * 16 + (lane >> 4) * 8;
+          uint32_t r0, r1, r2, r3;
+          ldsm_x4_trans(r0, r1, r2, r3, vbase + (uint32_t)((vr * LDS + vc) * 2));
+          mma16816(acc[2 * npl], pa, r0, r1);
+          mma16816(acc[2 * npl + 1], pa, r2, r3);
+        }
+      }
+    }
+
+    if constexpr (!SPLITM) {
+      if ((j + 1) % BPC == 0 || j == je - 1) {
+        const int c = j / BPC;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          if (c <= rlast[i]) {
+            float ca, cb;
+            merge_coeffs(M[i], L[i], m[i], l[i], ca, cb);
+#pragma unroll
+            for (int dt = 0; dt < DTW; ++dt) {
+              O[dt][2 * i] = merge_val(O[dt][2 * i], acc[dt][2 * i], ca, cb);
+              O[dt][2 * i + 1] = merge_val(O[dt][2 * i + 1], acc[dt][2 * i + 1], ca, cb);
+            }
+          }
+          m[i] = -CUDART_INF_F;
+          l[i] = 0.f;
+#pragma unroll
+          for (int dt = 0; dt < DTW; ++dt) {
+            acc[dt][2 * i] = 0.f;
+            acc[dt][2 * i + 1] = 0.f;
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // drain (trailing groups are empty; keeps the exit clean)
+
+  if constexpr (!SPLITM) {
+    bf16* out = static_cast<bf16*>(p.out);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!rvalid[i]) continue;
+      uint32_t* orow = reinterpret_cast<uint32_t*>(out + rowid[i] * D);
+#pragma unroll
+      for (int dt = 0; dt < DTW; ++dt)
+        orow[(dt0 + dt) * 4 + t] = pack_bf16(__fdiv_rn(O[dt][2 * i], L[i]), __fdiv_rn(O[dt][2 * i + 1], L[i]));
+    }
+  } else {
+    const int maxc = max_chunks_of(p);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!rvalid[i] || chunk > rlast[i]) continue;
+      const int64_t base = rowid[i] * maxc + chunk;
+      float2* arow = reinterpret_cast<float2*>(p.ws_acc + base * D);
+#pragma unroll
+      for (int dt = 0; dt < DTW; ++dt)
+        arow[(dt0 + dt) * 4 + t] = make_float2(acc[dt][2 * i], acc[dt][2 * i + 1]);
+      if (warp == 0 && t == 0) {
+        p.ws_ml[base * 2] = m[i];
+        p.ws_ml[base * 2 + 1] = l[i];
+      }
+    }
+  }
+}
+
+// Variant-2 merge: same ascending fold as attn_merge_kernel; partials prefetched 16 chunks
+// at a time; chunk count recomputed from the sequence metadata (what attn_kernel stores in
+// ws_nc: last position / SPLIT + 1 for a valid row, nothing otherwise).
+constexpr int V2_MERGE_PF = 16;
+
+template <int D>
+__global__ void __launch_bounds__(D) attn_merge_v2_kernel(const TikAttnParams p) {
+  const int64_t row = blockIdx.x;
+  const int d = threadIdx.x;
+  const int token = (int)(row / p.Hq);
+  const int hq = (int)(row % p.Hq);
+  const int* cu = p.cu_seqlens_q;
+  if (token < cu[0] || token >= cu[p.batch]) return;  // padding rows: left untouched
+  int lo = 0, hi = p.batch;                             // largest b with cu[b] <= token
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (cu[mid] <= token) lo = mid;
+    else hi = mid;
+  }
+  const int b = lo;
+  const int nq = cu[b + 1] - cu[b];
+  const int j = token - cu[b];
+  const int G = p.Hq / p.Hkv;
+  const int rows_launched = ((p.max_seqlen_q * G + 15) / 16) * 16;  // decode kernel tiles rows by 16
+  if ((int64_t)j * G + hq % G >= rows_launched) return;
+  const int kv_len = p.paged ? p.seqlens_k[b] : nq;
+  const int pos = kv_len - nq + j;
+  if (pos < 0) return;
+  const int maxc = max_chunks_of(p);
+  const int nc = min(pos / SPLIT + 1, maxc);
+  float M = -CUDART_INF_F, L = 0.f, O = 0.f;
+  for (int c0 = 0; c0 < nc; c0 += V2_MERGE_PF) {
+    const int n = min(V2_MERGE_PF, nc - c0);
+    float mv[V2_MERGE_PF], lv[V2_MERGE_PF], av[V2_MERGE_PF];
+#pragma unroll
+    for (int u = 0; u < V2_MERGE_PF; ++u) {
+      if (u < n) {
+        const int64_t base = row * maxc + c0 + u;
+        mv[u] = p.ws_ml[base * 2];
+        lv[u] = p.ws_ml[base * 2 + 1];
+        av[u] = p.ws_acc[base * D + d];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < V2_MERGE_PF; ++u) {
+      if (u < n) {
+        float ca, cb;
+        merge_coeffs(M, L, mv[u], lv[u], ca, cb);
+        O = merge_val(O, av[u], ca, cb);
+      }
+    }
+  }
+  static_cast<bf16*>(p.out)[row * D + d] = __float2bfloat16_rn(__fdiv_rn(O, L));
+}
+
+template <int D, bool SPLITM>
+cudaError_t launch_v2(const TikAttnParams& p, cudaStream_t stream) {
+  const int64_t rows = (int64_t)p.max_seqlen_q * (p.Hq / p.Hkv);
+  const int64_t ntiles = (rows + 15) / 16;
+  const int64_t gx = SPLITM ? ntiles * max_chunks_of(p) : ntiles;
+  if (gx <= 0) return cudaSuccess;
+  if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
+  constexpr int SMEM = v2_smem_bytes<D>();
+  auto kern = attn_decode_v2_kernel<D, SPLITM>;
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+  if (err != cudaSuccess) return err;
+  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), V2_WARPS * 32, SMEM, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || !SPLITM) return err;
+  attn_merge_v2_kernel<D><<<(unsigned)p.total_q * p.Hq, D, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename K>
 void describe_one(char* buf, int buflen, int& used, const char* name, K kern, int smem) {
   cudaFuncAttributes a;
@@ -445,6 +829,11 @@ int tik_attention_resolve_mode(const TikAttnParams* p) {
   return (tik_small(p) && tik_attention_max_chunks(p) > 1) ? TIK_ATTN_SPLIT_MODE : TIK_ATTN_FOLD;
 }
 
+int tik_attention_needs_ws_nc(const TikAttnParams* p) {
+  if (tik_attention_resolve_mode(p) != TIK_ATTN_SPLIT_MODE) return 0;
+  return (p->variant == 2 && tik_small(p)) ? 0 : 1;
+}
+
 int tik_attention(const TikAttnParams* p, cudaStream_t stream) {
   if (p == nullptr || p->Hkv <= 0 || p->Hq % p->Hkv != 0 || p->batch < 0 || p->max_seqlen_q < 0 ||
       p->max_seqlen_k < 0)
@@ -453,9 +842,18 @@ int tik_attention(const TikAttnParams* p, cudaStream_t stream) {
     return (int)cudaErrorInvalidValue;
   if (p->batch == 0 || p->max_seqlen_q == 0) return (int)cudaSuccess;
   const int mode = tik_attention_resolve_mode(p);
-  if (mode == TIK_ATTN_SPLIT_MODE && (p->ws_acc == nullptr || p->ws_ml == nullptr || p->ws_nc == nullptr))
+  if (p->variant < 0 || p->variant > TIK_ATTN_DECODE_VARIANTS) return (int)cudaErrorInvalidValue;
+  if (mode == TIK_ATTN_SPLIT_MODE &&
+      (p->ws_acc == nullptr || p->ws_ml == nullptr || (tik_attention_needs_ws_nc(p) && p->ws_nc == nullptr)))
     return (int)cudaErrorInvalidValue;
   const bool small = tik_small(p);
+  if (p->variant == 2 && small) {  // decode-shaped launch, variant 2 (same bits as variant 1)
+    const bool sp = mode == TIK_ATTN_SPLIT_MODE;
+    if (p->D == 64) return (int)(sp ? tik_attn::launch_v2<64, true>(*p, stream) : tik_attn::launch_v2<64, false>(*p, stream));
+    if (p->D == 128)
+      return (int)(sp ? tik_attn::launch_v2<128, true>(*p, stream) : tik_attn::launch_v2<128, false>(*p, stream));
+    return (int)cudaErrorInvalidValue;
+  }
   if (p->D == 64) return (int)tik_attn::dispatch<64>(*p, mode, small, stream);
   if (p->D == 128) return (int)tik_attn::dispatch<128>(*p, mode, small, stream);
   return (int)cudaErrorInvalidValue;
@@ -473,6 +871,12 @@ int tik_attention_describe(char* buf, int buflen) {
   describe_one(buf, buflen, used, "attn<D128,1warp,split>", attn_kernel<128, 1, true>, smem_bytes<128>());
   describe_one(buf, buflen, used, "attn<D128,4warp,fold>", attn_kernel<128, 4, false>, smem_bytes<128>());
   describe_one(buf, buflen, used, "attn<D128,4warp,split>", attn_kernel<128, 4, true>, smem_bytes<128>());
+  describe_one(buf, buflen, used, "attn_v2<D64,4warp,fold>", attn_decode_v2_kernel<64, false>, v2_smem_bytes<64>());
+  describe_one(buf, buflen, used, "attn_v2<D64,4warp,split>", attn_decode_v2_kernel<64, true>, v2_smem_bytes<64>());
+  describe_one(buf, buflen, used, "attn_v2<D128,4warp,fold>", attn_decode_v2_kernel<128, false>, v2_smem_bytes<128>());
+  describe_one(buf, buflen, used, "attn_v2<D128,4warp,split>", attn_decode_v2_kernel<128, true>, v2_smem_bytes<128>());
+  describe_one(buf, buflen, used, "attn_merge_v2<D64>", attn_merge_v2_kernel<64>, 0);
+  describe_one(buf, buflen, used, "attn_merge_v2<D128>", attn_merge_v2_kernel<128>, 0);
   describe_one(buf, buflen, used, "attn_merge<D64>", attn_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_merge<D128>", attn_merge_kernel<128>, 0);
   return used;

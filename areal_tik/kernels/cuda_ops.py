@@ -58,11 +58,18 @@ BLOCK_N = 64      # must equal TIK_ATTN_BLOCK_N in csrc/tik_api.h
 SPLIT = 256       # must equal TIK_ATTN_SPLIT
 HEAD_DIMS = (64, 128)
 _MODES = {"auto": 0, "fold": 1, "split": 2}
+# Decode-path launch variant (same bits by construction; tests compare both against the
+# prefill/varlen path). "v1": the original 1-warp decode kernels + merge (default).
+# "v2": 4-warp decode kernel (warps split the output head dim, page lookups hoisted out of
+# the cp.async loop, 3-stage ring) and a prefetching merge with no ws_nc memset. Chosen per
+# call by ``variant=``, else by this module attribute (env ``AREAL_TIK_CUDA_DECODE``).
+DECODE_VARIANTS = {"v1": 1, "v2": 2}
+CUDA_DECODE_VARIANT = os.environ.get("AREAL_TIK_CUDA_DECODE", "v1")
 LOG2E = 1.4426950408889634
 
 META = {"cuda.attn.BLOCK_N": BLOCK_N, "cuda.attn.SPLIT": SPLIT, "cuda.attn.mma": "m16n8k16 bf16->f32",
         "cuda.attn.exp": "ex2.approx.ftz", "cuda.rms_norm": "warp/row, lane-strided 8-groups, xor tree",
-        "cuda.rope": "fp32 mul/add rn"}
+        "cuda.rope": "fp32 mul/add rn", "cuda.attn.decode_variant": CUDA_DECODE_VARIANT}
 
 
 def extension():
@@ -72,6 +79,8 @@ def extension():
     if getattr(mod, "BLOCK_N", BLOCK_N) != BLOCK_N or getattr(mod, "SPLIT", SPLIT) != SPLIT:
         raise RuntimeError(f"areal-tik CUDA extension built with BLOCK_N={mod.BLOCK_N}, SPLIT={mod.SPLIT}; "
                            f"cuda_ops expects {BLOCK_N}/{SPLIT}: rebuild")
+    if getattr(mod, "DECODE_VARIANTS", 1) < len(DECODE_VARIANTS):
+        raise RuntimeError("areal-tik CUDA extension predates decode variant v2: rebuild")
     return mod
 
 
@@ -122,6 +131,13 @@ def _scale(scale, D):
     return 1.0 / math.sqrt(D) if scale is None else float(scale)
 
 
+def _variant(variant):
+    v = CUDA_DECODE_VARIANT if variant is None else variant
+    if v not in DECODE_VARIANTS:
+        raise ValueError(f"attention (cuda): decode variant must be one of {sorted(DECODE_VARIANTS)}, got {v!r}")
+    return DECODE_VARIANTS[v]
+
+
 def _mode(mode):
     if mode not in _MODES:
         raise ValueError(f"attention (cuda): mode must be one of {sorted(_MODES)}, got {mode!r}")
@@ -161,19 +177,20 @@ def _varlen_grad_reference(q, k, v, cu_seqlens, scale, dout):
 
 class _VarlenCudaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, mode):
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, mode, variant):
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.scale = scale
-        return extension().attention_varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), scale, mode)
+        return extension().attention_varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), scale, mode, variant=variant)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, cu = ctx.saved_tensors
         dq, dk, dv = _varlen_grad_reference(q, k, v, cu, ctx.scale, dout)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None, mode="auto", out=None):
+def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None, mode="auto", out=None,
+                          variant=None):
     """R1 packed causal GQA attention (CUDA). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` bf16,
     ``cu_seqlens`` int32 ``[B+1]`` (covering all T tokens), ``max_seqlen`` host int >= the
     longest segment. Returns ``[T, Hq, D]`` bf16, bitwise equal to :func:`attention_paged_cuda`
@@ -189,14 +206,15 @@ def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_si
         raise ValueError(f"{name}: max_seqlen must be >= 0")
     sc = _scale(scale, q.shape[-1])
     md = _mode(mode)
+    vr = _variant(variant)
     q, k, v, cu = q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _VarlenCudaFunction.apply(q, k, v, cu, int(max_seqlen), sc, md)
-    return extension().attention_varlen_fwd(q, k, v, cu, int(max_seqlen), sc, md, out=out)
+        return _VarlenCudaFunction.apply(q, k, v, cu, int(max_seqlen), sc, md, vr)
+    return extension().attention_varlen_fwd(q, k, v, cu, int(max_seqlen), sc, md, out=out, variant=vr)
 
 
 def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, scale=None,
-                         window_size=None, mode="auto", out=None):
+                         window_size=None, mode="auto", out=None, variant=None):
     """R2 prefill / R3 chunked prefill / R4 decode over the paged KV cache (CUDA).
 
     q ``[Tq, Hq, D]`` bf16; caches ``[num_pages, page_size, Hkv, D]`` bf16 contiguous
@@ -206,7 +224,8 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
     workspace is sized from ``max_pages * page_size``), so it can be graph-captured.
     Decode-shaped launches (max_seqlen_q * G <= 16) use split-KV across CTAs. ``out``: optional
     contiguous ``[Tq, Hq, D]`` bf16 buffer to write (CUDA graphs, poisoned-output tests);
-    rows of tokens outside ``cu_seqlens_q[B]`` are left untouched."""
+    rows of tokens outside ``cu_seqlens_q[B]`` are left untouched. ``variant``: "v1" | "v2" decode
+    launch (same bits), default :data:`CUDA_DECODE_VARIANT`."""
     name = "attention_paged"
     _check_window(window_size)
     _need_cuda(name, ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
@@ -230,7 +249,8 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
         raise ValueError(f"{name}: max_seqlen_q must be >= 0")
     return extension().attention_paged_fwd(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
                                            cu_seqlens_q.contiguous(), seqlens_k.contiguous(), int(max_seqlen_q),
-                                           _scale(scale, q.shape[-1]), _mode(mode), out=out)
+                                           _scale(scale, q.shape[-1]), _mode(mode), out=out,
+                                           variant=_variant(variant))
 
 
 def kv_cache_write_cuda(k, v, k_cache, v_cache, slot_mapping):

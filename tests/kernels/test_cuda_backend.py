@@ -274,9 +274,19 @@ CASES = [  # (lens, Hq, Hkv, D, page_size)
 ]
 
 
+VARIANTS = ("v1", "v2")
+
+
+@pytest.fixture(params=VARIANTS)
+def decode_variant(request, monkeypatch):
+    """Run a test under each decode launch variant (module default switched for every call)."""
+    monkeypatch.setattr(_ops(), "CUDA_DECODE_VARIANT", request.param)
+    return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_attention_regimes_bitwise_and_accurate(case, seed_rng):
+def test_attention_regimes_bitwise_and_accurate(case, seed_rng, decode_variant):
     lens, Hq, Hkv, D, ps = CASES[case]
     outs, ref, _ = _regimes(lens, Hq, Hkv, D, ps, seed_rng)
     base_name = "R1[auto]"
@@ -293,7 +303,7 @@ def test_attention_regimes_bitwise_and_accurate(case, seed_rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv,D", [(8, 2, 128), (4, 4, 64)])
-def test_attention_random_lengths(hq, hkv, D, seed_rng):
+def test_attention_random_lengths(hq, hkv, D, seed_rng, decode_variant):
     g = torch.Generator().manual_seed(seed_rng)
     lens = [int(x) for x in torch.randint(1, 900, (5,), generator=g)]
     ps = 2 ** int(torch.randint(4, 9, (1,), generator=g))
@@ -306,7 +316,7 @@ def test_attention_random_lengths(hq, hkv, D, seed_rng):
 
 
 @pytest.mark.gpu
-def test_attention_long_context_decode_matches_prefill(seed_rng):
+def test_attention_long_context_decode_matches_prefill(seed_rng, decode_variant):
     """Decode at 8K context (32 split chunks) equals the varlen rows at the same positions."""
     cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
@@ -326,6 +336,52 @@ def test_attention_long_context_decode_matches_prefill(seed_rng):
     assert rep, rep
     ref = _attention_reference(q[-64:], k, v, torch.tensor([0, 64]), torch.tensor([0, L]))
     assert check_accuracy(full[-64:], ref, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,D,ps", [(32, 8, 128, 64), (16, 2, 64, 16), (7, 7, 128, 256)])
+def test_attention_decode_variants_same_bits(hq, hkv, D, ps, seed_rng):
+    """v1 and v2 decode give identical bits (auto/fold/split, batch 1..17, contexts across
+    block/split boundaries up to 3000) and both equal the varlen rows."""
+    cu = _ops()
+    g = torch.Generator().manual_seed(seed_rng)
+    lens = [1, 63, 64, 65, 255, 256, 257, 700, 1024, 3000] + [int(x) for x in torch.randint(1, 3000, (7,), generator=g)]
+    ks = [torch.randn(L, hkv, D, generator=g).bfloat16().cuda() for L in lens]
+    vs = [torch.randn(L, hkv, D, generator=g).bfloat16().cuda() for L in lens]
+    qs = [torch.randn(L, hq, D, generator=g).bfloat16().cuda() for L in lens]
+    kc, vc, bt = _build_cache(ks, vs, ps, g)
+    qd = torch.stack([qq[-1] for qq in qs])
+    sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for B in (1, 5, len(lens)):
+        idx = torch.randperm(len(lens), generator=g)[:B]
+        cq = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+        args = (qd[idx.cuda()].contiguous(), kc, vc, bt[idx.cuda()].contiguous(), cq, sk[idx.cuda()].contiguous(), 1)
+        for mode in ("auto", "fold", "split"):
+            o1 = _written(lambda o: cu.attention_paged_cuda(*args, mode=mode, out=o, variant="v1"),
+                          args[0].shape, args[0].dtype)
+            o2 = _written(lambda o: cu.attention_paged_cuda(*args, mode=mode, out=o, variant="v2"),
+                          args[0].shape, args[0].dtype)
+            rep = compare_bits(o1, o2, name=f"v1==v2 B={B} {mode}")
+            assert rep, rep
+    for i, L in enumerate(lens[:10]):
+        full = cu.attention_varlen_cuda(qs[i], ks[i], vs[i], torch.tensor([0, L], dtype=torch.int32, device="cuda"), L)
+        o = cu.attention_paged_cuda(qd[i:i + 1], kc, vc, bt[i:i + 1].contiguous(),
+                                    torch.tensor([0, 1], dtype=torch.int32, device="cuda"), sk[i:i + 1], 1,
+                                    variant="v2")
+        rep = compare_bits(full[-1:], o, name=f"v2 decode==varlen L={L}")
+        assert rep, rep
+
+
+def test_decode_variant_switch_cpu():
+    cu = _ops()
+    assert cu.DECODE_VARIANTS == {"v1": 1, "v2": 2}
+    assert cu.CUDA_DECODE_VARIANT in cu.DECODE_VARIANTS
+    assert cu.META["cuda.attn.decode_variant"] == cu.CUDA_DECODE_VARIANT
+    with pytest.raises(ValueError):
+        cu._variant("v3")
+    assert cu._variant("v2") == 2
+    src = open(os.path.join(ROOT, "csrc", "tik_api.h")).read()
+    assert f"#define TIK_ATTN_DECODE_VARIANTS {len(cu.DECODE_VARIANTS)} " in src
 
 
 @pytest.mark.gpu
