@@ -39,7 +39,8 @@ def run(args) -> int:
     c = Console()
     t = Table(title="areal-tik environment", show_header=False)
     for k, v in info["versions"].items():
-        t.add_row(k, str(v) if v else "[dim]not installed[/dim]")
+        missing = "none (CPU build of torch)" if k == "cuda" else "not installed"
+        t.add_row(k, str(v) if v else f"[dim]{missing}[/dim]")
     gpu = info["gpu"]
     t.add_row("gpu", gpu if isinstance(gpu, str) else f"{gpu['name']} ({gpu['arch']}, {gpu['sms']} SMs)")
     for k, b in info["backends"].items():
