@@ -9,6 +9,11 @@ def add_parser(sub):
     p.add_argument("--out", default=None, help="report directory (default ab_reports/<recipe>-<time>)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="seconds per arm before giving up")
+    p.add_argument("--partial-ok", action="store_true",
+                   help="an arm past --timeout keeps the steps it logged (the tik arm then runs as many steps as "
+                        "the baseline logged) and the report is written, marked PARTIAL")
+    p.add_argument("--runs-dir", default=None,
+                   help="AReaL cluster.fileroot for both arms (model dirs, checkpoints); default <out>/runs")
     p.add_argument("overrides", nargs="*", help="extra AReaL overrides for both arms, e.g. gconfig.max_new_tokens=8")
     p.set_defaults(func=run)
     return p
@@ -23,7 +28,7 @@ def run(args) -> int:
     out = args.out or os.path.join("ab_reports", f"{os.path.splitext(os.path.basename(args.config))[0]}-"
                                                   f"{time.strftime('%Y%m%d-%H%M%S')}")
     report = run_ab(args.config, args.steps, out, overrides=args.overrides, progress=not args.no_progress,
-                    timeout=args.timeout)
+                    timeout=args.timeout, runs_dir=args.runs_dir, partial_ok=args.partial_ok)
     print(report["summary_md"])
     print(f"report written to {out}: {', '.join(report['files'])}")
     return 0

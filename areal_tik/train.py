@@ -143,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     dataset, reward = load_dataset(config, tokenizer)
 
     server = None
+    if spmd and not use_tik_server(config) and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
+        # SGLang is installed, so the default arm would use AReaL's own SGLang client, which in
+        # SPMD mode only connects: nobody would start a server and the trainer would hang.
+        raise SystemExit("actor.kernel_backend=default with SGLang installed in SPMD mode (scheduler.type null): "
+                         "start an SGLang server and set AREAL_LLM_SERVER_ADDRS=host:port, or use "
+                         "scheduler.type=local (AReaL launches it)")
     if spmd and use_tik_server(config) and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
         log_dir = os.path.join(config.cluster.fileroot, config.experiment_name, config.trial_name)
         os.makedirs(log_dir, exist_ok=True)

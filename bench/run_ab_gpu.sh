@@ -1,27 +1,100 @@
 #!/usr/bin/env bash
-# End-to-end A/B on the GPU machine (issue 7): AReaL recompute baseline vs tik, 1.5B shapes.
-# NOT RUN YET. The device has no areal/hydra/ray and no network: the lead carries wheels
-# (areal==1.0.4 --no-deps + requirements/areal.txt) into .whl/ and installs them first:
-#   pip install --no-index --find-links .whl -c requirements/constraints.txt -r requirements/areal.txt
-#   pip install --no-index --find-links .whl --no-deps areal==1.0.4 && pip install --no-build-isolation -e .
-# Without the Qwen weights/tokenizer/GSM8K on the device, the recipes run on the preset
-# qwen2.5-1.5b (random init, exact shapes), the shipped char tokenizer, and the generated
-# 'mix' arithmetic set; throughput (not reward) is what this measures then.
-# Layout: trainer on GPU 0; rollout server on GPU 1 when 2 GPUs are visible (AREAL_TIK_SERVER_DEVICE).
+# End-to-end A/B (issue 7): AReaL 1.0.4's PPOTrainer, recompute baseline vs tik, 1.5B recipes,
+# through `areal-tik ab` (one `python -m areal_tik.train` process per arm, SPMD world of one,
+# `areal-tik serve` as the rollout server of both arms: the GPU image has no SGLang).
+#
+# Device (no areal/hydra/ray there, no network): carry the wheels first (bench/fetch_gpu_wheels.sh
+# says how: .whl/p1..p3, three calls), install them with bench/install_gpu_wheels.sh /tmp/w (into
+# /tmp/site; this script puts /tmp/site and the repo on PYTHONPATH), then one call per recipe:
+#   RECIPES=grpo STEPS=10 bash bench/run_ab_gpu.sh      # then RECIPES=ppo in the next call
+# A device call is killed at 600 s: BUDGET_S (default 540) is split over the arms as per-arm
+# timeouts; an arm that runs out keeps the steps it logged (--partial-ok; the tik arm then runs
+# as many steps as the baseline logged) and the summary says PARTIAL. With $OUT set (the device's
+# result folder, <= 8 files) each recipe's report dir is packed into $OUT/ab_<recipe>.tgz plus
+# $OUT/ab_<recipe>_summary.md; AReaL's fileroot (model dirs, weight-update checkpoints, GBs
+# at 1.5B) goes to RUNS_DIR (default /tmp/areal_tik_ab_runs), never into $OUT.
+#
+# Without the Qwen weights/tokenizer/GSM8K on the device the recipes run on the preset
+# qwen2.5-1.5b (random init, exact shapes), the shipped char tokenizer and the generated 'mix'
+# arithmetic set: throughput (not reward) is what this measures then. A random model never
+# emits EOS, so every sample runs to gconfig.max_new_tokens (GEN_TOKENS, default 512).
+# QWEN_DIR=<local HF dir> uses real weights + tokenizer instead.
+#
+# Env knobs: RECIPES ("grpo ppo"), STEPS (10), BUDGET_S (540), ARM_TIMEOUT (BUDGET_S split),
+# GEN_TOKENS (512), AB_OUT (report root, default bench/results/ab), RUNS_DIR,
+# EXTRA_OVERRIDES (whitespace-separated AReaL overrides appended last, e.g.
+# "train_dataset.batch_size=16 actor.tik.audit_interval=5"; Hydra: quote values holding
+# ?/= like "train_dataset.path='builtin:arith/mix?n=64'"), SMOKE=1 (CPU-size dry run of this
+# very path: preset tiny-qwen2, 16 new tokens, batch 2, 2 steps; ~45 s per recipe on a CPU).
+# Layout: trainer on GPU 0; rollout server on GPU 1 when >= 2 GPUs are visible
+# (AREAL_TIK_SERVER_DEVICE; set it yourself to override).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/ab}
-STEPS=${STEPS:-10}
-NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
-if [ "$NGPU" -ge 2 ]; then export AREAL_TIK_SERVER_DEVICE=cuda:1; fi
-OFFLINE=(actor.path=preset:qwen2.5-1.5b tokenizer_path=builtin:tiny-char "train_dataset.path=builtin:arith/mix?n=8192"
-         gconfig.max_new_tokens=512 gconfig.max_tokens=1024 rollout.setup_timeout=900)
+REPO=$PWD
+[ -d /tmp/site ] && export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}" || export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
+RECIPES=${RECIPES:-grpo ppo}
+SMOKE=${SMOKE:-0}
+if [ "$SMOKE" = 1 ]; then STEPS=${STEPS:-2}; else STEPS=${STEPS:-10}; fi
+BUDGET_S=${BUDGET_S:-540}
+read -r -a RECIPE_LIST <<< "$RECIPES"
+ARM_TIMEOUT=${ARM_TIMEOUT:-$(( (BUDGET_S - 20) / (2 * ${#RECIPE_LIST[@]}) ))}
+AB_OUT=${AB_OUT:-bench/results/ab}
+RUNS_DIR=${RUNS_DIR:-/tmp/areal_tik_ab_runs}
+GEN_TOKENS=${GEN_TOKENS:-512}
+read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"
+mkdir -p "$AB_OUT"
+
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ -z "${AREAL_TIK_SERVER_DEVICE:-}" ] && [ "$NGPU" -ge 2 ]; then export AREAL_TIK_SERVER_DEVICE=cuda:1; fi
+echo "run_ab_gpu: recipes=[$RECIPES] steps=$STEPS smoke=$SMOKE gpus=$NGPU server_device=${AREAL_TIK_SERVER_DEVICE:-default}" \
+     "arm_timeout=${ARM_TIMEOUT}s out=$AB_OUT runs=$RUNS_DIR"
+
 if [ -n "${QWEN_DIR:-}" ]; then  # real weights + tokenizer available locally
-  OFFLINE=(actor.path=$QWEN_DIR tokenizer_path=$QWEN_DIR "${GSM8K_OVERRIDE[@]:-train_dataset.path=builtin:arith/mix?n=8192}")
+  DATA=(actor.path="$QWEN_DIR" tokenizer_path="$QWEN_DIR" "train_dataset.path='builtin:arith/mix?n=8192'")
+else
+  DATA=(actor.path=preset:qwen2.5-1.5b tokenizer_path=builtin:tiny-char "train_dataset.path='builtin:arith/mix?n=8192'")
 fi
-python -m areal_tik.cli env --json > "$OUT.env.json" 2>/dev/null || true
-for RECIPE in grpo ppo; do
-  python -m areal_tik.cli ab --config recipes/${RECIPE}_qwen2.5-1.5b_gsm8k.yaml --steps "$STEPS" \
-      --out "$OUT/$RECIPE" --timeout 3000 "${OFFLINE[@]}" "${EXTRA[@]:-actor.tik.audit_interval=5}" \
-    | tee "$OUT/$RECIPE.summary.txt"
+SIZE=(gconfig.max_new_tokens="$GEN_TOKENS" gconfig.max_tokens=$(( GEN_TOKENS + 512 )) rollout.setup_timeout=900
+      actor.tik.audit_interval=5)
+if [ "$SMOKE" = 1 ]; then
+  DATA=(actor.path=preset:tiny-qwen2 tokenizer_path=builtin:tiny-char "train_dataset.path='builtin:arith/mix?n=64'")
+  SIZE=(gconfig.max_new_tokens=16 gconfig.max_tokens=64 gconfig.n_samples=2 train_dataset.batch_size=2
+        train_dataset.max_length=64 sglang.context_length=64 actor.mb_spec.max_tokens_per_mb=4096
+        actor.ppo_n_minibatches=1 actor.tik.audit_interval=5)
+fi
+
+python3 -m areal_tik.cli env --json > "$AB_OUT/env.json" 2> "$AB_OUT/env.err" || echo "areal-tik env failed (see $AB_OUT/env.err)"
+
+pack() {  # the device returns at most 8 files from $OUT: one archive + one summary per recipe
+  [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] || return 0
+  [ "$(cd "$AB_OUT" && pwd)" = "$(cd "$OUT" && pwd)" ] && return 0
+  for R in "${RECIPE_LIST[@]}"; do
+    [ -d "$AB_OUT/$R" ] || continue
+    tar czf "$OUT/ab_$R.tgz" -C "$AB_OUT" "$R" env.json 2>/dev/null || true
+    [ -f "$AB_OUT/$R/summary.md" ] && cp "$AB_OUT/$R/summary.md" "$OUT/ab_${R}_summary.md"
+  done
+  echo "packed into $OUT: $(ls "$OUT" | tr '\n' ' ')"
+}
+trap pack EXIT
+
+status=0
+for RECIPE in "${RECIPE_LIST[@]}"; do
+  CFG=recipes/${RECIPE}_qwen2.5-1.5b_gsm8k.yaml
+  [ -f "$CFG" ] || { echo "no recipe $CFG"; status=1; continue; }
+  PER=()
+  if [ "$SMOKE" = 1 ] && [ "$RECIPE" = ppo ]; then
+    PER=(critic.mb_spec.max_tokens_per_mb=4096 critic.ppo_n_minibatches=1)
+  fi
+  rm -rf "${AB_OUT:?}/$RECIPE" "${RUNS_DIR:?}" && mkdir -p "$AB_OUT/$RECIPE"
+  set +e
+  python3 -m areal_tik.cli ab --config "$CFG" --steps "$STEPS" --out "$AB_OUT/$RECIPE" --runs-dir "$RUNS_DIR" \
+      --timeout "$ARM_TIMEOUT" --partial-ok --no-progress \
+      "${DATA[@]}" "${SIZE[@]}" "${PER[@]+"${PER[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}" 2>&1 | tee "$AB_OUT/$RECIPE/ab_stdout.txt"
+  rc=${PIPESTATUS[0]}
+  set -e
+  echo "== $RECIPE A/B exit $rc"
+  [ "$rc" -eq 0 ] || status=1
+  rm -rf "${RUNS_DIR:?}"  # GBs of model dirs at 1.5B; the tik server log was copied into the report
 done
+exit $status

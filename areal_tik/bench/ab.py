@@ -39,43 +39,79 @@ def load_steps(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _arm_cmd(config: str, arm: str, steps: int, out: str, overrides: list[str]) -> list[str]:
+def _runs_dir(out: str, runs_dir: str | None) -> str:
+    return os.path.abspath(runs_dir) if runs_dir else os.path.join(os.path.abspath(out), "runs")
+
+
+def _arm_cmd(config: str, arm: str, steps: int, out: str, overrides: list[str], runs_dir: str | None = None) -> list[str]:
     return [sys.executable, "-m", "areal_tik.train", "--config", os.path.abspath(config),
             *ARM_OVERRIDES[arm], f"total_train_steps={steps}", f"trial_name={arm}",
-            f"cluster.fileroot={os.path.join(os.path.abspath(out), 'runs')}",
+            f"cluster.fileroot={_runs_dir(out, runs_dir)}",
             "--step-log", os.path.join(os.path.abspath(out), arm, "steps.jsonl"), *overrides]
 
 
+def _copy_server_log(out: str, arm: str, runs_dir: str | None) -> None:
+    """``<fileroot>/<experiment>/<arm>/tik_server.log`` -> ``<out>/<arm>/tik_server.log`` (the runs
+    dir may live outside the report dir, e.g. off a device's small result folder)."""
+    import glob
+    import shutil
+    for p in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, "tik_server.log")):
+        try:
+            shutil.copyfile(p, os.path.join(out, arm, "tik_server.log"))
+        except OSError:
+            pass
+
+
 def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = (), on_step=None,
-            timeout: float | None = None, env: dict | None = None) -> dict:
-    """Run one arm to completion; ``on_step(arm, n_done)`` after every logged step."""
+            timeout: float | None = None, env: dict | None = None, runs_dir: str | None = None,
+            partial_ok: bool = False) -> dict:
+    """Run one arm to completion; ``on_step(arm, n_done)`` after every logged step.
+
+    ``timeout``: seconds before the arm is killed; then ``TimeoutError``, or with ``partial_ok``
+    the steps logged so far are returned with ``timed_out: True`` (a device call has a hard
+    wall-clock limit: a partial A/B beats none). ``runs_dir``: AReaL's ``cluster.fileroot``
+    (model dirs, checkpoints; default ``<out>/runs``)."""
     os.makedirs(os.path.join(out, arm), exist_ok=True)
     log = os.path.join(out, arm, "steps.jsonl")
     if os.path.exists(log):
         os.remove(log)
-    cmd = _arm_cmd(config, arm, steps, out, list(overrides))
+    cmd = _arm_cmd(config, arm, steps, out, list(overrides), runs_dir)
     run_env = {k: v for k, v in os.environ.items() if k not in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT")}
     run_env.update(env or {})
     t0 = time.perf_counter()
+    timed_out = False
     with open(os.path.join(out, arm, "train.log"), "wb") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=run_env)
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
         seen = 0
-        while proc.poll() is None:
-            time.sleep(0.5)
-            if timeout is not None and time.perf_counter() - t0 > timeout:
-                proc.kill()
-                raise TimeoutError(f"{arm} arm ran past {timeout}s; see {out}/{arm}/train.log")
-            n = sum(1 for _ in open(log)) if os.path.exists(log) else 0
-            if n != seen and on_step:
-                on_step(arm, n)
-            seen = n
-    if proc.returncode != 0:
+        try:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                n = sum(1 for _ in open(log)) if os.path.exists(log) else 0
+                if n != seen and on_step:
+                    on_step(arm, n)
+                seen = n
+                if timeout is not None and time.perf_counter() - t0 > timeout:
+                    timed_out = True
+                    break
+        finally:
+            if proc.poll() is None:  # timeout or interrupt: the trainer and its rollout server (same group)
+                import signal
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    proc.kill()
+                proc.wait()
+    _copy_server_log(out, arm, runs_dir)
+    rows = load_steps(log) if os.path.exists(log) else []
+    if timed_out:
+        if not partial_ok:
+            raise TimeoutError(f"{arm} arm ran past {timeout}s; see {out}/{arm}/train.log")
+    elif proc.returncode != 0:
         tail = open(os.path.join(out, arm, "train.log"), errors="replace").read()[-3000:]
         raise RuntimeError(f"{arm} arm failed (exit {proc.returncode}); log tail:\n{tail}")
-    rows = load_steps(log) if os.path.exists(log) else []
     if on_step:
         on_step(arm, len(rows))
-    return {"cmd": cmd, "wall_s": time.perf_counter() - t0, "steps": rows}
+    return {"cmd": cmd, "wall_s": time.perf_counter() - t0, "steps": rows, "timed_out": timed_out}
 
 
 def _step_row(rec: dict) -> dict:
@@ -168,7 +204,12 @@ def _fmt(x, nd=3):
 
 def summary_markdown(report: dict, meta: dict) -> str:
     r = report
-    lines = [f"# areal-tik A/B: {meta.get('config')}", "",
+    lines = [f"# areal-tik A/B: {meta.get('config')}", ""]
+    cut = [a for a, t in (meta.get("timed_out") or {}).items() if t]
+    if cut:
+        lines += [f"**PARTIAL: {', '.join(cut)} arm(s) stopped at the per-arm timeout; "
+                  f"{r['n_steps']} of {meta.get('steps')} requested steps compared.**", ""]
+    lines += [
              f"{r['n_steps']} steps per arm; ratios over steps {r['measured_steps']} "
              "(step 0 = warm-up + tik audit, excluded when there are >= 2 steps).", "",
              f"- **step throughput tik/baseline: {_fmt(r['throughput_ratio_total'])}x** "
@@ -274,25 +315,41 @@ def write_report(report: dict, out: str, meta: dict) -> dict:
 
 
 def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progress: bool = True,
-           timeout: float | None = None) -> dict:
-    """Run both arms (baseline first), analyze, write the report directory; return the report."""
+           timeout: float | None = None, runs_dir: str | None = None, partial_ok: bool = False) -> dict:
+    """Run both arms (baseline first), analyze, write the report directory; return the report.
+
+    With ``partial_ok`` an arm that runs past ``timeout`` keeps the steps it logged; when the
+    baseline stopped early the tik arm is asked for the same number of steps (the report
+    compares equal step counts anyway)."""
     os.makedirs(out, exist_ok=True)
     results = {}
+
+    def arm_steps(a):
+        if a == "tik" and results.get("baseline", {}).get("timed_out"):
+            return max(1, len(results["baseline"]["steps"]))
+        return steps
+
     if progress:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                       TimeElapsedColumn()) as prog:
             tasks = {a: prog.add_task(f"{a:8s}", total=steps) for a in ARMS}
             for a in ARMS:
-                results[a] = run_arm(config, a, steps, out, overrides,
-                                     on_step=lambda arm, n: prog.update(tasks[arm], completed=n), timeout=timeout)
+                results[a] = run_arm(config, a, arm_steps(a), out, overrides,
+                                     on_step=lambda arm, n: prog.update(tasks[arm], completed=n), timeout=timeout,
+                                     runs_dir=runs_dir, partial_ok=partial_ok)
     else:
         for a in ARMS:
-            results[a] = run_arm(config, a, steps, out, overrides, timeout=timeout)
+            results[a] = run_arm(config, a, arm_steps(a), out, overrides, timeout=timeout, runs_dir=runs_dir,
+                                 partial_ok=partial_ok)
+    if not all(results[a]["steps"] for a in ARMS):
+        raise RuntimeError(f"an arm logged no step before its timeout ({timeout}s); see {out}/<arm>/train.log: "
+                           + ", ".join(f"{a}: {len(results[a]['steps'])} steps" for a in ARMS))
     report = analyze(results["baseline"]["steps"], results["tik"]["steps"])
     meta = {"config": config, "steps": steps, "overrides": list(overrides),
             "cmd_baseline": results["baseline"]["cmd"], "cmd_tik": results["tik"]["cmd"],
-            "arm_wall_s": {a: results[a]["wall_s"] for a in ARMS}}
+            "arm_wall_s": {a: results[a]["wall_s"] for a in ARMS},
+            "timed_out": {a: results[a]["timed_out"] for a in ARMS}}
     try:
         from areal_tik.backend.fingerprint import compute
         meta["environment"] = compute()["environment"]
