@@ -3,10 +3,20 @@
 #   bash bench/install_gpu_wheels.sh /tmp/w && export PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
 dir=${1:-/tmp/w}
-for first in "$dir"/*.whl.part.aa; do
+for first in "$dir"/*.part.aa; do  # wheels split for the carry limit (ray): NAME.whl.part.aa, .ab, ...
   [ -e "$first" ] || continue
   whl=${first%.part.aa}
+  case "$whl" in *.whl) ;; *) echo "split part $first does not name a wheel (want <wheel file name>.whl.part.aa)"; exit 1 ;; esac
   cat "$whl".part.* > "$whl" && rm "$whl".part.*
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$dir"/*.whl
-PYTHONPATH=/tmp/site:$PWD python3 -c "import areal, hydra, ray; from areal import PPOTrainer; print('areal', areal.__version__, 'imports')"
+# the whole trainer path of bench/run_ab_gpu.sh (builtin data set; a real GSM8K run would also need
+# math_verify for areal.reward.gsm8k, not carried). AReaL 1.0.4 pins transformers<=5.3.0: the carried
+# 5.3.0 + tokenizers 0.22.2 + peft 0.18.1 shadow the image's newer ones on this PYTHONPATH)
+PYTHONPATH=/tmp/site:$PWD python3 -c "
+import areal, hydra, ray, transformers, tokenizers, peft
+from areal import PPOTrainer
+from areal.workflow.rlvr import RLVRWorkflow
+from areal_tik.areal.trainer import TikPPOTrainer
+print('areal', areal.__version__, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__,
+      'peft', peft.__version__, 'ray', ray.__version__, 'imports')"
