@@ -12,7 +12,8 @@ Recipe conventions resolved here (the only place that reads files / environment)
   ``seed`` and saved (bf16) as an HF dir under the fileroot, with the tokenizer; the
   actor, ref and rollout server all load that dir.
 - ``tokenizer_path: builtin:tiny-char`` -> the character tokenizer in ``areal_tik/data``.
-- ``train_dataset.path: builtin:arith/<task>?n=<N>`` -> the generated arithmetic set,
+- ``train_dataset.path: builtin:arith/<task>?n=<N>`` (as a command-line override quote it for Hydra:
+  ``"train_dataset.path='builtin:arith/mix?n=64'"``) -> the generated arithmetic set,
   reward :func:`areal_tik.areal.arith.reward_fn`; any other path goes to AReaL's
   ``get_custom_dataset`` (e.g. ``openai/gsm8k``, reward ``areal.reward.gsm8k``).
 - ``scheduler.type: local``: AReaL's single-controller mode; its ``LocalScheduler`` starts

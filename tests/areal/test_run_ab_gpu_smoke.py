@@ -1,0 +1,40 @@
+"""``bench/run_ab_gpu.sh`` end to end on a CPU (``SMOKE=1``): the 1.5B GRPO recipe with
+CPU-size overrides (preset tiny-qwen2, 16 new tokens, batch 2) through ``areal-tik ab``,
+2 steps per arm, the same script, launch path and packing the GPU run uses (~45 s)."""
+import json
+import os
+import subprocess
+import tarfile
+
+import pytest
+
+pytest.importorskip("areal")
+pytest.importorskip("areal_tik.engine")
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+pytestmark = [pytest.mark.areal, pytest.mark.slow]
+
+
+def test_run_ab_gpu_script_smoke(tmp_path):
+    out, ab_out, runs = tmp_path / "out", tmp_path / "ab", tmp_path / "runs"
+    out.mkdir()
+    env = {**os.environ, "SMOKE": "1", "RECIPES": "grpo", "OUT": str(out), "AB_OUT": str(ab_out),
+           "RUNS_DIR": str(runs), "EXTRA_OVERRIDES": "experiment_name=tiktest-abgpu"}
+    for k in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT", "AREAL_TIK_SERVER_DEVICE"):
+        env.pop(k, None)
+    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "run_ab_gpu.sh")], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # what a device call returns: <= 8 files, the model dirs/checkpoints kept out of it
+    assert sorted(os.listdir(out)) == ["ab_grpo.tgz", "ab_grpo_summary.md"]
+    assert not runs.exists()
+    names = tarfile.open(out / "ab_grpo.tgz").getnames()
+    for f in ("grpo/report.json", "grpo/summary.md", "grpo/baseline/steps.jsonl", "grpo/tik/steps.jsonl",
+              "grpo/tik/tik_server.log", "grpo/tik/train.log", "env.json"):
+        assert f in names, names
+    rep = json.load(open(ab_out / "grpo" / "report.json"))
+    assert rep["meta"]["config"].endswith("grpo_qwen2.5-1.5b_gsm8k.yaml")
+    assert rep["n_steps"] == 2 and rep["meta"]["timed_out"] == {"baseline": False, "tik": False}
+    assert rep["tik"]["audits"] == 1 and rep["tik"]["audit_mismatch_tokens"] == 0 and rep["tik"]["steps_skipped"] == 1
+    assert all(r["recompute_forward_s"] > 0 for r in rep["rows"]["baseline"])
+    assert "step throughput tik/baseline" in (out / "ab_grpo_summary.md").read_text()
