@@ -7,6 +7,15 @@
 # says how: .whl/p1..p3, three calls), install them with bench/install_gpu_wheels.sh /tmp/w (into
 # /tmp/site; this script puts /tmp/site and the repo on PYTHONPATH), then one call per recipe:
 #   RECIPES=grpo STEPS=10 bash bench/run_ab_gpu.sh      # then RECIPES=ppo in the next call
+# Next-session sequence on one nvidia-h200, calls back to back (a machine that went cold loses
+# /tmp/w and /tmp/site: start again at 1), each with timeout_s=600:
+#   1. carry [.whl/p1]: mkdir -p /tmp/w && cp .whl/p1/* /tmp/w/
+#   2. carry [.whl/p2]: cp .whl/p2/* /tmp/w/
+#   3. carry [.whl/p3]: cp .whl/p3/* /tmp/w/ && bash bench/install_gpu_wheels.sh /tmp/w && SMOKE=1 RECIPES=grpo bash bench/run_ab_gpu.sh
+#   4. RECIPES=grpo STEPS=10 bash bench/run_ab_gpu.sh
+#   5. RECIPES=ppo STEPS=10 bash bench/run_ab_gpu.sh
+# then here: tar xzf <files_at>/ab_<recipe>.tgz into bench/results/<date>_h200_ab/ and commit.
+# CPU dry run of this whole path: SMOKE=1 bash bench/run_ab_gpu.sh (tests/areal/test_run_ab_gpu_smoke.py).
 # A device call is killed at 600 s: BUDGET_S (default 540) is split over the arms as per-arm
 # timeouts; an arm that runs out keeps the steps it logged (--partial-ok; the tik arm then runs
 # as many steps as the baseline logged) and the summary says PARTIAL. With $OUT set (the device's
