@@ -14,7 +14,6 @@ CPU test: every csrc/*.cu compiles for sm_80 and sm_90a (``areal-tik compile-che
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -22,68 +21,14 @@ import sys
 import pytest
 import torch
 
+from areal_tik.kernels.attention import attention_reference
+from areal_tik.kernels.rms_norm import rms_norm_reference
+from areal_tik.kernels.rope import apply_rope_reference, rope_table
 from areal_tik.contract import (
     check_accuracy, check_outputs_written, check_row_subset_invariance, compare_bits, poison_,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-# ---------------------------------------------------------------------------------------
-# references (import the owners' float64 references; minimal fallbacks otherwise)
-# ---------------------------------------------------------------------------------------
-
-def _attention_reference(q, k, v, cu_q, cu_k=None, scale=None):
-    try:
-        from areal_tik.kernels.attention import attention_reference
-        return attention_reference(q, k, v, cu_q, cu_k, scale)
-    except ImportError:
-        pass
-    cu_k = cu_q if cu_k is None else cu_k
-    sm = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    g = q.shape[1] // k.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(cq) - 1):
-        n, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
-        if n == 0:
-            continue
-        qd = q[cq[i]:cq[i + 1]].double().transpose(0, 1)
-        kd = k[ck[i]:ck[i + 1]].double().repeat_interleave(g, 1).transpose(0, 1)
-        vd = v[ck[i]:ck[i + 1]].double().repeat_interleave(g, 1).transpose(0, 1)
-        s = (qd @ kd.transpose(1, 2)) * sm
-        pos = torch.arange(lk - n, lk, device=q.device)
-        s = s.masked_fill(torch.arange(lk, device=q.device)[None, :] > pos[:, None], -math.inf)
-        out[cq[i]:cq[i + 1]] = (torch.softmax(s, -1) @ vd).transpose(0, 1)
-    return out
-
-
-def _rms_norm_reference(x, w, eps):
-    try:
-        from areal_tik.kernels.rms_norm import rms_norm_reference
-        return rms_norm_reference(x, w, eps)
-    except ImportError:
-        xd = x.double()
-        return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _rope_table(D, P, theta=1e6, device="cuda"):
-    try:
-        from areal_tik.kernels.rope import rope_table
-        return rope_table(D, P, theta, device=device)
-    except ImportError:
-        inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-        ang = torch.arange(P, dtype=torch.float64)[:, None] * inv[None, :]
-        ang = torch.cat([ang, ang], -1)
-        return ang.cos().float().to(device), ang.sin().float().to(device)
-
-
-def _rope_reference(x, cos, sin, positions):
-    h = x.shape[-1] // 2
-    c = cos.double()[positions.long()][:, None, :]
-    s = sin.double()[positions.long()][:, None, :]
-    xd = x.double()
-    return xd * c + torch.cat([-xd[..., h:], xd[..., :h]], -1) * s
 
 
 def _ops():
@@ -260,7 +205,7 @@ def _regimes(lens, Hq, Hkv, D, page_size, seed):
     outs["R4[auto]"] = decode(ident)
     outs["R4[shuffled]"] = decode(torch.randperm(T, generator=gen).tolist())
     outs["R4[fold]"] = decode(ident, "fold")
-    ref = _attention_reference(q, k, v, cus)
+    ref = attention_reference(q, k, v, cus)
     return outs, ref, starts
 
 
@@ -334,7 +279,7 @@ def test_attention_long_context_decode_matches_prefill(seed_rng, decode_variant)
                                 torch.arange(len(sel) + 1, dtype=torch.int32, device="cuda"), sk, 1)
     rep = compare_bits(full[sel.cuda()], o, name="decode==varlen@8K")
     assert rep, rep
-    ref = _attention_reference(q[-64:], k, v, torch.tensor([0, 64]), torch.tensor([0, L]))
+    ref = attention_reference(q[-64:], k, v, torch.tensor([0, 64]), torch.tensor([0, L]))
     assert check_accuracy(full[-64:], ref, 1e-2)
 
 
@@ -400,7 +345,7 @@ def test_attention_varlen_backward(seed_rng):
     do = torch.randn(out.shape, generator=g).bfloat16().cuda()
     grads = torch.autograd.grad(out, (q, k, v), do)
     qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    ref = _attention_reference(qd, kd, vd, cus)
+    ref = attention_reference(qd, kd, vd, cus)
     rgrads = torch.autograd.grad(ref, (qd, kd, vd), do.double())
     for name, a, r in zip("qkv", grads, rgrads):
         rep = check_accuracy(a, r, 2e-2, name=f"d{name}")
@@ -464,7 +409,7 @@ def test_rms_norm_row_invariance_and_accuracy(M, N, dtype, seed_rng):
     y = _written(lambda o: cu.rms_norm_cuda(x, w, eps, out=o), x.shape, dtype)
     assert compare_bits(y, fn(x))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    acc = check_accuracy(y, _rms_norm_reference(x, w, eps), tol)
+    acc = check_accuracy(y, rms_norm_reference(x, w, eps), tol)
     assert acc, acc
     # strided rows (a view into a wider buffer) and a 3-D input give the same bits
     wide = torch.zeros(M, N + 40, dtype=dtype, device="cuda")
@@ -483,7 +428,7 @@ def test_rms_norm_backward(seed_rng):
     dy = torch.randn_like(y)
     gx, gw = torch.autograd.grad(y, (x, w), dy)
     xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
-    rx, rw = torch.autograd.grad(_rms_norm_reference(xd, wd, 1e-6), (xd, wd), dy.double())
+    rx, rw = torch.autograd.grad(rms_norm_reference(xd, wd, 1e-6), (xd, wd), dy.double())
     assert check_accuracy(gx, rx, 2e-2) and check_accuracy(gw, rw, 2e-2)
 
 
@@ -494,7 +439,7 @@ def test_apply_rope_bits_invariance_accuracy(dtype, D, seed_rng):
     cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
     T, H, P = 77, 6, 4096
-    cos, sin = _rope_table(D, P)
+    cos, sin = rope_table(D, P, 1e6, device="cuda")
     qkv = torch.randn(T, 3 * H, D, generator=g).to(dtype).cuda()
     x = qkv[:, H:2 * H]  # strided view, as from a fused qkv projection
     positions = torch.randint(0, P, (T,), generator=g).cuda()
@@ -509,7 +454,7 @@ def test_apply_rope_bits_invariance_accuracy(dtype, D, seed_rng):
     assert rep, rep
     sub = torch.tensor([3, 0, 50], device="cuda")
     assert compare_bits(cu.apply_rope_cuda(x[sub], cos, sin, positions[sub].int()), y[sub])
-    acc = check_accuracy(y, _rope_reference(x, cos, sin, positions), 1e-5 if dtype == torch.float32 else 1e-2)
+    acc = check_accuracy(y, apply_rope_reference(x, cos, sin, positions), 1e-5 if dtype == torch.float32 else 1e-2)
     assert acc, acc
 
 
@@ -517,12 +462,12 @@ def test_apply_rope_bits_invariance_accuracy(dtype, D, seed_rng):
 def test_apply_rope_backward():
     cu = _ops()
     D, T, H = 64, 20, 3
-    cos, sin = _rope_table(D, 128)
+    cos, sin = rope_table(D, 128, 1e6, device="cuda")
     x = torch.randn(T, H, D, device="cuda").requires_grad_(True)
     pos = torch.randint(0, 128, (T,), device="cuda")
     y = cu.apply_rope_cuda(x, cos, sin, pos)
     dy = torch.randn_like(y)
     (gx,) = torch.autograd.grad(y, (x,), dy)
     xd = x.detach().double().requires_grad_(True)
-    (rx,) = torch.autograd.grad(_rope_reference(xd, cos, sin, pos), (xd,), dy.double())
+    (rx,) = torch.autograd.grad(apply_rope_reference(xd, cos, sin, pos), (xd,), dy.double())
     assert check_accuracy(gx, rx, 1e-5)
