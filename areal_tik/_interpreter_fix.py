@@ -51,12 +51,8 @@ def apply() -> bool:
         # each output element's reduction order is then fixed by K alone, never by the
         # tile's M/N (np.matmul's BLAS blocking changes rows with the matrix shape).
         acc = np.array(d.data, dtype=np.float32, copy=True)
-        if fa.ndim == 2:
-            for k in range(fa.shape[1]):
-                acc = acc + np.multiply(fa[:, k:k + 1], fb[k:k + 1, :])
-        else:  # batched 3-D dot
-            for k in range(fa.shape[-1]):
-                acc = acc + np.multiply(fa[..., :, k:k + 1], fb[..., k:k + 1, :])
+        for k in range(fa.shape[-1]):  # 2-D and batched 3-D dots alike
+            acc = acc + np.multiply(fa[..., :, k:k + 1], fb[..., k:k + 1, :])
         return it.TensorHandle(acc.astype(d.data.dtype), d.dtype.scalar)
 
     builder_cls.create_dot = create_dot

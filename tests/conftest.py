@@ -47,3 +47,4 @@ def seed_rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"seed_rng: {seed}")  # captured; pytest shows it with the failure report
     return seed
+

@@ -15,17 +15,6 @@ ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
 
 
-@pytest.fixture
-def seq_dot():
-    """CPU: a position-independent interpreter dot (see _dense_common.interpreter_sequential_dot)."""
-    if ON_GPU:
-        yield
-        return
-    from areal_tik.kernels._dense_common import interpreter_sequential_dot
-    with interpreter_sequential_dot():
-        yield
-
-
 def _rand(shape, dtype=torch.bfloat16, scale=1.0, device=DEV):
     return (torch.randn(shape, device=device) * scale).to(dtype)
 
@@ -48,7 +37,7 @@ def _subsets(M, g=None):
 
 @pytest.mark.parametrize("impl,bias,dtype", [("triton", False, torch.bfloat16), ("triton", True, torch.float32),
                                              ("torch_ref", True, torch.bfloat16), ("torch_ref", False, torch.float32)])
-def test_row_subset_invariance_cpu(impl, bias, dtype, seed_rng, seq_dot):
+def test_row_subset_invariance_cpu(impl, bias, dtype, seed_rng):
     """fp32 in/out exposes any accumulation-order change (bf16 output rounding hides most)."""
     fn = L.linear_triton if impl == "triton" else L.linear_torch
     K, N = 136, 40  # K tail (136 = 2*64 + 8), partial N tile
@@ -71,7 +60,7 @@ def test_k_unroll_and_k_tail_do_not_change_bits(seed_rng):
     assert contract.check_regime_equality(outs)
 
 
-def test_non_invariant_variant_is_caught(seed_rng, seq_dot):
+def test_non_invariant_variant_is_caught(seed_rng):
     """Negative control: split-K (two K halves with fresh accumulators, added) for M > 8 —
     the classic batch-size heuristic — must fail the checker.
 
@@ -89,7 +78,7 @@ def test_non_invariant_variant_is_caught(seed_rng, seq_dot):
     assert not rep.passed and rep.n_mismatch > 0, rep.summary()
 
 
-def test_all_gpu_configs_bit_identical_cpu(seed_rng, seq_dot):
+def test_all_gpu_configs_bit_identical_cpu(seed_rng):
     """Every config of the GPU table (tiles up to 128x256, unroll, grouping) gives the same
     bits in the interpreter with a position-independent dot, across M and K tails."""
     N, K = 40, 200
@@ -103,7 +92,7 @@ def test_all_gpu_configs_bit_identical_cpu(seed_rng, seq_dot):
         assert rep, rep.summary()
 
 
-def test_tma_configs_fall_back_on_unaligned_rows(seed_rng, seq_dot):
+def test_tma_configs_fall_back_on_unaligned_rows(seed_rng):
     """A TMA config given an x whose row stride is not 16-byte aligned runs its pointer
     twin (descriptors would be illegal): same bits as the aligned TMA launch."""
     N, K, M = 40, 72, 9
@@ -143,7 +132,7 @@ def test_tuned_table_parsing_and_selection(tmp_path):
     L.parse_tuned_table(L._load_table_text())
 
 
-def test_packing_invariance_cpu(seed_rng, seq_dot):
+def test_packing_invariance_cpu(seed_rng):
     K, N = 64, 32
     w = _rand((N, K), scale=0.1)
     seqs = [_rand((n, K)) for n in (3, 1, 9)]

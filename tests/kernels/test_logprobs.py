@@ -11,16 +11,6 @@ DEV = "cuda" if ON_GPU else "cpu"
 VB = LP.V_BLOCK
 
 
-@pytest.fixture
-def seq_dot():
-    if ON_GPU:
-        yield
-        return
-    from areal_tik.kernels._dense_common import interpreter_sequential_dot
-    with interpreter_sequential_dot():
-        yield
-
-
 def _impls(impl):
     if impl == "triton":
         return L.linear_triton, LP.logprobs_from_logits_triton, LP.token_logprobs_triton
@@ -35,7 +25,7 @@ def _problem(T, V, K, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch_ref"])
-def test_fused_equals_unfused_bitwise_any_chunking(impl, seed_rng, seq_dot):
+def test_fused_equals_unfused_bitwise_any_chunking(impl, seed_rng):
     lin, lfl, tlp = _impls(impl)
     T, V, K = 9, 2 * VB + 300, 64  # two full blocks + a partial one
     h, w, tok = _problem(T, V, K)
@@ -52,7 +42,7 @@ def test_fused_equals_unfused_bitwise_any_chunking(impl, seed_rng, seq_dot):
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch_ref"])
-def test_row_subset_invariance(impl, seed_rng, seq_dot):
+def test_row_subset_invariance(impl, seed_rng):
     lin, lfl, tlp = _impls(impl)
     T, V, K = 19, VB + 77, 64
     h, w, tok = _problem(T, V, K)
@@ -109,7 +99,7 @@ def test_lse_launch_refuses_unaligned_views(seed_rng):
 
 
 @pytest.mark.parametrize("V", [VB + 3, 2 * VB - 1])
-def test_odd_vocab_buffers_aligned_and_bitwise(V, seed_rng, seq_dot, monkeypatch):
+def test_odd_vocab_buffers_aligned_and_bitwise(V, seed_rng, monkeypatch):
     """Odd vocab sizes: every buffer the fused path hands the LSE kernel is aligned (the
     kernel would refuse it otherwise), and fused == unfused bit for bit for any chunking."""
     T, K = 6, 32
