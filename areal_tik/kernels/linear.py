@@ -479,40 +479,48 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 def _linear_backward(ctx, dy, x2, w):
+    """Gradients of ``_LinearFn`` (inputs ``fwd, x2, w, b``: ``needs_input_grad[1:]``)."""
     dx = dw = db = None
     dy = dy.contiguous()
-    if ctx.needs_input_grad[0]:
-        dx = (dy @ w).to(x2.dtype)
     if ctx.needs_input_grad[1]:
+        dx = (dy @ w).to(x2.dtype)
+    if ctx.needs_input_grad[2]:
         dw = (dy.t() @ x2).to(w.dtype)
-    if ctx.has_bias and ctx.needs_input_grad[2]:
+    if ctx.has_bias and ctx.needs_input_grad[3]:
         db = dy.float().sum(0).to(dy.dtype)
     return dx, dw, db
 
 
-class _LinearTritonFn(torch.autograd.Function):
+class _LinearFn(torch.autograd.Function):
+    """Autograd around either forward (``fwd``: Triton or torch_ref); one backward for both."""
+
     @staticmethod
-    def forward(ctx, x2, w, b):
+    def forward(ctx, fwd, x2, w, b):
         ctx.save_for_backward(x2, w)
         ctx.has_bias = b is not None
-        return linear_fwd(x2, w, b)
+        return fwd(x2, w, b)
 
     @staticmethod
     def backward(ctx, dy):
         x2, w = ctx.saved_tensors
-        return _linear_backward(ctx, dy, x2, w)
+        return (None, *_linear_backward(ctx, dy, x2, w))
+
+
+def _linear_2d(fwd, x, weight, bias, triton_path: bool) -> torch.Tensor:
+    """Validate, flatten to 2-D, run ``fwd`` (through autograd when a grad is needed)."""
+    _validate(x, weight, bias, triton_path=triton_path)
+    x2 = _as_2d(x)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        y = _LinearFn.apply(fwd, x2, weight, bias)
+    else:
+        y = fwd(x2, weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with a row-invariant Triton GEMM (see the module docstring)."""
-    _validate(x, weight, bias, triton_path=True)
-    x2 = _as_2d(x)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
-        y = _LinearTritonFn.apply(x2, weight, bias)
-    else:
-        y = linear_fwd(x2, weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return _linear_2d(linear_fwd, x, weight, bias, triton_path=True)
 
 
 # --------------------------------------------------------------------------- torch_ref
@@ -534,29 +542,9 @@ def _linear_torch_fwd(x2, w, b):
     return acc.to(x2.dtype)
 
 
-class _LinearTorchFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x2, w, b):
-        ctx.save_for_backward(x2, w)
-        ctx.has_bias = b is not None
-        return _linear_torch_fwd(x2, w, b)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, w = ctx.saved_tensors
-        return _linear_backward(ctx, dy, x2, w)
-
-
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Row-invariant ``F.linear`` in plain PyTorch (any device; slow, the CPU path)."""
-    _validate(x, weight, bias, triton_path=False)
-    x2 = _as_2d(x)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
-        y = _LinearTorchFn.apply(x2, weight, bias)
-    else:
-        y = _linear_torch_fwd(x2, weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return _linear_2d(_linear_torch_fwd, x, weight, bias, triton_path=False)
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
