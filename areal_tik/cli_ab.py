@@ -14,6 +14,9 @@ def add_parser(sub):
                         "the baseline logged) and the report is written, marked PARTIAL")
     p.add_argument("--runs-dir", default=None,
                    help="AReaL cluster.fileroot for both arms (model dirs, checkpoints); default <out>/runs")
+    p.add_argument("--arms", default="both", choices=["both", "baseline", "tik", "none"],
+                   help="run one arm only (the other is read from --out, written by an earlier call; the report "
+                        "is written once both are there), or none: rebuild the report from the arms in --out")
     p.add_argument("overrides", nargs="*", help="extra AReaL overrides for both arms, e.g. gconfig.max_new_tokens=8")
     p.set_defaults(func=run)
     return p
@@ -25,10 +28,17 @@ def run(args) -> int:
 
     from areal_tik.bench.ab import run_ab
 
+    if args.arms != "both" and not args.out:
+        raise SystemExit("areal-tik ab: --arms baseline|tik|none needs --out (the directory the other arm "
+                         "was or will be written to)")
     out = args.out or os.path.join("ab_reports", f"{os.path.splitext(os.path.basename(args.config))[0]}-"
                                                   f"{time.strftime('%Y%m%d-%H%M%S')}")
     report = run_ab(args.config, args.steps, out, overrides=args.overrides, progress=not args.no_progress,
-                    timeout=args.timeout, runs_dir=args.runs_dir, partial_ok=args.partial_ok)
+                    timeout=args.timeout, runs_dir=args.runs_dir, partial_ok=args.partial_ok,
+                    arms={"both": ("baseline", "tik"), "none": ()}.get(args.arms, (args.arms,)))
+    if report.get("pending"):
+        print(report["summary_md"])
+        return 0 if args.arms != "none" else 1
     print(report["summary_md"])
     print(f"report written to {out}: {', '.join(report['files'])}")
     return 0

@@ -5,15 +5,22 @@
 #
 # Device (no areal/hydra/ray there, no network): carry the wheels first (bench/fetch_gpu_wheels.sh
 # says how: .whl/p1..p3, three calls), install them with bench/install_gpu_wheels.sh /tmp/w (into
-# /tmp/site; this script puts /tmp/site and the repo on PYTHONPATH), then one call per recipe:
-#   RECIPES=grpo STEPS=10 bash bench/run_ab_gpu.sh      # then RECIPES=ppo in the next call
+# /tmp/site; this script puts /tmp/site and the repo on PYTHONPATH), then one call per recipe and arm.
+# Each arm spends ~100 s starting (process, AReaL init, rollout server, model build) and step 0
+# takes ~40 s at 1.5B, so 10 steps of both arms do not fit one 600 s call: run one arm per call
+# (ARMS=baseline, then ARMS=tik; the report is written by the call that completes the pair; the
+# arms meet in AB_OUT, default /tmp/areal_tik_ab_reports, which survives while the machine is warm).
 # Next-session sequence on one nvidia-h200, calls back to back (a machine that went cold loses
-# /tmp/w and /tmp/site: start again at 1), each with timeout_s=600:
+# /tmp/w, /tmp/site and AB_OUT: start again at 1), each with timeout_s=600:
 #   1. carry [.whl/p1]: mkdir -p /tmp/w && cp .whl/p1/* /tmp/w/
 #   2. carry [.whl/p2]: cp .whl/p2/* /tmp/w/
-#   3. carry [.whl/p3]: cp .whl/p3/* /tmp/w/ && bash bench/install_gpu_wheels.sh /tmp/w && SMOKE=1 RECIPES=grpo bash bench/run_ab_gpu.sh
-#   4. RECIPES=grpo STEPS=10 bash bench/run_ab_gpu.sh
-#   5. RECIPES=ppo STEPS=10 bash bench/run_ab_gpu.sh
+#   3. carry [.whl/p3]: cp .whl/p3/* /tmp/w/ && bash bench/install_gpu_wheels.sh /tmp/w && \
+#        RECIPES=grpo ARMS=baseline STEPS=10 bash bench/run_ab_gpu.sh
+#   4. RECIPES=grpo ARMS=tik STEPS=10 bash bench/run_ab_gpu.sh      (-> report)
+#   5. RECIPES=ppo ARMS=baseline ...   6. RECIPES=ppo ARMS=tik ...
+# Every call packs what AB_OUT holds for the recipe ($OUT/ab_<recipe>.tgz), so a lost machine
+# still leaves the finished arm here; `areal-tik ab --config ... --out DIR --arms none` rebuilds
+# the report from two unpacked arms.
 # then here: tar xzf <files_at>/ab_<recipe>.tgz into bench/results/<date>_h200_ab/ and commit.
 # CPU dry run of this whole path: SMOKE=1 bash bench/run_ab_gpu.sh (tests/areal/test_run_ab_gpu_smoke.py).
 # A device call is killed at 600 s: BUDGET_S (default 540) is split over the arms as per-arm
@@ -29,8 +36,9 @@
 # emits EOS, so every sample runs to gconfig.max_new_tokens (GEN_TOKENS, default 512).
 # QWEN_DIR=<local HF dir> uses real weights + tokenizer instead.
 #
-# Env knobs: RECIPES ("grpo ppo"), STEPS (10), BUDGET_S (540), ARM_TIMEOUT (BUDGET_S split),
-# GEN_TOKENS (512), AB_OUT (report root, default bench/results/ab), RUNS_DIR,
+# Env knobs: RECIPES ("grpo ppo"), ARMS (both | baseline | tik), STEPS (10), BUDGET_S (540),
+# ARM_TIMEOUT (BUDGET_S split over the arms run in this call),
+# GEN_TOKENS (512), AB_OUT (report root, default /tmp/areal_tik_ab_reports), RUNS_DIR,
 # EXTRA_OVERRIDES (whitespace-separated AReaL overrides appended last, e.g.
 # "train_dataset.batch_size=16 actor.tik.audit_interval=5"; Hydra: quote values holding
 # ?/= like "train_dataset.path='builtin:arith/mix?n=64'"), SMOKE=1 (CPU-size dry run of this
@@ -47,8 +55,10 @@ SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then STEPS=${STEPS:-2}; else STEPS=${STEPS:-10}; fi
 BUDGET_S=${BUDGET_S:-540}
 read -r -a RECIPE_LIST <<< "$RECIPES"
-ARM_TIMEOUT=${ARM_TIMEOUT:-$(( (BUDGET_S - 20) / (2 * ${#RECIPE_LIST[@]}) ))}
-AB_OUT=${AB_OUT:-bench/results/ab}
+ARMS=${ARMS:-both}
+case "$ARMS" in both) NARMS=2 ;; baseline|tik) NARMS=1 ;; *) echo "ARMS must be both, baseline or tik (got '$ARMS')"; exit 2 ;; esac
+ARM_TIMEOUT=${ARM_TIMEOUT:-$(( (BUDGET_S - 20) / (NARMS * ${#RECIPE_LIST[@]}) ))}
+AB_OUT=${AB_OUT:-/tmp/areal_tik_ab_reports}
 RUNS_DIR=${RUNS_DIR:-/tmp/areal_tik_ab_runs}
 GEN_TOKENS=${GEN_TOKENS:-512}
 read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"
@@ -56,7 +66,7 @@ mkdir -p "$AB_OUT"
 
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ -z "${AREAL_TIK_SERVER_DEVICE:-}" ] && [ "$NGPU" -ge 2 ]; then export AREAL_TIK_SERVER_DEVICE=cuda:1; fi
-echo "run_ab_gpu: recipes=[$RECIPES] steps=$STEPS smoke=$SMOKE gpus=$NGPU server_device=${AREAL_TIK_SERVER_DEVICE:-default}" \
+echo "run_ab_gpu: recipes=[$RECIPES] arms=$ARMS steps=$STEPS smoke=$SMOKE gpus=$NGPU server_device=${AREAL_TIK_SERVER_DEVICE:-default}" \
      "arm_timeout=${ARM_TIMEOUT}s out=$AB_OUT runs=$RUNS_DIR"
 
 if [ -n "${QWEN_DIR:-}" ]; then  # real weights + tokenizer available locally
@@ -95,11 +105,12 @@ for RECIPE in "${RECIPE_LIST[@]}"; do
   if [ "$SMOKE" = 1 ] && [ "$RECIPE" = ppo ]; then
     PER=(critic.mb_spec.max_tokens_per_mb=4096 critic.ppo_n_minibatches=1)
   fi
-  rm -rf "${AB_OUT:?}/$RECIPE" "${RUNS_DIR:?}" && mkdir -p "$AB_OUT/$RECIPE"
+  if [ "$ARMS" = both ]; then rm -rf "${AB_OUT:?}/$RECIPE"; else rm -rf "${AB_OUT:?}/$RECIPE/$ARMS"; fi
+  rm -rf "${RUNS_DIR:?}" && mkdir -p "$AB_OUT/$RECIPE"
   set +e
   python3 -m areal_tik.cli ab --config "$CFG" --steps "$STEPS" --out "$AB_OUT/$RECIPE" --runs-dir "$RUNS_DIR" \
-      --timeout "$ARM_TIMEOUT" --partial-ok --no-progress \
-      "${DATA[@]}" "${SIZE[@]}" "${PER[@]+"${PER[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}" 2>&1 | tee "$AB_OUT/$RECIPE/ab_stdout.txt"
+      --timeout "$ARM_TIMEOUT" --partial-ok --no-progress --arms "$ARMS" \
+      "${DATA[@]}" "${SIZE[@]}" "${PER[@]+"${PER[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}" 2>&1 | tee -a "$AB_OUT/$RECIPE/ab_stdout.txt"
   rc=${PIPESTATUS[0]}
   set -e
   echo "== $RECIPE A/B exit $rc"

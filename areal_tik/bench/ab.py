@@ -29,6 +29,7 @@ import time
 ARMS = ("baseline", "tik")
 PHASES = (("rollout", "timeperf/rollout"), ("recompute", "timeperf/recompute_logp"),
           ("train_step", "timeperf/train_step"), ("weight_update", "timeperf/update_weights"))
+REPORT_FILES = ("report.json", "steps.csv", "summary.md", "step_time.png", "reward.png")
 ARM_OVERRIDES = {"baseline": ["actor.kernel_backend=default"], "tik": ["actor.kernel_backend=tik"]}
 
 __all__ = ["run_arm", "run_ab", "load_steps", "analyze", "write_report", "ARMS", "PHASES"]
@@ -314,34 +315,77 @@ def write_report(report: dict, out: str, meta: dict) -> dict:
     return {"summary": md, "files": ["report.json", "steps.csv", "summary.md", *map(os.path.basename, pngs)]}
 
 
+def _arm_record_path(out: str, arm: str) -> str:
+    return os.path.join(out, arm, "arm.json")
+
+
+def _save_arm(out: str, arm: str, res: dict) -> None:
+    with open(_arm_record_path(out, arm), "w") as f:
+        json.dump({k: res[k] for k in ("cmd", "wall_s", "timed_out")}, f, indent=2)
+
+
+def load_arm(out: str, arm: str) -> dict | None:
+    """An arm finished by an earlier ``run_ab(arms=...)`` call: its record and step log, or None."""
+    rec, log = _arm_record_path(out, arm), os.path.join(out, arm, "steps.jsonl")
+    if not (os.path.exists(rec) and os.path.exists(log)):
+        return None
+    with open(rec) as f:
+        res = json.load(f)
+    res["steps"] = load_steps(log)
+    return res
+
+
 def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progress: bool = True,
-           timeout: float | None = None, runs_dir: str | None = None, partial_ok: bool = False) -> dict:
-    """Run both arms (baseline first), analyze, write the report directory; return the report.
+           timeout: float | None = None, runs_dir: str | None = None, partial_ok: bool = False,
+           arms: tuple[str, ...] = ARMS) -> dict:
+    """Run the ``arms`` (baseline first), analyze, write the report directory; return the report.
+
+    ``arms`` may name one arm (or none): the other arm's results are then read from ``out``
+    (``<arm>/arm.json`` + ``<arm>/steps.jsonl``, written by an earlier call), so the two arms can
+    run in separate processes or device calls. While an arm is still missing, nothing is analyzed
+    and the return value says which (``{"pending": [...]}``).
 
     With ``partial_ok`` an arm that runs past ``timeout`` keeps the steps it logged; when the
     baseline stopped early the tik arm is asked for the same number of steps (the report
     compares equal step counts anyway)."""
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise ValueError(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
     os.makedirs(out, exist_ok=True)
-    results = {}
+    results = {a: r for a in ARMS if a not in arms and (r := load_arm(out, a)) is not None}
+    to_run = [a for a in ARMS if a in arms]
 
     def arm_steps(a):
         if a == "tik" and results.get("baseline", {}).get("timed_out"):
             return max(1, len(results["baseline"]["steps"]))
         return steps
 
-    if progress:
+    def one(a, on_step=None):
+        results[a] = run_arm(config, a, arm_steps(a), out, overrides, on_step=on_step, timeout=timeout,
+                             runs_dir=runs_dir, partial_ok=partial_ok)
+        _save_arm(out, a, results[a])
+
+    if to_run:  # a report from an earlier pair no longer describes these arms
+        for f in REPORT_FILES:
+            if os.path.exists(os.path.join(out, f)):
+                os.remove(os.path.join(out, f))
+    if progress and to_run:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                       TimeElapsedColumn()) as prog:
-            tasks = {a: prog.add_task(f"{a:8s}", total=steps) for a in ARMS}
-            for a in ARMS:
-                results[a] = run_arm(config, a, arm_steps(a), out, overrides,
-                                     on_step=lambda arm, n: prog.update(tasks[arm], completed=n), timeout=timeout,
-                                     runs_dir=runs_dir, partial_ok=partial_ok)
+            tasks = {a: prog.add_task(f"{a:8s}", total=arm_steps(a)) for a in to_run}
+            for a in to_run:
+                prog.update(tasks[a], total=arm_steps(a))
+                one(a, on_step=lambda arm, n: prog.update(tasks[arm], completed=n))
     else:
-        for a in ARMS:
-            results[a] = run_arm(config, a, arm_steps(a), out, overrides, timeout=timeout, runs_dir=runs_dir,
-                                 partial_ok=partial_ok)
+        for a in to_run:
+            one(a)
+    pending = [a for a in ARMS if a not in results]
+    if pending:
+        done = {a: len(r["steps"]) for a, r in results.items()}
+        return {"pending": pending, "done": done, "files": [],
+                "summary_md": f"arm(s) {', '.join(pending)} not run yet in {out}; done: "
+                              + (", ".join(f"{a} ({n} steps)" for a, n in done.items()) or "none")}
     if not all(results[a]["steps"] for a in ARMS):
         raise RuntimeError(f"an arm logged no step before its timeout ({timeout}s); see {out}/<arm>/train.log: "
                            + ", ".join(f"{a}: {len(results[a]['steps'])} steps" for a in ARMS))
@@ -349,7 +393,8 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
     meta = {"config": config, "steps": steps, "overrides": list(overrides),
             "cmd_baseline": results["baseline"]["cmd"], "cmd_tik": results["tik"]["cmd"],
             "arm_wall_s": {a: results[a]["wall_s"] for a in ARMS},
-            "timed_out": {a: results[a]["timed_out"] for a in ARMS}}
+            "timed_out": {a: results[a]["timed_out"] for a in ARMS},
+            "arms_run_here": list(to_run)}
     try:
         from areal_tik.backend.fingerprint import compute
         meta["environment"] = compute()["environment"]
