@@ -3,8 +3,8 @@
 Same engine (paged KV cache, continuous batching, CUDA graphs for decode), same
 Qwen2.5-1.5B-shaped random weights; only the kernels differ (``patch_model(kernels=...)``).
 For each batch size B: prefill tokens/s (B prompts of ``--prompt-len`` tokens in one
-step) and decode tokens/s (B sequences, ``--steps`` decode steps after a warm-up that
-captures the CUDA graph). Each point runs once unmeasured first (JIT, graph capture).
+step; median of 5 fresh batches) and decode tokens/s (B sequences, ``--steps`` decode steps
+after a warm-up that captures the CUDA graph). Each point runs once unmeasured first (JIT, graph capture).
 Writes ``engine_throughput.json`` with ratio tik/default per point.
 
     python bench/bench_engine.py --out DIR [--quick] [--model qwen2.5-1.5b]
@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -32,19 +33,37 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def measure(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int, seed: int) -> dict:
+def _add(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int, seed: int, tag: str) -> None:
     g = torch.Generator().manual_seed(seed)
     sp = SamplingParams(temperature=1.0, max_new_tokens=steps + 8, ignore_eos=True, seed=seed)
     for i in range(B):
-        eng.add_request(f"b{B}-{seed}-{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), sp)
+        eng.add_request(f"b{B}-{seed}-{tag}{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), sp)
+
+
+def _prefill(eng: LLMEngine) -> tuple[float, int]:
     _sync()
     t0 = time.perf_counter()
-    n_prefill = 0
+    n = 0
     while eng.scheduler.waiting:
         eng.step()
-        n_prefill += 1
+        n += 1
     _sync()
-    t_prefill = time.perf_counter() - t0
+    return time.perf_counter() - t0, n
+
+
+def measure(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int, seed: int,
+            prefill_reps: int = 5) -> dict:
+    """Prefill: median of ``prefill_reps`` fresh batches of B prompts (each prefilled, then
+    aborted); one sample was too noisy for the small batches (host-bound, ~30 ms). Decode:
+    ``steps`` steps of the last batch after two warm-up steps."""
+    times = []
+    for r in range(prefill_reps):
+        _add(eng, B, prompt_len, steps, vocab, seed, f"p{r}-")
+        t, n_prefill = _prefill(eng)
+        times.append(t)
+        if r < prefill_reps - 1:
+            eng.abort_all()
+    t_prefill = statistics.median(times)
     for _ in range(2):      # warm-up decode (graph capture on the unmeasured pass)
         eng.step()
     _sync()
@@ -55,8 +74,8 @@ def measure(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int, see
     t_decode = time.perf_counter() - t0
     eng.abort_all()
     return dict(batch=B, prefill_tokens_per_s=B * prompt_len / t_prefill, prefill_steps=n_prefill,
-                prefill_ms=1e3 * t_prefill, decode_tokens_per_s=B * steps / t_decode,
-                decode_ms_per_step=1e3 * t_decode / steps)
+                prefill_ms=1e3 * t_prefill, prefill_ms_samples=[round(1e3 * t, 3) for t in times],
+                decode_tokens_per_s=B * steps / t_decode, decode_ms_per_step=1e3 * t_decode / steps)
 
 
 def main() -> int:
