@@ -6,11 +6,11 @@ Writes DIR/bench_cuda.json and prints a table. Cells (DESIGN.md section 6 / issu
 prefill batch 1, 32 q heads / 8 kv heads, d=128, causal, L in 1K/4K/8K/16K (attention_varlen
 for cuda/triton, SDPA with enable_gqa); decode batch {1,4,8,16} x context {128,1K,4K,8K}
 (attention_paged, page size 64, one query per sequence; SDPA on contiguous K/V; cuda decode
-variants v1 and v2 both timed, v2's bits checked equal to v1's). Decode is
-timed inside a CUDA graph for every provider (as the engine runs it; eager if capture
-fails, marked). Reports ms, speed-up vs SDPA, TFLOP/s (prefill) and GB/s of KV read vs
-4.1 TB/s (decode). Also: extension build/load time (prebuilt or JIT), the ptxas resource
-report of every csrc/*.cu for this GPU, and registers/spills per attention kernel.
+is the single 4-warp decode kernel). Decode is timed inside a CUDA graph for every provider
+(as the engine runs it; eager if capture fails, marked). Reports ms, speed-up vs SDPA,
+TFLOP/s (prefill) and GB/s of KV read vs 4.1 TB/s (decode). Also: extension build/load
+time (prebuilt or JIT), the ptxas resource report of every csrc/*.cu for this GPU, and
+registers/spills per attention kernel.
 """
 from __future__ import annotations
 
@@ -195,18 +195,10 @@ def main(argv=None):
                 ref = sd().view(B, HQ, D)
                 fn, how = _graphed(sd)
                 row["sdpa_ms"], row["sdpa_timing"] = _median_ms(fn), how
-                cf = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, variant="v1")  # noqa: E731
+                cf = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
                 row["cuda_max_abs_diff_vs_sdpa"] = float((cf().float() - ref.float()).abs().max())
                 fn, how = _graphed(cf)
                 row["cuda_ms"], row["cuda_timing"] = _median_ms(fn), how
-                # decode variant v2 (same bits required; bench checks it too)
-                cf2 = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, variant="v2")  # noqa: E731
-                try:
-                    row["cuda_v2_same_bits_as_v1"] = bool(torch.equal(cf(), cf2()))
-                    fn, how = _graphed(cf2)
-                    row["cuda_v2_ms"], row["cuda_v2_timing"] = _median_ms(fn), how
-                except Exception as e:
-                    row["cuda_v2_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 if tri_paged is not None:
                     try:
                         tf = lambda: tri_paged(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
@@ -214,21 +206,18 @@ def main(argv=None):
                         row["triton_ms"], row["triton_timing"] = _median_ms(fn), how
                     except Exception as e:
                         row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            for p in ("sdpa", "cuda", "cuda_v2", "triton"):
+            for p in ("sdpa", "cuda", "triton"):
                 if f"{p}_ms" in row:
                     gbs = kv_bytes / (row[f"{p}_ms"] * 1e-3) / 1e9
                     row[f"{p}_GBps"] = round(gbs, 1)
                     row[f"{p}_frac_of_4.1TBps"] = round(gbs * 1e9 / PEAK_BW, 3)
             row["cuda_speedup_vs_sdpa"] = round(row["sdpa_ms"] / row["cuda_ms"], 3)
-            if "cuda_v2_ms" in row:
-                row["cuda_v2_speedup_vs_sdpa"] = round(row["sdpa_ms"] / row["cuda_v2_ms"], 3)
             row["floor_us_at_4.1TBps"] = round(kv_bytes / PEAK_BW * 1e6, 2)
             if "triton_ms" in row:
                 row["cuda_speedup_vs_triton"] = round(row["triton_ms"] / row["cuda_ms"], 3)
             res["decode"].append(row)
             print(f"decode B={B:2d} ctx={ctx:5d}: sdpa {row['sdpa_ms'] * 1e3:7.1f} us  cuda {row['cuda_ms'] * 1e3:7.1f} us "
                   f"({row['cuda_speedup_vs_sdpa']}x, {row['cuda_GBps']} GB/s)  "
-                  f"v2 {row.get('cuda_v2_ms', float('nan')) * 1e3:7.1f} us (bits==v1: {row.get('cuda_v2_same_bits_as_v1')}) "
                   f"floor {row['floor_us_at_4.1TBps']:6.2f} us  "
                   f"triton {row.get('triton_ms', float('nan')) * 1e3:7.1f} us  [{row['cuda_timing'][:5]}]")
             del kc, vc, kk, vv

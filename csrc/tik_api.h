@@ -39,10 +39,6 @@ typedef struct {
   float* ws_ml;              // [Tq*Hq, max_chunks, 2]
   int* ws_nc;                // [Tq*Hq]
   int total_q;               // Tq
-  // Decode-path variant (launch shape only; same bits): 1 = original kernels,
-  // 2 = 4-warp decode kernel (warps split the output head dim, hoisted page lookups,
-  // 3-stage cp.async ring) + prefetching merge that needs no ws_nc. 0 means 1.
-  int variant;
 } TikAttnParams;
 
 // Which mode AUTO resolves to for these parameters (1 = fold, 2 = split).
@@ -50,9 +46,14 @@ int tik_attention_resolve_mode(const TikAttnParams* p);
 // Number of split chunks (max over sequences) for these parameters.
 int tik_attention_max_chunks(const TikAttnParams* p);
 int tik_attention(const TikAttnParams* p, cudaStream_t stream);
-// 1 when this launch reads ws_nc (it must then be zeroed, [Tq*Hq] int); 0 otherwise.
+// 1 when this launch reads ws_nc (it must then be zeroed, [Tq*Hq] int); 0 otherwise
+// (decode-shaped launches: their merge derives each row's chunk count itself).
 int tik_attention_needs_ws_nc(const TikAttnParams* p);
-#define TIK_ATTN_DECODE_VARIANTS 2  // variants 1..N accepted in TikAttnParams.variant
+// Decode-shaped launches (max_seqlen_q * Hq/Hkv <= 16) always run the 4-warp decode kernel
+// (formerly "variant 2"; the 1-warp variant 1 and the variant switch are gone). Exported by
+// the binding as DECODE_PATH; cuda_ops rejects an extension without it (a stale build whose
+// default decode was variant 1).
+#define TIK_ATTN_DECODE_PATH 2
 
 // Resource usage of every attention kernel instantiation, one line each, into buf.
 int tik_attention_describe(char* buf, int buflen);

@@ -18,8 +18,14 @@
 //     partials (m, l, acc) are merged in ascending chunk order by merge_coeffs /
 //     merge_val. FOLD mode does that merge in registers as the walk passes each chunk
 //     end; SPLIT mode gives each chunk its own CTA, stores fp32 partials and merges in
-//     attn_merge_kernel with the same scalar code. Both modes and both entry points give
+//     a merge kernel with the same scalar code. Both modes and both entry points give
 //     the same bits; AUTO picks SPLIT for decode-shaped launches.
+//   * Two kernels walk the rows: attn_kernel (4 warps, 16 rows each, 64 rows per CTA;
+//     + attn_merge_kernel in SPLIT mode) for launches with max_seqlen_q * G > 16, and
+//     attn_decode_kernel (4 warps sharing 16 rows, each computing a quarter of the head
+//     dim; + attn_decode_merge_kernel) for decode-shaped launches (max_seqlen_q * G <= 16).
+//     The decode kernel repeats attn_kernel's per-row arithmetic op for op (see its
+//     comment), so which kernel ran never changes a row's bits.
 //   * K/V positions at or beyond the sequence's KV length are zero-filled (never read),
 //     causal-masked scores are -inf, so cache garbage never reaches a result.
 #include "tik_api.h"
@@ -409,46 +415,43 @@ cudaError_t launch(const TikAttnParams& p, cudaStream_t stream) {
 }
 
 template <int D>
-cudaError_t dispatch(const TikAttnParams& p, int mode, bool small, cudaStream_t stream) {
-  if (mode == TIK_ATTN_SPLIT_MODE) {
-    return small ? launch<D, 1, true>(p, stream) : launch<D, 4, true>(p, stream);
-  }
-  return small ? launch<D, 1, false>(p, stream) : launch<D, 4, false>(p, stream);
+cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
+  return mode == TIK_ATTN_SPLIT_MODE ? launch<D, 4, true>(p, stream) : launch<D, 4, false>(p, stream);
 }
 
 // ---------------------------------------------------------------------------------------
-// Variant 2 of the decode path (TikAttnParams.variant == 2; launches with at most 16 rows,
-// i.e. max_seqlen_q * G <= 16). Same per-row arithmetic as attn_kernel, instruction for
-// instruction on every value that reaches a row's result, so the bits are unchanged:
+// Decode path (launches with at most 16 rows per KV head, i.e. max_seqlen_q * G <= 16).
+// Same per-row arithmetic as attn_kernel, instruction for instruction on every value that
+// reaches a row's result, so the bits are those of attn_kernel:
 //   * 4 warps per CTA all hold the same 16 rows. Each computes S = Q K^T and the online
 //     softmax (m, l) for the whole block exactly as attn_kernel does (redundantly), then
 //     P V only for its quarter of the head dim (D/4 output columns; an output column's
 //     accumulator sees the same P, the same V column and the same k-step order).
-//   * loader: 128 threads instead of 32; each thread's page lookups for a tile are issued
-//     together before its cp.async (v1 re-read the block table and divided by page_size
-//     behind every cp.async, serialised by the asm memory clobber).
+//   * loader: 128 threads; each thread's page lookups for a tile are issued together
+//     before its cp.async (attn_kernel's loader re-reads the block table and divides by
+//     page_size behind every cp.async, serialised by the asm memory clobber).
 //   * 3-stage cp.async ring, one barrier per block.
 //   * SPLIT mode: the merge kernel prefetches the chunk partials 16 at a time and folds them
 //     in the same ascending order with the same scalar code; it derives each row's chunk
 //     count from cu_seqlens_q / seqlens_k, so no ws_nc memset node is needed.
 // ---------------------------------------------------------------------------------------
-constexpr int V2_WARPS = 4;
-constexpr int V2_STAGES = 3;
+constexpr int DEC_WARPS = 4;
+constexpr int DEC_STAGES = 3;
 
 template <int D>
-constexpr int v2_smem_bytes() {
-  return V2_STAGES * 2 * BN * (D + 8) * 2;
+constexpr int decode_smem_bytes() {
+  return DEC_STAGES * 2 * BN * (D + 8) * 2;
 }
 
 template <int D, bool SPLITM>
-__global__ void __launch_bounds__(V2_WARPS * 32) attn_decode_v2_kernel(const TikAttnParams p) {
+__global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAttnParams p) {
   constexpr int NT = BN / 8;
   constexpr int KC = D / 16;
   constexpr int DT = D / 8;
-  constexpr int DTW = DT / V2_WARPS;  // output n-tiles per warp
-  constexpr int NPW = DTW / 2;        // 16-column V k-step pairs per warp
+  constexpr int DTW = DT / DEC_WARPS;  // output n-tiles per warp
+  constexpr int NPW = DTW / 2;         // 16-column V k-step pairs per warp
   constexpr int LDS = D + 8;
-  constexpr int NTH = V2_WARPS * 32;
+  constexpr int NTH = DEC_WARPS * 32;
   constexpr int SEGS = D / 8;
   constexpr int PER_T = BN * SEGS / NTH;  // 16-byte segments per thread per tile
   constexpr int RSTEP = NTH / SEGS;       // row step between a thread's segments
@@ -457,7 +460,7 @@ __global__ void __launch_bounds__(V2_WARPS * 32) attn_decode_v2_kernel(const Tik
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* Ks = reinterpret_cast<bf16*>(smem_raw);   // [STAGES][BN][LDS]
-  bf16* Vs = Ks + V2_STAGES * BN * LDS;           // [STAGES][BN][LDS]
+  bf16* Vs = Ks + DEC_STAGES * BN * LDS;          // [STAGES][BN][LDS]
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const int G = p.Hq / p.Hkv;
@@ -579,17 +582,17 @@ __global__ void __launch_bounds__(V2_WARPS * 32) attn_decode_v2_kernel(const Tik
 
   const float sl2 = p.scale_log2;
 #pragma unroll
-  for (int s = 0; s < V2_STAGES - 1; ++s) {
+  for (int s = 0; s < DEC_STAGES - 1; ++s) {
     if (jb + s < je) load_tile(jb + s, s);
     cp_async_commit();
   }
   for (int j = jb; j < je; ++j) {
-    const int buf = (j - jb) % V2_STAGES;
-    cp_async_wait<V2_STAGES - 2>();  // tile j has landed (this thread's copies)
-    __syncthreads();                 // ... everyone's; and everyone is done with tile j-1
+    const int buf = (j - jb) % DEC_STAGES;
+    cp_async_wait<DEC_STAGES - 2>();  // tile j has landed (this thread's copies)
+    __syncthreads();                  // ... everyone's; and everyone is done with tile j-1
     {
-      const int jn = j + V2_STAGES - 1;
-      if (jn < je) load_tile(jn, (jn - jb) % V2_STAGES);
+      const int jn = j + DEC_STAGES - 1;
+      if (jn < je) load_tile(jn, (jn - jb) % DEC_STAGES);
       cp_async_commit();
     }
 
@@ -727,13 +730,13 @@ __global__ void __launch_bounds__(V2_WARPS * 32) attn_decode_v2_kernel(const Tik
   }
 }
 
-// Variant-2 merge: same ascending fold as attn_merge_kernel; partials prefetched 16 chunks
+// Decode merge: same ascending fold as attn_merge_kernel; partials prefetched 16 chunks
 // at a time; chunk count recomputed from the sequence metadata (what attn_kernel stores in
 // ws_nc: last position / SPLIT + 1 for a valid row, nothing otherwise).
-constexpr int V2_MERGE_PF = 16;
+constexpr int DEC_MERGE_PF = 16;
 
 template <int D>
-__global__ void __launch_bounds__(D) attn_merge_v2_kernel(const TikAttnParams p) {
+__global__ void __launch_bounds__(D) attn_decode_merge_kernel(const TikAttnParams p) {
   const int64_t row = blockIdx.x;
   const int d = threadIdx.x;
   const int token = (int)(row / p.Hq);
@@ -758,11 +761,11 @@ __global__ void __launch_bounds__(D) attn_merge_v2_kernel(const TikAttnParams p)
   const int maxc = max_chunks_of(p);
   const int nc = min(pos / SPLIT + 1, maxc);
   float M = -CUDART_INF_F, L = 0.f, O = 0.f;
-  for (int c0 = 0; c0 < nc; c0 += V2_MERGE_PF) {
-    const int n = min(V2_MERGE_PF, nc - c0);
-    float mv[V2_MERGE_PF], lv[V2_MERGE_PF], av[V2_MERGE_PF];
+  for (int c0 = 0; c0 < nc; c0 += DEC_MERGE_PF) {
+    const int n = min(DEC_MERGE_PF, nc - c0);
+    float mv[DEC_MERGE_PF], lv[DEC_MERGE_PF], av[DEC_MERGE_PF];
 #pragma unroll
-    for (int u = 0; u < V2_MERGE_PF; ++u) {
+    for (int u = 0; u < DEC_MERGE_PF; ++u) {
       if (u < n) {
         const int64_t base = row * maxc + c0 + u;
         mv[u] = p.ws_ml[base * 2];
@@ -771,7 +774,7 @@ __global__ void __launch_bounds__(D) attn_merge_v2_kernel(const TikAttnParams p)
       }
     }
 #pragma unroll
-    for (int u = 0; u < V2_MERGE_PF; ++u) {
+    for (int u = 0; u < DEC_MERGE_PF; ++u) {
       if (u < n) {
         float ca, cb;
         merge_coeffs(M, L, mv[u], lv[u], ca, cb);
@@ -783,20 +786,20 @@ __global__ void __launch_bounds__(D) attn_merge_v2_kernel(const TikAttnParams p)
 }
 
 template <int D, bool SPLITM>
-cudaError_t launch_v2(const TikAttnParams& p, cudaStream_t stream) {
+cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
   const int64_t rows = (int64_t)p.max_seqlen_q * (p.Hq / p.Hkv);
   const int64_t ntiles = (rows + 15) / 16;
   const int64_t gx = SPLITM ? ntiles * max_chunks_of(p) : ntiles;
   if (gx <= 0) return cudaSuccess;
   if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
-  constexpr int SMEM = v2_smem_bytes<D>();
-  auto kern = attn_decode_v2_kernel<D, SPLITM>;
+  constexpr int SMEM = decode_smem_bytes<D>();
+  auto kern = attn_decode_kernel<D, SPLITM>;
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
   if (err != cudaSuccess) return err;
-  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), V2_WARPS * 32, SMEM, stream>>>(p);
+  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess || !SPLITM) return err;
-  attn_merge_v2_kernel<D><<<(unsigned)p.total_q * p.Hq, D, 0, stream>>>(p);
+  attn_decode_merge_kernel<D><<<(unsigned)p.total_q * p.Hq, D, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -831,7 +834,7 @@ int tik_attention_resolve_mode(const TikAttnParams* p) {
 
 int tik_attention_needs_ws_nc(const TikAttnParams* p) {
   if (tik_attention_resolve_mode(p) != TIK_ATTN_SPLIT_MODE) return 0;
-  return (p->variant == 2 && tik_small(p)) ? 0 : 1;
+  return tik_small(p) ? 0 : 1;  // the decode merge derives chunk counts itself
 }
 
 int tik_attention(const TikAttnParams* p, cudaStream_t stream) {
@@ -842,20 +845,19 @@ int tik_attention(const TikAttnParams* p, cudaStream_t stream) {
     return (int)cudaErrorInvalidValue;
   if (p->batch == 0 || p->max_seqlen_q == 0) return (int)cudaSuccess;
   const int mode = tik_attention_resolve_mode(p);
-  if (p->variant < 0 || p->variant > TIK_ATTN_DECODE_VARIANTS) return (int)cudaErrorInvalidValue;
   if (mode == TIK_ATTN_SPLIT_MODE &&
       (p->ws_acc == nullptr || p->ws_ml == nullptr || (tik_attention_needs_ws_nc(p) && p->ws_nc == nullptr)))
     return (int)cudaErrorInvalidValue;
-  const bool small = tik_small(p);
-  if (p->variant == 2 && small) {  // decode-shaped launch, variant 2 (same bits as variant 1)
+  if (tik_small(p)) {  // decode-shaped launch (same bits as attn_kernel)
     const bool sp = mode == TIK_ATTN_SPLIT_MODE;
-    if (p->D == 64) return (int)(sp ? tik_attn::launch_v2<64, true>(*p, stream) : tik_attn::launch_v2<64, false>(*p, stream));
+    if (p->D == 64)
+      return (int)(sp ? tik_attn::launch_decode<64, true>(*p, stream) : tik_attn::launch_decode<64, false>(*p, stream));
     if (p->D == 128)
-      return (int)(sp ? tik_attn::launch_v2<128, true>(*p, stream) : tik_attn::launch_v2<128, false>(*p, stream));
+      return (int)(sp ? tik_attn::launch_decode<128, true>(*p, stream) : tik_attn::launch_decode<128, false>(*p, stream));
     return (int)cudaErrorInvalidValue;
   }
-  if (p->D == 64) return (int)tik_attn::dispatch<64>(*p, mode, small, stream);
-  if (p->D == 128) return (int)tik_attn::dispatch<128>(*p, mode, small, stream);
+  if (p->D == 64) return (int)tik_attn::dispatch<64>(*p, mode, stream);
+  if (p->D == 128) return (int)tik_attn::dispatch<128>(*p, mode, stream);
   return (int)cudaErrorInvalidValue;
 }
 
@@ -863,20 +865,16 @@ int tik_attention_describe(char* buf, int buflen) {
   using namespace tik_attn;
   int used = 0;
   if (buflen > 0) buf[0] = 0;
-  describe_one(buf, buflen, used, "attn<D64,1warp,fold>", attn_kernel<64, 1, false>, smem_bytes<64>());
-  describe_one(buf, buflen, used, "attn<D64,1warp,split>", attn_kernel<64, 1, true>, smem_bytes<64>());
   describe_one(buf, buflen, used, "attn<D64,4warp,fold>", attn_kernel<64, 4, false>, smem_bytes<64>());
   describe_one(buf, buflen, used, "attn<D64,4warp,split>", attn_kernel<64, 4, true>, smem_bytes<64>());
-  describe_one(buf, buflen, used, "attn<D128,1warp,fold>", attn_kernel<128, 1, false>, smem_bytes<128>());
-  describe_one(buf, buflen, used, "attn<D128,1warp,split>", attn_kernel<128, 1, true>, smem_bytes<128>());
   describe_one(buf, buflen, used, "attn<D128,4warp,fold>", attn_kernel<128, 4, false>, smem_bytes<128>());
   describe_one(buf, buflen, used, "attn<D128,4warp,split>", attn_kernel<128, 4, true>, smem_bytes<128>());
-  describe_one(buf, buflen, used, "attn_v2<D64,4warp,fold>", attn_decode_v2_kernel<64, false>, v2_smem_bytes<64>());
-  describe_one(buf, buflen, used, "attn_v2<D64,4warp,split>", attn_decode_v2_kernel<64, true>, v2_smem_bytes<64>());
-  describe_one(buf, buflen, used, "attn_v2<D128,4warp,fold>", attn_decode_v2_kernel<128, false>, v2_smem_bytes<128>());
-  describe_one(buf, buflen, used, "attn_v2<D128,4warp,split>", attn_decode_v2_kernel<128, true>, v2_smem_bytes<128>());
-  describe_one(buf, buflen, used, "attn_merge_v2<D64>", attn_merge_v2_kernel<64>, 0);
-  describe_one(buf, buflen, used, "attn_merge_v2<D128>", attn_merge_v2_kernel<128>, 0);
+  describe_one(buf, buflen, used, "attn_decode<D64,4warp,fold>", attn_decode_kernel<64, false>, decode_smem_bytes<64>());
+  describe_one(buf, buflen, used, "attn_decode<D64,4warp,split>", attn_decode_kernel<64, true>, decode_smem_bytes<64>());
+  describe_one(buf, buflen, used, "attn_decode<D128,4warp,fold>", attn_decode_kernel<128, false>, decode_smem_bytes<128>());
+  describe_one(buf, buflen, used, "attn_decode<D128,4warp,split>", attn_decode_kernel<128, true>, decode_smem_bytes<128>());
+  describe_one(buf, buflen, used, "attn_decode_merge<D64>", attn_decode_merge_kernel<64>, 0);
+  describe_one(buf, buflen, used, "attn_decode_merge<D128>", attn_decode_merge_kernel<128>, 0);
   describe_one(buf, buflen, used, "attn_merge<D64>", attn_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_merge<D128>", attn_merge_kernel<128>, 0);
   return used;

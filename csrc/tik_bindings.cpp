@@ -50,9 +50,7 @@ int dtype_code(at::ScalarType s) {
 at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cu_seqlens_q, const c10::optional<at::Tensor>& seqlens_k,
                             const c10::optional<at::Tensor>& block_table, int64_t max_seqlen_q, double scale,
-                            int64_t mode, const c10::optional<at::Tensor>& out_opt, int64_t variant) {
-  TORCH_CHECK(variant >= 1 && variant <= TIK_ATTN_DECODE_VARIANTS, "attention: decode variant must be in 1..",
-              TIK_ATTN_DECODE_VARIANTS, ", got ", variant);
+                            int64_t mode, const c10::optional<at::Tensor>& out_opt) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   check_dev(k, q, "k");
   check_dev(v, q, "v");
@@ -105,7 +103,6 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(p.Hkv > 0 && p.Hq % p.Hkv == 0, "Hq (", p.Hq, ") must be a multiple of Hkv (", p.Hkv, ")");
   p.scale_log2 = (float)(scale * 1.4426950408889634);
   p.mode = (int)mode;
-  p.variant = (int)variant;
   at::cuda::CUDAGuard guard(q.device());
   auto out = out_or_new(out_opt, q, q.sizes(), "attention");
   p.out = out.data_ptr();
@@ -118,7 +115,7 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
     ws_ml = at::empty({rows * maxc * 2}, f);
     p.ws_acc = ws_acc.data_ptr<float>();
     p.ws_ml = ws_ml.data_ptr<float>();
-    if (tik_attention_needs_ws_nc(&p)) {  // variant 2 decode derives chunk counts itself (no memset node)
+    if (tik_attention_needs_ws_nc(&p)) {  // the decode merge derives chunk counts itself (no memset node)
       ws_nc = at::zeros({rows}, q.options().dtype(at::kInt));
       p.ws_nc = ws_nc.data_ptr<int>();
     }
@@ -130,16 +127,16 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
 
 at::Tensor attention_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale, int64_t mode,
-                                const c10::optional<at::Tensor>& out, int64_t variant) {
-  return attention_common(q, k, v, cu_seqlens, c10::nullopt, c10::nullopt, max_seqlen, scale, mode, out, variant);
+                                const c10::optional<at::Tensor>& out) {
+  return attention_common(q, k, v, cu_seqlens, c10::nullopt, c10::nullopt, max_seqlen, scale, mode, out);
 }
 
 at::Tensor attention_paged_fwd(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                                const at::Tensor& seqlens_k, int64_t max_seqlen_q, double scale, int64_t mode,
-                               const c10::optional<at::Tensor>& out, int64_t variant) {
+                               const c10::optional<at::Tensor>& out) {
   return attention_common(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q, scale, mode,
-                          out, variant);
+                          out);
 }
 
 at::Tensor rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps, const c10::optional<at::Tensor>& out) {
@@ -223,11 +220,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "areal-tik CUDA kernels (csrc/)";
   m.def("attention_varlen_fwd", &attention_varlen_fwd, "causal varlen attention forward (bf16)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("mode"),
-        py::arg("out") = py::none(), py::arg("variant") = 1);
+        py::arg("out") = py::none());
   m.def("attention_paged_fwd", &attention_paged_fwd, "causal attention over a paged KV cache (bf16)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("cu_seqlens_q"), py::arg("seqlens_k"),
-        py::arg("max_seqlen_q"), py::arg("scale"), py::arg("mode"), py::arg("out") = py::none(),
-        py::arg("variant") = 1);
+        py::arg("max_seqlen_q"), py::arg("scale"), py::arg("mode"), py::arg("out") = py::none());
   m.def("rms_norm_fwd", &rms_norm_fwd, "RMSNorm forward, HF rounding points", py::arg("x"), py::arg("w"),
         py::arg("eps"), py::arg("out") = py::none());
   m.def("apply_rope_fwd", &apply_rope_fwd, "neox RoPE, fp32 math, one rounding", py::arg("x"), py::arg("cos"),
@@ -236,5 +232,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("describe", &describe, "resource usage of the attention kernels (registers, spills, smem)");
   m.attr("BLOCK_N") = TIK_ATTN_BLOCK_N;
   m.attr("SPLIT") = TIK_ATTN_SPLIT;
-  m.attr("DECODE_VARIANTS") = TIK_ATTN_DECODE_VARIANTS;
+  m.attr("DECODE_PATH") = TIK_ATTN_DECODE_PATH;
 }

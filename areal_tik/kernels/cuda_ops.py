@@ -25,6 +25,11 @@ chunks of ``SPLIT`` = 256 absolute positions, each with a fresh online softmax, 
 ascending order by one scalar formula (in registers in FOLD mode, by a merge kernel in
 SPLIT mode); all softmax arithmetic explicitly rounded (no FMA contraction). ``mode``
 (``"auto"``, ``"fold"``, ``"split"``) is a test hook: every mode gives the same bits.
+Decode-shaped launches (``max_seqlen_q * G <= 16``) run a separate 4-warp kernel (the four
+warps share 16 rows and split the output head dim; same per-row arithmetic as the prefill
+kernel, so the same bits) plus its own merge; there is one decode path (the earlier 1-warp
+"v1" decode and the ``variant=`` switch were removed after the H200 run of 2026-11-30
+measured the 4-warp kernel bit-identical and 1.6-2.4x faster).
 Accuracy: relative Frobenius error vs ``attention_reference`` (float64) < 1e-2.
 
 Backward of ``attention_varlen``: recompute-based. The saved bf16 q, k, v are cast to
@@ -58,18 +63,14 @@ BLOCK_N = 64      # must equal TIK_ATTN_BLOCK_N in csrc/tik_api.h
 SPLIT = 256       # must equal TIK_ATTN_SPLIT
 HEAD_DIMS = (64, 128)
 _MODES = {"auto": 0, "fold": 1, "split": 2}
-# Decode-path launch variant (same bits by construction; tests compare both against the
-# prefill/varlen path). "v1": the original 1-warp decode kernels + merge (default).
-# "v2": 4-warp decode kernel (warps split the output head dim, page lookups hoisted out of
-# the cp.async loop, 3-stage ring) and a prefetching merge with no ws_nc memset. Chosen per
-# call by ``variant=``, else by this module attribute (env ``AREAL_TIK_CUDA_DECODE``).
-DECODE_VARIANTS = {"v1": 1, "v2": 2}
-CUDA_DECODE_VARIANT = os.environ.get("AREAL_TIK_CUDA_DECODE", "v1")
+DECODE_PATH = 2   # must equal TIK_ATTN_DECODE_PATH (the single 4-warp decode path)
 LOG2E = 1.4426950408889634
 
 META = {"cuda.attn.BLOCK_N": BLOCK_N, "cuda.attn.SPLIT": SPLIT, "cuda.attn.mma": "m16n8k16 bf16->f32",
         "cuda.attn.exp": "ex2.approx.ftz", "cuda.rms_norm": "warp/row, lane-strided 8-groups, xor tree",
-        "cuda.rope": "fp32 mul/add rn", "cuda.attn.decode_variant": CUDA_DECODE_VARIANT}
+        "cuda.rope": "fp32 mul/add rn",
+        "cuda.attn.decode": "max_seqlen_q*G<=16: one 4-warp CTA per 16 rows, warps split the head dim "
+                            "(P V, D/4 columns each); split-KV: one CTA per 256-position chunk, merged ascending"}
 
 
 def extension():
@@ -79,8 +80,12 @@ def extension():
     if getattr(mod, "BLOCK_N", BLOCK_N) != BLOCK_N or getattr(mod, "SPLIT", SPLIT) != SPLIT:
         raise RuntimeError(f"areal-tik CUDA extension built with BLOCK_N={mod.BLOCK_N}, SPLIT={mod.SPLIT}; "
                            f"cuda_ops expects {BLOCK_N}/{SPLIT}: rebuild")
-    if getattr(mod, "DECODE_VARIANTS", 1) < len(DECODE_VARIANTS):
-        raise RuntimeError("areal-tik CUDA extension predates decode variant v2: rebuild")
+    if getattr(mod, "DECODE_PATH", None) != DECODE_PATH:
+        raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} was built from older csrc "
+                           f"(DECODE_PATH={getattr(mod, 'DECODE_PATH', None)}, expected {DECODE_PATH}: it predates "
+                           "the single 4-warp decode path and would run the removed 1-warp decode): rebuild it "
+                           "(pip install -e . to rebuild areal_tik._C, or delete the stale areal_tik/_C*.so to use "
+                           "the JIT build)")
     return mod
 
 
@@ -131,13 +136,6 @@ def _scale(scale, D):
     return 1.0 / math.sqrt(D) if scale is None else float(scale)
 
 
-def _variant(variant):
-    v = CUDA_DECODE_VARIANT if variant is None else variant
-    if v not in DECODE_VARIANTS:
-        raise ValueError(f"attention (cuda): decode variant must be one of {sorted(DECODE_VARIANTS)}, got {v!r}")
-    return DECODE_VARIANTS[v]
-
-
 def _mode(mode):
     if mode not in _MODES:
         raise ValueError(f"attention (cuda): mode must be one of {sorted(_MODES)}, got {mode!r}")
@@ -177,20 +175,19 @@ def _varlen_grad_reference(q, k, v, cu_seqlens, scale, dout):
 
 class _VarlenCudaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, mode, variant):
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, mode):
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.scale = scale
-        return extension().attention_varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), scale, mode, variant=variant)
+        return extension().attention_varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), scale, mode)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, cu = ctx.saved_tensors
         dq, dk, dv = _varlen_grad_reference(q, k, v, cu, ctx.scale, dout)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None, mode="auto", out=None,
-                          variant=None):
+def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None, mode="auto", out=None):
     """R1 packed causal GQA attention (CUDA). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` bf16,
     ``cu_seqlens`` int32 ``[B+1]`` (covering all T tokens), ``max_seqlen`` host int >= the
     longest segment. Returns ``[T, Hq, D]`` bf16, bitwise equal to :func:`attention_paged_cuda`
@@ -206,15 +203,14 @@ def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_si
         raise ValueError(f"{name}: max_seqlen must be >= 0")
     sc = _scale(scale, q.shape[-1])
     md = _mode(mode)
-    vr = _variant(variant)
     q, k, v, cu = q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _VarlenCudaFunction.apply(q, k, v, cu, int(max_seqlen), sc, md, vr)
-    return extension().attention_varlen_fwd(q, k, v, cu, int(max_seqlen), sc, md, out=out, variant=vr)
+        return _VarlenCudaFunction.apply(q, k, v, cu, int(max_seqlen), sc, md)
+    return extension().attention_varlen_fwd(q, k, v, cu, int(max_seqlen), sc, md, out=out)
 
 
 def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, scale=None,
-                         window_size=None, mode="auto", out=None, variant=None):
+                         window_size=None, mode="auto", out=None):
     """R2 prefill / R3 chunked prefill / R4 decode over the paged KV cache (CUDA).
 
     q ``[Tq, Hq, D]`` bf16; caches ``[num_pages, page_size, Hkv, D]`` bf16 contiguous
@@ -222,10 +218,9 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
     ``cu_seqlens_q`` int32 ``[B+1]``; ``seqlens_k`` int32 ``[B]`` (includes the queries,
     each sequence's last n_i positions); ``max_seqlen_q`` host int. No host sync (split
     workspace is sized from ``max_pages * page_size``), so it can be graph-captured.
-    Decode-shaped launches (max_seqlen_q * G <= 16) use split-KV across CTAs. ``out``: optional
-    contiguous ``[Tq, Hq, D]`` bf16 buffer to write (CUDA graphs, poisoned-output tests);
-    rows of tokens outside ``cu_seqlens_q[B]`` are left untouched. ``variant``: "v1" | "v2" decode
-    launch (same bits), default :data:`CUDA_DECODE_VARIANT`."""
+    Decode-shaped launches (max_seqlen_q * G <= 16) run the 4-warp decode kernel with split-KV
+    across CTAs. ``out``: optional contiguous ``[Tq, Hq, D]`` bf16 buffer to write (CUDA graphs,
+    poisoned-output tests); rows of tokens outside ``cu_seqlens_q[B]`` are left untouched."""
     name = "attention_paged"
     _check_window(window_size)
     _need_cuda(name, ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
@@ -249,8 +244,7 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
         raise ValueError(f"{name}: max_seqlen_q must be >= 0")
     return extension().attention_paged_fwd(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
                                            cu_seqlens_q.contiguous(), seqlens_k.contiguous(), int(max_seqlen_q),
-                                           _scale(scale, q.shape[-1]), _mode(mode), out=out,
-                                           variant=_variant(variant))
+                                           _scale(scale, q.shape[-1]), _mode(mode), out=out)
 
 
 def kv_cache_write_cuda(k, v, k_cache, v_cache, slot_mapping):

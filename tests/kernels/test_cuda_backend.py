@@ -6,10 +6,13 @@ GPU tests (``-m gpu``, run by ``bash bench/gpu_check.sh tests``):
   in every launch mode (fold / split / auto), over lengths around block and split
   boundaries, page sizes 16..256, GQA group 1..8, D 64/128; float64 bound; outputs
   poisoned before every call; cache slots outside the sequences poisoned with NaN.
+  Decode-shaped launches (max_seqlen_q * G <= 16) run the single 4-warp decode kernel; also
+  checked at batch 1/5/17 and contexts up to 3000 and 8K against the varlen rows.
 - kv_cache_write exactness and -1 skipping; RMSNorm row-subset invariance, strided input,
   float64 bound; RoPE bits equal to the unfused fp32 PyTorch expression, float64 bound;
   backward passes against float64 autograd.
-CPU test: every csrc/*.cu compiles for sm_80 and sm_90a (``areal-tik compile-check``).
+CPU tests: every csrc/*.cu compiles for sm_80 and sm_90a (``areal-tik compile-check``); the
+constants and the single decode path agree between cuda_ops and csrc (no variant switch left).
 """
 from __future__ import annotations
 
@@ -219,19 +222,9 @@ CASES = [  # (lens, Hq, Hkv, D, page_size)
 ]
 
 
-VARIANTS = ("v1", "v2")
-
-
-@pytest.fixture(params=VARIANTS)
-def decode_variant(request, monkeypatch):
-    """Run a test under each decode launch variant (module default switched for every call)."""
-    monkeypatch.setattr(_ops(), "CUDA_DECODE_VARIANT", request.param)
-    return request.param
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_attention_regimes_bitwise_and_accurate(case, seed_rng, decode_variant):
+def test_attention_regimes_bitwise_and_accurate(case, seed_rng):
     lens, Hq, Hkv, D, ps = CASES[case]
     outs, ref, _ = _regimes(lens, Hq, Hkv, D, ps, seed_rng)
     base_name = "R1[auto]"
@@ -248,7 +241,7 @@ def test_attention_regimes_bitwise_and_accurate(case, seed_rng, decode_variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv,D", [(8, 2, 128), (4, 4, 64)])
-def test_attention_random_lengths(hq, hkv, D, seed_rng, decode_variant):
+def test_attention_random_lengths(hq, hkv, D, seed_rng):
     g = torch.Generator().manual_seed(seed_rng)
     lens = [int(x) for x in torch.randint(1, 900, (5,), generator=g)]
     ps = 2 ** int(torch.randint(4, 9, (1,), generator=g))
@@ -261,7 +254,7 @@ def test_attention_random_lengths(hq, hkv, D, seed_rng, decode_variant):
 
 
 @pytest.mark.gpu
-def test_attention_long_context_decode_matches_prefill(seed_rng, decode_variant):
+def test_attention_long_context_decode_matches_prefill(seed_rng):
     """Decode at 8K context (32 split chunks) equals the varlen rows at the same positions."""
     cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
@@ -285,9 +278,10 @@ def test_attention_long_context_decode_matches_prefill(seed_rng, decode_variant)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv,D,ps", [(32, 8, 128, 64), (16, 2, 64, 16), (7, 7, 128, 256)])
-def test_attention_decode_variants_same_bits(hq, hkv, D, ps, seed_rng):
-    """v1 and v2 decode give identical bits (auto/fold/split, batch 1..17, contexts across
-    block/split boundaries up to 3000) and both equal the varlen rows."""
+def test_attention_decode_batches_match_varlen(hq, hkv, D, ps, seed_rng):
+    """Decode (one query per sequence, at its last position) in every mode, batch 1/5/17 in
+    random orders, contexts across block/split boundaries up to 3000, equals the varlen rows
+    at the same positions."""
     cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
     lens = [1, 63, 64, 65, 255, 256, 257, 700, 1024, 3000] + [int(x) for x in torch.randint(1, 3000, (7,), generator=g)]
@@ -297,36 +291,56 @@ def test_attention_decode_variants_same_bits(hq, hkv, D, ps, seed_rng):
     kc, vc, bt = _build_cache(ks, vs, ps, g)
     qd = torch.stack([qq[-1] for qq in qs])
     sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    full = torch.stack([cu.attention_varlen_cuda(qs[i], ks[i], vs[i],
+                                                 torch.tensor([0, L], dtype=torch.int32, device="cuda"), L)[-1]
+                        for i, L in enumerate(lens)])
     for B in (1, 5, len(lens)):
-        idx = torch.randperm(len(lens), generator=g)[:B]
+        idx = torch.randperm(len(lens), generator=g)[:B].cuda()
         cq = torch.arange(B + 1, dtype=torch.int32, device="cuda")
-        args = (qd[idx.cuda()].contiguous(), kc, vc, bt[idx.cuda()].contiguous(), cq, sk[idx.cuda()].contiguous(), 1)
+        args = (qd[idx].contiguous(), kc, vc, bt[idx].contiguous(), cq, sk[idx].contiguous(), 1)
         for mode in ("auto", "fold", "split"):
-            o1 = _written(lambda o: cu.attention_paged_cuda(*args, mode=mode, out=o, variant="v1"),
-                          args[0].shape, args[0].dtype)
-            o2 = _written(lambda o: cu.attention_paged_cuda(*args, mode=mode, out=o, variant="v2"),
-                          args[0].shape, args[0].dtype)
-            rep = compare_bits(o1, o2, name=f"v1==v2 B={B} {mode}")
+            o = _written(lambda o: cu.attention_paged_cuda(*args, mode=mode, out=o), args[0].shape, args[0].dtype)
+            rep = compare_bits(full[idx], o, name=f"decode==varlen B={B} {mode}")
             assert rep, rep
-    for i, L in enumerate(lens[:10]):
-        full = cu.attention_varlen_cuda(qs[i], ks[i], vs[i], torch.tensor([0, L], dtype=torch.int32, device="cuda"), L)
-        o = cu.attention_paged_cuda(qd[i:i + 1], kc, vc, bt[i:i + 1].contiguous(),
-                                    torch.tensor([0, 1], dtype=torch.int32, device="cuda"), sk[i:i + 1], 1,
-                                    variant="v2")
-        rep = compare_bits(full[-1:], o, name=f"v2 decode==varlen L={L}")
-        assert rep, rep
 
 
-def test_decode_variant_switch_cpu():
+def test_single_decode_path_cpu():
+    """The decode variant switch is gone on both sides: no variant plumbing in cuda_ops, no
+    variant field/define in csrc, and the extension version marker agrees."""
+    import inspect
     cu = _ops()
-    assert cu.DECODE_VARIANTS == {"v1": 1, "v2": 2}
-    assert cu.CUDA_DECODE_VARIANT in cu.DECODE_VARIANTS
-    assert cu.META["cuda.attn.decode_variant"] == cu.CUDA_DECODE_VARIANT
-    with pytest.raises(ValueError):
-        cu._variant("v3")
-    assert cu._variant("v2") == 2
-    src = open(os.path.join(ROOT, "csrc", "tik_api.h")).read()
-    assert f"#define TIK_ATTN_DECODE_VARIANTS {len(cu.DECODE_VARIANTS)} " in src
+    for gone in ("DECODE_VARIANTS", "CUDA_DECODE_VARIANT", "_variant"):
+        assert not hasattr(cu, gone), gone
+    for fn in (cu.attention_varlen_cuda, cu.attention_paged_cuda):
+        assert "variant" not in inspect.signature(fn).parameters
+    assert "cuda.attn.decode_variant" not in cu.META and "cuda.attn.decode" in cu.META
+    api = open(os.path.join(ROOT, "csrc", "tik_api.h")).read()
+    assert f"#define TIK_ATTN_DECODE_PATH {cu.DECODE_PATH}\n" in api
+    srcs = {f: open(os.path.join(ROOT, "csrc", f)).read()
+            for f in ("tik_api.h", "tik_attention.cu", "tik_bindings.cpp")}
+    for f, text in srcs.items():
+        for gone in ("TIK_ATTN_DECODE_VARIANTS", "int variant", "p->variant", "p.variant", 'py::arg("variant")',
+                     "_v2"):
+            assert gone not in text, f"{f} still has {gone!r}"
+    cu_src = srcs["tik_attention.cu"]
+    assert "attn_decode_kernel" in cu_src and "attn_decode_merge_kernel" in cu_src
+    assert "launch<D, 1," not in cu_src  # no 1-warp attn_kernel launch left
+    assert 'm.attr("DECODE_PATH") = TIK_ATTN_DECODE_PATH;' in srcs["tik_bindings.cpp"]
+
+
+def test_stale_extension_rejected_cpu(monkeypatch):
+    """An extension built before the single decode path (it exported DECODE_VARIANTS and would
+    run the removed 1-warp decode by default) is refused with a rebuild message."""
+    import types
+    from areal_tik.backend import cuda_ext
+    cu = _ops()
+    stale = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_VARIANTS=2, __file__="stale.so")
+    monkeypatch.setattr(cuda_ext, "load", lambda: stale)
+    with pytest.raises(RuntimeError, match="rebuild"):
+        cu.extension()
+    fresh = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_PATH=cu.DECODE_PATH)
+    monkeypatch.setattr(cuda_ext, "load", lambda: fresh)
+    assert cu.extension() is fresh
 
 
 @pytest.mark.gpu
