@@ -1,0 +1,140 @@
+"""Where an engine decode step spends its time (for the host-overhead question).
+
+On the H200 a 1.5B decode step at B=1 took 3.65 ms with tik kernels and CUDA graphs
+(bench_engine, 2026-11-30), about 5x the ~0.7 ms it takes to read the weights once. This
+script splits one step into its host phases (schedule, prepare + graph replay / eager
+forward, sample, postprocess; each phase synchronised so the split is honest) and records
+a torch.profiler table of the top device and host ops over the same steps.
+
+    python bench/profile_engine.py --out DIR [--model qwen2.5-1.5b] [--batches 1 64] [--kernels tik default]
+
+Writes ``engine_profile.json`` (per kernels mode and batch: ms per step per phase, device
+busy ms per step, top ops) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from areal_tik.backend.patch import patch_model  # noqa: E402
+from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from areal_tik.models import build_model  # noqa: E402
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _phased_step(eng: LLMEngine, acc: dict) -> None:
+    """One ``LLMEngine.step`` for a pure-decode batch, phase by phase (same calls, same order)."""
+    def timed(name, fn, *a):
+        _sync()
+        t0 = time.perf_counter()
+        r = fn(*a)
+        _sync()
+        acc[name] += time.perf_counter() - t0
+        return r
+
+    batch = timed("schedule", eng.scheduler.schedule)
+    runner = eng.runner
+    if runner.use_graphs and len(batch) <= runner.graph_max_bs:
+        logits = timed("forward (graph: prepare + replay)", runner._run_graph, batch)
+    else:
+        logits = timed("forward (eager)", runner._run_eager, batch)
+    chunks = [c for c in batch.chunks if c.sample]
+    tokens, lps = timed("sample", runner.sampler, logits, [c.seq.params for c in chunks],
+                        [c.seq.seed for c in chunks], [c.seq.num_tokens for c in chunks])
+    timed("postprocess", eng.scheduler.postprocess, batch, tokens, lps, eng.version, eng.eos_token_id,
+          eng.max_model_len)
+
+
+def profile(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(B)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=3 * steps + 16, ignore_eos=True, seed=B)
+    for i in range(B):
+        eng.add_request(f"p{B}-{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), sp)
+    while eng.scheduler.waiting:
+        eng.step()
+    for _ in range(3):
+        eng.step()   # graph capture
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    _sync()
+    plain_ms = 1e3 * (time.perf_counter() - t0) / steps
+    acc = defaultdict(float)
+    for _ in range(steps):
+        _phased_step(eng, acc)
+    phases = {k: 1e3 * v / steps for k, v in acc.items()}
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        _sync()
+    ev = prof.key_averages()
+    dev_attr = "device_time_total" if hasattr(ev[0], "device_time_total") else "cuda_time_total"
+    dev_rows = sorted(ev, key=lambda e: getattr(e, dev_attr, 0), reverse=True)[:15]
+    cpu_rows = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    kernels_total = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ev)
+    eng.abort_all()
+    return {"batch": B, "ms_per_step": plain_ms, "phase_ms_per_step": phases,
+            "device_busy_ms_per_step": kernels_total / 1e3 / steps,
+            "top_device_ops": [{"name": e.key, "ms_per_step": getattr(e, dev_attr, 0) / 1e3 / steps,
+                                "calls_per_step": e.count / steps} for e in dev_rows],
+            "top_host_ops": [{"name": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                              "calls_per_step": e.count / steps} for e in cpu_rows]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--model", default="qwen2.5-1.5b")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--kernels", nargs="+", default=["tik", "default"])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    res = {"model": a.model, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+           "torch": torch.__version__, "prompt_len": a.prompt_len, "steps": a.steps, "runs": {}}
+    for kernels in a.kernels:
+        model = patch_model(build_model(a.model, device=dev), kernels=kernels)
+        eng = LLMEngine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.prompt_len + 4 * a.steps + 64,
+                                            max_num_batched_tokens=max(a.batches) * a.prompt_len,
+                                            chunked_prefill=False, gpu_memory_utilization=0.3))
+        res["runs"][kernels] = []
+        for B in a.batches:
+            r = profile(eng, B, a.prompt_len, a.steps, model.config.vocab_size)
+            res["runs"][kernels].append(r)
+            ph = "  ".join(f"{k} {v:.3f}" for k, v in r["phase_ms_per_step"].items())
+            print(f"{kernels:8s} B={B:3d}: {r['ms_per_step']:.3f} ms/step; device busy "
+                  f"{r['device_busy_ms_per_step']:.3f} ms; phases (ms): {ph}", flush=True)
+            for row in r["top_device_ops"][:8]:
+                print(f"      dev {row['ms_per_step']:8.3f} ms x{row['calls_per_step']:6.1f}  {row['name'][:90]}")
+            for row in r["top_host_ops"][:8]:
+                print(f"      cpu {row['self_ms_per_step']:8.3f} ms x{row['calls_per_step']:6.1f}  {row['name'][:90]}")
+        del eng, model
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    with open(os.path.join(a.out, "engine_profile.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""bench/profile_engine.py on the CPU with a tiny model: the script the next GPU session runs
+produces its JSON (phases per step, top ops) for both kernel modes, so device time is not spent
+finding a broken script."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+def test_profile_engine_cpu(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_engine.py"), "--out", str(tmp_path),
+                        "--model", "tiny-qwen2", "--batches", "1", "3", "--steps", "2", "--prompt-len", "16"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.load(open(tmp_path / "engine_profile.json"))
+    assert set(res["runs"]) == {"tik", "default"}
+    for runs in res["runs"].values():
+        assert [r["batch"] for r in runs] == [1, 3]
+        for r in runs:
+            ph = r["phase_ms_per_step"]
+            assert set(ph) >= {"schedule", "sample", "postprocess"} and any(k.startswith("forward") for k in ph)
+            assert all(v > 0 for v in ph.values()) and r["ms_per_step"] > 0
+            assert r["top_host_ops"] and all(o["calls_per_step"] > 0 for o in r["top_host_ops"])
