@@ -276,6 +276,8 @@ class TikFSDPPPOActor(FSDPPPOActor):
             out = super().compute_logp(data, *args, **kwargs)
             rec.update(skipped=False, reasons=["backend_default"], audit=False,
                        recompute_forward_s=time.perf_counter() - t0)
+            from areal_tik.backend.default_varlen import status as default_attention_status
+            rec["default_attention"] = default_attention_status()["path"]  # which baseline attention ran
             # The baseline recomputes anyway: how far are its rollout log-probs from it? (no extra forward)
             res = audit_compare(data, out)
             rec.update(compare_tokens=res["tokens"], compare_mismatch_tokens=res["mismatch_tokens"],

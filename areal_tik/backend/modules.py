@@ -30,6 +30,7 @@ from torch import nn
 
 from areal_tik import ops
 from areal_tik.backend.attn_context import AttentionContext, get_context
+from areal_tik.backend.default_varlen import packed_causal_attention
 
 __all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "PagedAttention", "ForwardMeta", "RopeCache",
            "decoder_layer_forward", "base_model_forward"]
@@ -146,13 +147,7 @@ class PagedAttention(nn.Module):
             default_cache_write(k, v, k_cache, v_cache, ctx.slot_mapping)
             return default_paged_attention(q, k_cache, v_cache, ctx, self.scaling)
         if meta.cu_host is not None:
-            out = torch.empty_like(q)
-            cu = meta.cu_host
-            for i in range(len(cu) - 1):
-                a, b = cu[i], cu[i + 1]
-                if b > a:
-                    out[a:b] = _sdpa_causal(q[a:b][None], k[a:b][None], v[a:b][None], self.scaling)[0]
-            return out
+            return packed_causal_attention(q, k, v, meta.cu_host, meta.cu_seqlens, meta.max_seqlen, self.scaling)
         out = _sdpa_causal(q.view(B, L, hq, D), k.view(B, L, hkv, D), v.view(B, L, hkv, D), self.scaling)
         return out.reshape(B * L, hq, D)
 

@@ -137,6 +137,7 @@ def _step_row(rec: dict) -> dict:
     row["compare_mismatch_tokens"] = sum(int(t.get("compare_mismatch_tokens", 0)) for t in tik)
     row["compare_max_abs_diff"] = max([float(t.get("compare_max_abs_diff", 0.0)) for t in tik] or [0.0])
     row["tokens_per_s"] = row["gen_tokens"] / row["wall_s"] if row["wall_s"] > 0 else math.nan
+    row["default_attention"] = ",".join(sorted({t["default_attention"] for t in tik if t.get("default_attention")}))
     return row
 
 
@@ -228,7 +229,10 @@ def summary_markdown(report: dict, meta: dict) -> str:
              f"- baseline rollout vs recompute log-probs: {r['baseline_rollout_vs_recompute']['mismatch_tokens']}/"
              f"{r['baseline_rollout_vs_recompute']['tokens']} tokens differ "
              f"(max |diff| {r['baseline_rollout_vs_recompute']['max_abs_diff']:.3g})",
-             f"- limiting phase: baseline {r['limiting_phase']['baseline']}, tik {r['limiting_phase']['tik']}", "",
+             f"- limiting phase: baseline {r['limiting_phase']['baseline']}, tik {r['limiting_phase']['tik']}",
+             f"- baseline packed attention (train + recompute forward): "
+             f"{', '.join(sorted({x['default_attention'] for x in r['rows']['baseline'] if x.get('default_attention')})) or 'not recorded'}",
+             "",
              "## Mean seconds per measured step", "",
              "| arm | rollout | recompute | train step | weight update | other | step |",
              "|---|---|---|---|---|---|---|"]

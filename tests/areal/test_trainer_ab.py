@@ -11,6 +11,7 @@ import math
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("areal")
 engine = pytest.importorskip("areal_tik.engine")
@@ -72,3 +73,8 @@ def test_report_consistent(ab_dir):
     assert rep == {**rep, **{k: v for k, v in analyze(b, t).items() if k in ("throughput_ratio_total", "tokens_per_s")}}
     assert rep["tik"]["audit_mismatch_tokens"] == 0 and rep["tik"]["audits"] == 1 and rep["tik"]["steps_skipped"] == 1
     assert rep["baseline_rollout_vs_recompute"]["tokens"] > 0
+    # the report names the baseline's packed attention (CPU: the per-sequence SDPA loop)
+    expect = "torch varlen_attn" if torch.cuda.is_available() else "per-sequence SDPA loop"
+    assert {r["default_attention"] for r in rep["rows"]["baseline"]} == {expect}
+    assert f"baseline packed attention (train + recompute forward): {expect}" in open(
+        os.path.join(ab_dir, "summary.md")).read()
