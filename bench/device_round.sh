@@ -29,7 +29,7 @@ case "${STAGE:-tune}" in
   next)   # session 3 first call: the single-path cuda decode (40 GPU tests), the row-blocked logits
           # backward, engine throughput with median prefill, the engine step profile, dense in graphs
     mkdir -p $ROOT_OUT/next
-    OUT=$ROOT_OUT/next GPU_TESTS="tests/kernels/test_cuda_backend.py tests/kernels/test_logprobs.py" \
+    OUT=$ROOT_OUT/next GPU_TESTS="tests/kernels/test_cuda_backend.py tests/kernels/test_logprobs.py tests/engine/test_default_varlen.py" \
       bash bench/gpu_check.sh env tests cuda engine profile dense
     ;;
 esac

@@ -145,6 +145,9 @@ class PagedAttention(nn.Module):
         if ctx is not None:
             k_cache, v_cache = ctx.kv_caches[self.layer_idx]
             default_cache_write(k, v, k_cache, v_cache, ctx.slot_mapping)
+            if _fresh_prefill(ctx):  # no cached prefix: the new K/V are the whole keys, packed
+                return packed_causal_attention(q, k, v, ctx.cu_seqlens_q_host, ctx.cu_seqlens_q, ctx.max_seqlen_q,
+                                               self.scaling)
             return default_paged_attention(q, k_cache, v_cache, ctx, self.scaling)
         if meta.cu_host is not None:
             return packed_causal_attention(q, k, v, meta.cu_host, meta.cu_seqlens, meta.max_seqlen, self.scaling)
@@ -157,6 +160,14 @@ def _sdpa_causal(q, k, v, scale):
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                        scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2)
+
+
+def _fresh_prefill(ctx: AttentionContext) -> bool:
+    """An engine step whose every sequence attends only to its own new tokens (prompt
+    prefill without a cached prefix), known from the host lengths of an eager step."""
+    cu, sk = ctx.cu_seqlens_q_host, ctx.seqlens_k_host
+    return (ctx.max_seqlen_q > 1 and cu is not None and sk is not None
+            and all(lk == b - a for a, b, lk in zip(cu[:-1], cu[1:], sk)))
 
 
 def default_cache_write(k, v, k_cache, v_cache, slot_mapping):
