@@ -328,7 +328,7 @@ class _LogitsLogprobsFn(torch.autograd.Function):
         lse = state[:, 0] + torch.log(state[:, 1])
         mz = state[:, 2] / state[:, 1]
         ctx.save_for_backward(logits, tokens, lse, mz)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.triton_path = temperature, triton_path
         ctx.set_materialize_grads(False)
         return lp, ent
 
@@ -339,6 +339,9 @@ class _LogitsLogprobsFn(torch.autograd.Function):
             return None, None, None, None
         glp = glp.float() if glp is not None else None
         gent = gent.float() if gent is not None else None
+        if ctx.triton_path:  # the token path's kernel, in place on one contiguous copy of the logits
+            g = torch.empty_like(logits, memory_format=torch.contiguous_format).copy_(logits)
+            return _dlogits_triton(g, tokens, lse, mz, glp, gent, 0, ctx.temperature), None, None, None
         return _dlogits_rowwise(logits, tokens, lse, mz, glp, gent, ctx.temperature), None, None, None
 
 

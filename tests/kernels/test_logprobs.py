@@ -196,12 +196,11 @@ def test_gpu_token_logprobs_backward(seed_rng):
     assert contract.check_accuracy(hg.grad, hd.grad, 2e-2) and contract.check_accuracy(wg.grad, wd.grad, 2e-2)
 
 
-@pytest.mark.parametrize("impl", ["triton", "torch_ref"])
-def test_logits_backward_row_blocked(impl, seed_rng, monkeypatch):
-    """The logits-path backward is written block of rows by block of rows (bounded fp32 temporaries):
-    a 2-row blocking over 7 rows (ragged last block) gives the same gradient bits as one block, and
-    the gradient buffer carries the logits' dtype."""
-    _, lfl, _ = _impls(impl)
+def test_logits_backward_row_blocked(seed_rng, monkeypatch):
+    """The torch_ref logits-path backward is written block of rows by block of rows (bounded fp32
+    temporaries): a 2-row blocking over 7 rows (ragged last block) gives the same gradient bits as
+    one block, and the gradient buffer carries the logits' dtype."""
+    _, lfl, _ = _impls("torch_ref")
     T, V = 7, 300
     logits = torch.randn(T, V, device=DEV).bfloat16()
     tok = torch.randint(0, V, (T,), device=DEV)
@@ -218,3 +217,24 @@ def test_logits_backward_row_blocked(impl, seed_rng, monkeypatch):
     blocked = grad()
     assert blocked.dtype == torch.bfloat16 and torch.isfinite(blocked.float()).all()
     assert torch.equal(blocked, whole)
+
+
+def test_logits_backward_triton_padded_rows(seed_rng):
+    """Triton logits-path backward (the token path's in-place kernel on a contiguous copy) on logits
+    living in a row-padded buffer (stride > V): same gradient as torch_ref within fp32 noise, the
+    logits themselves untouched."""
+    T, V = 5, 301
+    logits = LP.alloc_logits_buffer(T, V, torch.float32, DEV)
+    assert logits.stride(0) > V
+    logits.copy_(torch.randn(T, V, device=DEV))
+    keep = logits.clone()
+    tok = torch.randint(0, V, (T,), device=DEV)
+    a, b = torch.randn(T, device=DEV), torch.randn(T, device=DEV)
+    grads = []
+    for f in (LP.logprobs_from_logits_triton, LP.logprobs_from_logits_torch):
+        lg = logits.detach().requires_grad_()
+        lp, ent = f(lg, tok, 0.8, return_entropy=True)
+        ((lp * a).sum() + (ent * b).sum()).backward()
+        grads.append(lg.grad)
+    assert torch.equal(logits, keep)
+    assert grads[0].shape == (T, V) and (grads[0] - grads[1]).abs().max() < 1e-5
