@@ -61,6 +61,15 @@ LOGITS_CHUNK_ELEMS = 1 << 26  # at most T*C logits (x dtype) alive in token_logp
 _STATE = 4                 # (m, s, t, z_token) per row, fp32
 
 
+@triton.jit
+def _lse_update(z, m, s, t):
+    """Online (max, sum exp, sum p*z) over one block of scaled logits ``z`` (-inf = absent)."""
+    mn = tl.maximum(m, tl.max(z, axis=0))
+    e = tl.where(z > float("-inf"), tl.exp(z - mn), 0.0)
+    alpha = tl.where(m > float("-inf"), tl.exp(m - mn), 0.0)
+    return mn, s * alpha + tl.sum(e, axis=0), t * alpha + tl.sum(tl.where(e > 0.0, e * z, 0.0), axis=0)
+
+
 @triton.jit(do_not_specialize=["stride_l", "c0", "c1"])
 def _lse_blocks_kernel(lg_ptr, stride_l, tok_ptr, state_ptr, lp_ptr, ent_ptr, c0, c1, temperature, last,
                        V_BLOCK: tl.constexpr):
@@ -91,25 +100,13 @@ def _lse_blocks_kernel(lg_ptr, stride_l, tok_ptr, state_ptr, lp_ptr, ent_ptr, c0
         x_cur = x_next
         nxt = tl.minimum(j + 1, n_full - 1)
         x_next = tl.load(base + tl.multiple_of(nxt * V_BLOCK, V_BLOCK) + offs)
-        z = tl.math.div_rn(x_cur.to(tl.float32), temperature)
-        mn = tl.maximum(m, tl.max(z, axis=0))
-        e = tl.where(z > float("-inf"), tl.exp(z - mn), 0.0)
-        alpha = tl.where(m > float("-inf"), tl.exp(m - mn), 0.0)
-        s = s * alpha + tl.sum(e, axis=0)
-        t = t * alpha + tl.sum(tl.where(e > 0.0, e * z, 0.0), axis=0)
-        m = mn
+        m, s, t = _lse_update(tl.math.div_rn(x_cur.to(tl.float32), temperature), m, s, t)
     rem = (c1 - c0) - n_full * V_BLOCK
     if rem > 0:
         off = n_full * V_BLOCK
         msk = offs < rem
         x = tl.load(base + off + offs, mask=msk, other=float("-inf")).to(tl.float32)
-        z = tl.math.div_rn(x, temperature)
-        mn = tl.maximum(m, tl.max(z, axis=0))
-        e = tl.where(z > float("-inf"), tl.exp(z - mn), 0.0)
-        alpha = tl.where(m > float("-inf"), tl.exp(m - mn), 0.0)
-        s = s * alpha + tl.sum(e, axis=0)
-        t = t * alpha + tl.sum(tl.where(e > 0.0, e * z, 0.0), axis=0)
-        m = mn
+        m, s, t = _lse_update(tl.math.div_rn(x, temperature), m, s, t)
     if (tok >= c0) & (tok < c1):
         ztok = tl.math.div_rn(tl.load(base + (tok - c0)).to(tl.float32), temperature)
     if last != 0:
