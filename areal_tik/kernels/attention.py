@@ -450,17 +450,32 @@ def _attn_decode_kernel(Q, KC, VC, BT, CUQ, SEQK, O, WM, WL, WA, CNT, qk_scale,
 
 
 @triton.jit
-def _bwd_dkdv_step(q_ptrs_base, Q, DO, LSE, DELTA, k, v, dk, dv, s0, n, start_m, offs_n, offs_d, hq,
-                   qk_scale, stride_qt, stride_qh, stride_lt,
-                   BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < n
+def _bwd_load_q_rows(Q, DO, LSE, DELTA, s0, offs_m, m_ok, offs_d, hq, stride_qt, stride_qh, stride_lt):
+    """q, dO, lse, delta of query rows ``offs_m`` of one sequence and q head (rows past the
+    sequence read 0) and their q/dO offsets."""
     qrow = (s0 + offs_m).to(tl.int64)
     q_off = qrow[:, None] * stride_qt + hq * stride_qh + offs_d[None, :]
     q = tl.load(Q + q_off, mask=m_ok[:, None], other=0.0)
     do = tl.load(DO + q_off, mask=m_ok[:, None], other=0.0)
     lse = tl.load(LSE + qrow * stride_lt + hq, mask=m_ok, other=0.0)
     dl = tl.load(DELTA + qrow * stride_lt + hq, mask=m_ok, other=0.0)
+    return q, do, lse, dl, q_off
+
+
+@triton.jit
+def _bwd_kv_offsets(s0, offs_n, offs_d, hk, stride_kt, stride_kh):
+    krow = (s0 + offs_n).to(tl.int64)
+    return krow[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+
+
+@triton.jit
+def _bwd_dkdv_step(q_ptrs_base, Q, DO, LSE, DELTA, k, v, dk, dv, s0, n, start_m, offs_n, offs_d, hq,
+                   qk_scale, stride_qt, stride_qh, stride_lt,
+                   BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < n
+    q, do, lse, dl, q_off = _bwd_load_q_rows(Q, DO, LSE, DELTA, s0, offs_m, m_ok, offs_d, hq,
+                                             stride_qt, stride_qh, stride_lt)
     sT = tl.dot(k, tl.trans(q)) * qk_scale
     pT = tl.exp2(sT - lse[None, :])
     if MASKED:
@@ -493,8 +508,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, qk_scale, sm_scal
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n
         offs_d = tl.arange(0, HEAD_DIM)
-        krow = (s0 + offs_n).to(tl.int64)
-        kv_off = krow[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
+        kv_off = _bwd_kv_offsets(s0, offs_n, offs_d, hk, stride_kt, stride_kh)
         k = tl.load(K + kv_off, mask=n_ok[:, None], other=0.0)
         v = tl.load(V + kv_off, mask=n_ok[:, None], other=0.0)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -510,6 +524,30 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, qk_scale, sm_scal
                                         qk_scale, stride_qt, stride_qh, stride_lt, BLOCK_M, False)
         tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok[:, None])
         tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
+
+
+@triton.jit
+def _bwd_dq_step(K, V, q, do, lse, dl, dq, s0, n, start_n, offs_m, offs_d, hk, qk_scale, stride_kt, stride_kh,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """dq += dS K over one key block; MASKED: a diagonal block (causal mask and sequence end)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n
+    kv_off = _bwd_kv_offsets(s0, offs_n, offs_d, hk, stride_kt, stride_kh)
+    if MASKED:
+        k = tl.load(K + kv_off, mask=n_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=n_ok[:, None], other=0.0)
+    else:
+        k = tl.load(K + kv_off)
+        v = tl.load(V + kv_off)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        ok = (offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :]
+        p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+    else:
+        p = tl.exp2(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - dl[:, None])
+    return tl.dot(ds.to(tl.bfloat16), k, dq)
 
 
 @triton.jit
@@ -531,38 +569,16 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, qk_scale, sm_scale,
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < n
         offs_d = tl.arange(0, HEAD_DIM)
-        qrow = (s0 + offs_m).to(tl.int64)
-        q_off = qrow[:, None] * stride_qt + hq * stride_qh + offs_d[None, :]
-        q = tl.load(Q + q_off, mask=m_ok[:, None], other=0.0)
-        do = tl.load(DO + q_off, mask=m_ok[:, None], other=0.0)
-        lse = tl.load(LSE + qrow * stride_lt + hq, mask=m_ok, other=0.0)
-        dl = tl.load(DELTA + qrow * stride_lt + hq, mask=m_ok, other=0.0)
+        q, do, lse, dl, q_off = _bwd_load_q_rows(Q, DO, LSE, DELTA, s0, offs_m, m_ok, offs_d, hq,
+                                                 stride_qt, stride_qh, stride_lt)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for start_n in range(0, start_m, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            krow = (s0 + offs_n).to(tl.int64)
-            kv_off = krow[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
-            k = tl.load(K + kv_off)
-            v = tl.load(V + kv_off)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            p = tl.exp2(s - lse[:, None])
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - dl[:, None])
-            dq = tl.dot(ds.to(tl.bfloat16), k, dq)
+            dq = _bwd_dq_step(K, V, q, do, lse, dl, dq, s0, n, start_n, offs_m, offs_d, hk, qk_scale,
+                              stride_kt, stride_kh, BLOCK_N, False)
         end_n = tl.minimum(n, start_m + BLOCK_M)
         for start_n in range(start_m, end_n, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < n
-            krow = (s0 + offs_n).to(tl.int64)
-            kv_off = krow[:, None] * stride_kt + hk * stride_kh + offs_d[None, :]
-            k = tl.load(K + kv_off, mask=n_ok[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            ok = (offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :]
-            p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - dl[:, None])
-            dq = tl.dot(ds.to(tl.bfloat16), k, dq)
+            dq = _bwd_dq_step(K, V, q, do, lse, dl, dq, s0, n, start_n, offs_m, offs_d, hk, qk_scale,
+                              stride_kt, stride_kh, BLOCK_N, True)
         tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None])
 
 
