@@ -493,13 +493,18 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     if cfg.kernels not in ("tik", "default"):
         raise ValueError(f"--kernels must be 'tik' or 'default', got {cfg.kernels!r}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    import time
+    t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, dtype=getattr(torch, dtype), device=device)
     from areal_tik.backend.patch import patch_model
     model = patch_model(model, kernels=cfg.kernels) or model
     model.eval()
+    t1 = time.perf_counter()
     engine = LLMEngine(model, EngineConfig())
     _attach_score(engine, model)
+    logger.info("start-up: model built/loaded + patched in %.1fs, engine (KV cache) in %.1fs",
+                t1 - t0, time.perf_counter() - t1)
 
     if cfg.kernels == "tik":
         from areal_tik.backend.fingerprint import compute
