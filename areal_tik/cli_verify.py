@@ -49,6 +49,10 @@ def run(args) -> int:
             rep = run_parity(model, cfg, progress=lambda name, frac: prog.update(task, completed=frac,
                                                                                      description=name))
     rep.update(model=args.model, kernels=args.kernels, device=str(next(model.parameters()).device))
+    if args.kernels == "tik":  # which backend ran each op (AREAL_TIK_BACKEND may pick cuda per op)
+        from areal_tik.backend.fingerprint import compute
+        fp = compute()
+        rep.update(kernel_fingerprint=fp["fingerprint"], kernel_selection=fp["selection"])
     if args.json:
         from areal_tik.cli import print_json
         print_json(rep)
