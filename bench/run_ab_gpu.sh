@@ -11,13 +11,16 @@
 # (ARMS=baseline, then ARMS=tik; the report is written by the call that completes the pair; the
 # arms meet in AB_OUT, default /tmp/areal_tik_ab_reports, which survives while the machine is warm).
 # Next-session sequence on one nvidia-h200, calls back to back (a machine that went cold loses
-# /tmp/w, /tmp/site and AB_OUT: start again at 1), each with timeout_s=600:
-#   1. carry [.whl/p1]: mkdir -p /tmp/w && cp .whl/p1/* /tmp/w/
+# /tmp/w, /tmp/site and AB_OUT: start again at 1), each with timeout_s=600. Sized for the 30 min
+# session budget (measured 2026-11-30: ~85 s start-up + ~42 s step 0 per arm, ~15 s per later step
+# at 16 prompts x 8 samples x 256 tokens; the recipe size, 32 x 8 x 512, is ~34 s per baseline step):
+#   1. carry [.whl/p1]: mkdir -p /tmp/w && cp .whl/p1/* /tmp/w/ && \
+#        GIT_COMMIT=<sha> STAGE=next bash bench/device_round.sh     (GPU tests + benches, ~5 min)
 #   2. carry [.whl/p2]: cp .whl/p2/* /tmp/w/
 #   3. carry [.whl/p3]: cp .whl/p3/* /tmp/w/ && bash bench/install_gpu_wheels.sh /tmp/w && \
-#        RECIPES=grpo ARMS=baseline STEPS=10 bash bench/run_ab_gpu.sh
-#   4. RECIPES=grpo ARMS=tik STEPS=10 bash bench/run_ab_gpu.sh      (-> report)
-#   5. RECIPES=ppo ARMS=baseline ...   6. RECIPES=ppo ARMS=tik ...
+#        GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=grpo ARMS=baseline bash bench/run_ab_gpu.sh
+#   4. GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=grpo ARMS=tik bash bench/run_ab_gpu.sh (-> report)
+#   5. same with RECIPES=ppo ARMS=baseline      6. same with RECIPES=ppo ARMS=tik
 # Every call packs what AB_OUT holds for the recipe ($OUT/ab_<recipe>.tgz), so a lost machine
 # still leaves the finished arm here; `areal-tik ab --config ... --out DIR --arms none` rebuilds
 # the report from two unpacked arms.
