@@ -334,8 +334,9 @@ class _LogitsLogprobsFn(torch.autograd.Function):
         logits, tokens, lse, mz = ctx.saved_tensors
         if glp is None and gent is None:
             return None, None, None, None
-        glp = glp.float() if glp is not None else None
-        gent = gent.float() if gent is not None else None
+        # contiguous: the kernel reads them as ptr + row (lp.sum() hands over a stride-0 grad)
+        glp = glp.float().contiguous() if glp is not None else None
+        gent = gent.float().contiguous() if gent is not None else None
         if ctx.triton_path:  # the token path's kernel, in place on one contiguous copy of the logits
             g = torch.empty_like(logits, memory_format=torch.contiguous_format).copy_(logits)
             return _dlogits_triton(g, tokens, lse, mz, glp, gent, 0, ctx.temperature), None, None, None

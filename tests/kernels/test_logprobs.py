@@ -238,3 +238,21 @@ def test_logits_backward_triton_padded_rows(seed_rng):
         grads.append(lg.grad)
     assert torch.equal(logits, keep)
     assert grads[0].shape == (T, V) and (grads[0] - grads[1]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("loss", ["lp_sum", "ent_mean", "both_expanded"])
+def test_logits_backward_broadcast_grads(loss, seed_rng):
+    """lp.sum() / ent.mean() hand the backward stride-0 (expanded) gradients: the Triton path
+    must give torch_ref's gradient (it once read the grad as if contiguous)."""
+    T, V = 6, 300
+    logits = torch.randn(T, V, device=DEV)
+    tok = torch.randint(0, V, (T,), device=DEV)
+    grads = []
+    for f in (LP.logprobs_from_logits_triton, LP.logprobs_from_logits_torch):
+        lg = logits.clone().requires_grad_()
+        lp, ent = f(lg, tok, 0.9, return_entropy=True)
+        {"lp_sum": lambda: lp.sum(), "ent_mean": lambda: ent.mean(),
+         "both_expanded": lambda: lp.sum() + 2 * ent.sum()}[loss]().backward()
+        grads.append(lg.grad)
+    assert (grads[0] - grads[1]).abs().max() < 1e-5
+    assert grads[1].abs().sum() > 0
