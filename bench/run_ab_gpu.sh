@@ -18,7 +18,7 @@
 #        GIT_COMMIT=<sha> STAGE=next bash bench/device_round.sh     (GPU tests + benches, ~5 min)
 #   2. carry [.whl/p2]: cp .whl/p2/* /tmp/w/
 #   3. carry [.whl/p3]: cp .whl/p3/* /tmp/w/ && bash bench/install_gpu_wheels.sh /tmp/w && \
-#        GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=grpo ARMS=baseline bash bench/run_ab_gpu.sh
+#        BUDGET_S=470 GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=grpo ARMS=baseline bash bench/run_ab_gpu.sh
 #   4. GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=grpo ARMS=tik bash bench/run_ab_gpu.sh (-> report)
 #   5. same with RECIPES=ppo ARMS=baseline      6. same with RECIPES=ppo ARMS=tik
 # Every call packs what AB_OUT holds for the recipe ($OUT/ab_<recipe>.tgz), so a lost machine
@@ -108,7 +108,8 @@ for RECIPE in "${RECIPE_LIST[@]}"; do
   if [ "$SMOKE" = 1 ] && [ "$RECIPE" = ppo ]; then
     PER=(critic.mb_spec.max_tokens_per_mb=4096 critic.ppo_n_minibatches=1)
   fi
-  if [ "$ARMS" = both ]; then rm -rf "${AB_OUT:?}/$RECIPE"; else rm -rf "${AB_OUT:?}/$RECIPE/$ARMS"; fi
+  # a baseline (or both) starts a new pair; a tik call replaces only the tik arm of the pair
+  if [ "$ARMS" = tik ]; then rm -rf "${AB_OUT:?}/$RECIPE/tik"; else rm -rf "${AB_OUT:?}/$RECIPE"; fi
   rm -rf "${RUNS_DIR:?}" && mkdir -p "$AB_OUT/$RECIPE"
   set +e
   python3 -m areal_tik.cli ab --config "$CFG" --steps "$STEPS" --out "$AB_OUT/$RECIPE" --runs-dir "$RUNS_DIR" \

@@ -323,19 +323,31 @@ def _arm_record_path(out: str, arm: str) -> str:
     return os.path.join(out, arm, "arm.json")
 
 
-def _save_arm(out: str, arm: str, res: dict) -> None:
+def _write_arm_record(out: str, arm: str, rec: dict) -> None:
+    os.makedirs(os.path.join(out, arm), exist_ok=True)
     with open(_arm_record_path(out, arm), "w") as f:
-        json.dump({k: res[k] for k in ("cmd", "wall_s", "timed_out")}, f, indent=2)
+        json.dump(rec, f, indent=2)
+
+
+def _shared(config: str, overrides) -> dict:
+    """What both arms of one A/B must share: the recipe and the overrides given to both."""
+    return {"config": os.path.abspath(config), "overrides": list(overrides)}
 
 
 def load_arm(out: str, arm: str) -> dict | None:
-    """An arm finished by an earlier ``run_ab(arms=...)`` call: its record and step log, or None."""
+    """An arm run by an earlier ``run_ab(arms=...)`` call: its record and step log, or None.
+
+    The record is written when the arm starts (``complete: false``) and rewritten when it
+    ends, so an arm whose process or device call was killed still loads, as a partial
+    (timed-out) arm with the steps it logged."""
     rec, log = _arm_record_path(out, arm), os.path.join(out, arm, "steps.jsonl")
-    if not (os.path.exists(rec) and os.path.exists(log)):
+    if not os.path.exists(rec):
         return None
     with open(rec) as f:
         res = json.load(f)
-    res["steps"] = load_steps(log)
+    res["steps"] = load_steps(log) if os.path.exists(log) else []
+    if not res.get("complete", True):
+        res["timed_out"] = True
     return res
 
 
@@ -347,7 +359,10 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
     ``arms`` may name one arm (or none): the other arm's results are then read from ``out``
     (``<arm>/arm.json`` + ``<arm>/steps.jsonl``, written by an earlier call), so the two arms can
     run in separate processes or device calls. While an arm is still missing, nothing is analyzed
-    and the return value says which (``{"pending": [...]}``).
+    and the return value says which (``{"pending": [...]}``). Arms are only paired when they ran
+    the same recipe with the same overrides (``ValueError`` otherwise, before anything runs), and
+    an arm is not run against a loaded baseline that logged no step. Running the baseline alone
+    starts a new pair: an earlier tik arm in ``out`` is no longer paired with it.
 
     With ``partial_ok`` an arm that runs past ``timeout`` keeps the steps it logged; when the
     baseline stopped early the tik arm is asked for the same number of steps (the report
@@ -356,8 +371,18 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
     os.makedirs(out, exist_ok=True)
-    results = {a: r for a in ARMS if a not in arms and (r := load_arm(out, a)) is not None}
     to_run = [a for a in ARMS if a in arms]
+    if to_run == ["baseline"] and os.path.exists(_arm_record_path(out, "tik")):
+        os.remove(_arm_record_path(out, "tik"))  # a new baseline starts a new pair (the old tik logs stay)
+    results = {a: r for a in ARMS if a not in arms and (r := load_arm(out, a)) is not None}
+    here = _shared(config, overrides)
+    for a, r in results.items():
+        theirs = r.get("shared")
+        if to_run and theirs is not None and theirs != here:
+            raise ValueError(f"the {a} arm in {out} ran {theirs}, this call asks for {here}: start a new pair "
+                             f"(run the baseline again or use another --out)")
+        if to_run and not r["steps"]:
+            raise RuntimeError(f"the {a} arm in {out} logged no step (see {out}/{a}/train.log); run it again first")
 
     def arm_steps(a):
         if a == "tik" and results.get("baseline", {}).get("timed_out"):
@@ -365,9 +390,14 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
         return steps
 
     def one(a, on_step=None):
-        results[a] = run_arm(config, a, arm_steps(a), out, overrides, on_step=on_step, timeout=timeout,
-                             runs_dir=runs_dir, partial_ok=partial_ok)
-        _save_arm(out, a, results[a])
+        n = arm_steps(a)
+        _write_arm_record(out, a, {"cmd": _arm_cmd(config, a, n, out, list(overrides), runs_dir), "wall_s": None,
+                                   "timed_out": None, "complete": False, "steps_requested": n, "shared": here})
+        res = run_arm(config, a, n, out, overrides, on_step=on_step, timeout=timeout, runs_dir=runs_dir,
+                      partial_ok=partial_ok)
+        results[a] = res
+        _write_arm_record(out, a, {"cmd": res["cmd"], "wall_s": res["wall_s"], "timed_out": res["timed_out"],
+                                   "complete": True, "steps_requested": n, "shared": here})
 
     if to_run:  # a report from an earlier pair no longer describes these arms
         for f in REPORT_FILES:
@@ -391,8 +421,11 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
                 "summary_md": f"arm(s) {', '.join(pending)} not run yet in {out}; done: "
                               + (", ".join(f"{a} ({n} steps)" for a, n in done.items()) or "none")}
     if not all(results[a]["steps"] for a in ARMS):
-        raise RuntimeError(f"an arm logged no step before its timeout ({timeout}s); see {out}/<arm>/train.log: "
+        raise RuntimeError(f"an arm logged no step (killed, failed or past its timeout); see {out}/<arm>/train.log: "
                            + ", ".join(f"{a}: {len(results[a]['steps'])} steps" for a in ARMS))
+    pair = [results[a].get("shared") for a in ARMS]
+    if None not in pair and pair[0] != pair[1]:
+        raise ValueError(f"the arms in {out} ran different recipes/overrides: baseline {pair[0]}, tik {pair[1]}")
     report = analyze(results["baseline"]["steps"], results["tik"]["steps"])
     meta = {"config": config, "steps": steps, "overrides": list(overrides),
             "cmd_baseline": results["baseline"]["cmd"], "cmd_tik": results["tik"]["cmd"],

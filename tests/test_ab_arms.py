@@ -1,0 +1,86 @@
+"""``run_ab(arms=...)``: how arms run in separate calls are paired (``run_arm`` faked: it writes
+step logs the way the trainer does; everything else is the real report code)."""
+import json
+import os
+
+import pytest
+
+from areal_tik.bench import ab
+
+
+def _fake_run_arm(log_steps, crash_after=None):
+    """A run_arm that logs ``log_steps[arm]`` steps (or raises after ``crash_after`` steps, as a
+    killed device call would, leaving its start record and partial log behind)."""
+    calls = []
+
+    def run_arm(config, arm, steps, out, overrides=(), on_step=None, timeout=None, runs_dir=None, partial_ok=False):
+        calls.append((arm, steps, list(overrides)))
+        n = min(steps, log_steps[arm])
+        with open(os.path.join(out, arm, "steps.jsonl"), "w") as f:
+            for i in range(n if crash_after is None else crash_after):
+                f.write(json.dumps({"global_step": i, "wall_s": 10.0 if arm == "baseline" else 8.0,
+                                    "stats": {"timeperf/rollout": 5.0}, "tik": [{"gen_tokens": 100}]}) + "\n")
+        if crash_after is not None:
+            raise KeyboardInterrupt("device call killed")
+        return {"cmd": ab._arm_cmd(config, arm, steps, out, list(overrides), runs_dir), "wall_s": 1.0,
+                "steps": ab.load_steps(os.path.join(out, arm, "steps.jsonl")), "timed_out": n < steps}
+    return run_arm, calls
+
+
+CFG = "recipes/tiny.yaml"
+
+
+def test_pair_across_calls(tmp_path, monkeypatch):
+    fake, calls = _fake_run_arm({"baseline": 3, "tik": 3})
+    monkeypatch.setattr(ab, "run_arm", fake)
+    first = ab.run_ab(CFG, 3, str(tmp_path), ["a=1"], progress=False, arms=("baseline",))
+    assert first["pending"] == ["tik"] and not (tmp_path / "report.json").exists()
+    rep = ab.run_ab(CFG, 3, str(tmp_path), ["a=1"], progress=False, arms=("tik",))
+    assert rep["n_steps"] == 3 and rep["throughput_ratio_total"] == pytest.approx(10.0 / 8.0)
+    assert [c[0] for c in calls] == ["baseline", "tik"]
+    again = ab.run_ab(CFG, 3, str(tmp_path), progress=False, arms=())       # --arms none: rebuild
+    assert again["rows"] == rep["rows"]
+
+
+def test_mismatched_overrides_refused_before_running(tmp_path, monkeypatch):
+    fake, calls = _fake_run_arm({"baseline": 3, "tik": 3})
+    monkeypatch.setattr(ab, "run_arm", fake)
+    ab.run_ab(CFG, 3, str(tmp_path), ["gconfig.max_new_tokens=512"], progress=False, arms=("baseline",))
+    with pytest.raises(ValueError, match="start a new pair"):
+        ab.run_ab(CFG, 3, str(tmp_path), ["gconfig.max_new_tokens=256"], progress=False, arms=("tik",))
+    assert [c[0] for c in calls] == ["baseline"]
+
+
+def test_killed_arm_loads_as_partial(tmp_path, monkeypatch):
+    fake, _ = _fake_run_arm({"baseline": 5, "tik": 5}, crash_after=2)
+    monkeypatch.setattr(ab, "run_arm", fake)
+    with pytest.raises(KeyboardInterrupt):
+        ab.run_ab(CFG, 5, str(tmp_path), progress=False, arms=("baseline",))
+    loaded = ab.load_arm(str(tmp_path), "baseline")
+    assert loaded["timed_out"] is True and len(loaded["steps"]) == 2
+    fake2, calls = _fake_run_arm({"baseline": 5, "tik": 5})
+    monkeypatch.setattr(ab, "run_arm", fake2)
+    rep = ab.run_ab(CFG, 5, str(tmp_path), progress=False, arms=("tik",))
+    assert calls[0][:2] == ("tik", 2)              # the tik arm asks for what the baseline logged
+    assert rep["n_steps"] == 2
+    assert "PARTIAL" in open(tmp_path / "summary.md").read()
+
+
+def test_no_tik_run_against_an_empty_baseline(tmp_path, monkeypatch):
+    fake, calls = _fake_run_arm({"baseline": 0, "tik": 3})
+    monkeypatch.setattr(ab, "run_arm", fake)
+    ab.run_ab(CFG, 3, str(tmp_path), progress=False, arms=("baseline",))
+    with pytest.raises(RuntimeError, match="logged no step"):
+        ab.run_ab(CFG, 3, str(tmp_path), progress=False, arms=("tik",))
+    assert [c[0] for c in calls] == ["baseline"]
+
+
+def test_rerun_replaces_stale_report(tmp_path, monkeypatch):
+    fake, _ = _fake_run_arm({"baseline": 2, "tik": 2})
+    monkeypatch.setattr(ab, "run_arm", fake)
+    ab.run_ab(CFG, 2, str(tmp_path), progress=False)
+    assert (tmp_path / "report.json").exists()
+    again = ab.run_ab(CFG, 2, str(tmp_path), progress=False, arms=("baseline",))
+    assert not (tmp_path / "report.json").exists()   # the old pair's report no longer describes the arms
+    assert again["pending"] == ["tik"]                # and the old tik arm is not paired with the new baseline
+    assert ab.load_arm(str(tmp_path), "tik") is None
