@@ -84,15 +84,21 @@ def profile(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int) -> 
         for _ in range(steps):
             eng.step()
         _sync()
+    # device time = the device-side (kernel/memcpy) events only, as torch's own table sums it: a
+    # CPU op's self device time repeats its kernels' time, summing both would double-count
+    from torch.autograd import DeviceType
+
+    def on_device(e):
+        return getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU and not getattr(e, "is_user_annotation",
+                                                                                             False)
+    kernels_total = sum(e.self_device_time_total for e in prof.events() if on_device(e))
     ev = prof.key_averages()
-    dev_attr = "device_time_total" if hasattr(ev[0], "device_time_total") else "cuda_time_total"
-    dev_rows = sorted(ev, key=lambda e: getattr(e, dev_attr, 0), reverse=True)[:15]
-    cpu_rows = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-    kernels_total = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ev)
+    dev_rows = sorted((e for e in ev if on_device(e)), key=lambda e: e.self_device_time_total, reverse=True)[:15]
+    cpu_rows = sorted((e for e in ev if not on_device(e)), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     eng.abort_all()
     return {"batch": B, "ms_per_step": plain_ms, "phase_ms_per_step": phases,
             "device_busy_ms_per_step": kernels_total / 1e3 / steps,
-            "top_device_ops": [{"name": e.key, "ms_per_step": getattr(e, dev_attr, 0) / 1e3 / steps,
+            "top_device_ops": [{"name": e.key, "ms_per_step": e.self_device_time_total / 1e3 / steps,
                                 "calls_per_step": e.count / steps} for e in dev_rows],
             "top_host_ops": [{"name": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
                               "calls_per_step": e.count / steps} for e in cpu_rows]}
@@ -106,7 +112,12 @@ def main() -> int:
     ap.add_argument("--kernels", nargs="+", default=["tik", "default"])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--emulate-graphs-on-cpu", action="store_true",
+                    help="CPU test hook: run the CUDA-graph code path with the engine's CPU graph emulation")
     a = ap.parse_args()
+    if a.emulate_graphs_on_cpu:
+        from areal_tik.engine import model_runner
+        model_runner.EMULATE_GRAPHS_ON_CPU = True
     os.makedirs(a.out, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     res = {"model": a.model, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",

@@ -6,12 +6,16 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
-def test_profile_engine_cpu(tmp_path):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_profile_engine_cpu(tmp_path, graphs):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_engine.py"), "--out", str(tmp_path),
-                        "--model", "tiny-qwen2", "--batches", "1", "3", "--steps", "2", "--prompt-len", "16"],
+                        "--model", "tiny-qwen2", "--batches", "1", "3", "--steps", "2", "--prompt-len", "16",
+                        *(["--emulate-graphs-on-cpu"] if graphs else [])],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.load(open(tmp_path / "engine_profile.json"))
@@ -20,6 +24,8 @@ def test_profile_engine_cpu(tmp_path):
         assert [r["batch"] for r in runs] == [1, 3]
         for r in runs:
             ph = r["phase_ms_per_step"]
-            assert set(ph) >= {"schedule", "sample", "postprocess"} and any(k.startswith("forward") for k in ph)
+            assert set(ph) >= {"schedule", "sample", "postprocess"}
+            assert [k for k in ph if k.startswith("forward")] == (["forward (graph: prepare + replay)"] if graphs
+                                                                 else ["forward (eager)"])
             assert all(v > 0 for v in ph.values()) and r["ms_per_step"] > 0
             assert r["top_host_ops"] and all(o["calls_per_step"] > 0 for o in r["top_host_ops"])

@@ -1,6 +1,7 @@
 """weights_digest: the value equals an independent numpy evaluation of its definition, does not
 depend on the chunking, and moves when any element changes or two differing elements swap."""
 import hashlib
+import random
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ def _tensors(seed):
 
 
 def test_matches_definition_and_chunking(monkeypatch):
-    ts = _tensors(torch.seed() % 2**31)
+    ts = _tensors(random.SystemRandom().randrange(2**31))  # fresh inputs, global RNG untouched
     for dtype in (torch.bfloat16, None):
         want = _numpy_digest(ts, dtype)
         assert WD.digest(ts, dtype) == want
@@ -40,7 +41,7 @@ def test_matches_definition_and_chunking(monkeypatch):
 
 
 def test_sensitive_to_one_element_and_swaps():
-    ts = _tensors(torch.seed() % 2**31)
+    ts = _tensors(random.SystemRandom().randrange(2**31))  # fresh inputs, global RNG untouched
     base = WD.digest(ts)
     w = ts[0][1].clone()
     w.view(-1)[5] = torch.nextafter(w.view(-1)[5].bfloat16().float(), torch.tensor(1e9)) + 1.0

@@ -16,12 +16,15 @@ real AReaL baseline. This module picks, once per process:
   ``D**-0.5`` scale.
 - otherwise the per-sequence SDPA loop (CPU, or a torch without varlen).
 
-If the varlen call raises on first use, the reason is logged once and the loop is used
-for the rest of the process (``status()`` reports which path runs and why). Neither path
+If the varlen call raises, the reason is logged once and the loop is used for that
+(dtype, head dim) for the rest of the process (``status()`` reports which path ran last
+and why). The signature is inspected once per process. Errors in the backward are not
+caught (the GPU test runs it). Neither path
 promises batch invariance: this is the negative-control baseline.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 __all__ = ["varlen_call_plan", "packed_causal_attention", "status"]
 
 log = logging.getLogger(__name__)
-_STATE = {"path": None, "why": "not used yet", "disabled": None}
+_STATE = {"path": None, "why": "not used yet", "disabled": {}}   # disabled: (dtype, head dim) -> reason
 
 
 def varlen_call_plan(fn) -> dict | None:
@@ -53,6 +56,7 @@ def varlen_call_plan(fn) -> dict | None:
     return {"causal": causal, "scale": "scale" in params, "gqa": "enable_gqa" in params}
 
 
+@functools.lru_cache(maxsize=1)
 def _torch_varlen():
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -80,7 +84,8 @@ def _loop(q, k, v, cu_host, scale):
 def packed_causal_attention(q, k, v, cu_host: list, cu: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
     """Causal attention within each packed sequence. q [T, Hq, D], k/v [T, Hkv, D];
     ``cu_host`` / ``cu``: the same cumulative lengths on the host and on q's device."""
-    fn, plan = _torch_varlen() if _on_gpu(q) and not _STATE["disabled"] else (None, None)
+    key = (q.dtype, q.shape[-1])
+    fn, plan = _torch_varlen() if _on_gpu(q) and key not in _STATE["disabled"] else (None, None)
     if fn is not None and plan is not None and (plan["scale"] or math.isclose(scale, q.shape[-1] ** -0.5)):
         kw = {plan["causal"][0]: plan["causal"][1]}
         if plan["scale"]:
@@ -97,9 +102,10 @@ def packed_causal_attention(q, k, v, cu_host: list, cu: torch.Tensor, max_seqlen
             _STATE.update(path="torch varlen_attn", why=f"keywords {sorted(kw)}")
             return out
         except Exception as e:  # noqa: BLE001 - fall back for the rest of the process, said once
-            _STATE["disabled"] = f"varlen_attn raised {type(e).__name__}: {e}"[:300]
-            log.warning("default attention: %s; using the per-sequence SDPA loop", _STATE["disabled"])
-    why = (_STATE["disabled"] or ("CPU tensors" if not _on_gpu(q) else
+            _STATE["disabled"][key] = f"varlen_attn raised {type(e).__name__}: {e}"[:300]
+            log.warning("default attention (%s, head dim %d): %s; using the per-sequence SDPA loop for these",
+                        q.dtype, q.shape[-1], _STATE["disabled"][key])
+    why = (_STATE["disabled"].get(key) or ("CPU tensors" if not _on_gpu(q) else
            "no usable torch.nn.attention.varlen.varlen_attn in this torch (or a non-default scale)"))
     _STATE.update(path="per-sequence SDPA loop", why=why)
     return _loop(q, k, v, cu_host, scale)

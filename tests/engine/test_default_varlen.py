@@ -72,7 +72,7 @@ def test_varlen_path_matches_reference(style, hq, hkv, monkeypatch):
     calls = []
     monkeypatch.setattr(DV, "_on_gpu", lambda t: True)
     monkeypatch.setattr(DV, "_torch_varlen", lambda: (f := _fake_varlen(style, calls), DV.varlen_call_plan(f)))
-    monkeypatch.setattr(DV, "_STATE", {"path": None, "why": "", "disabled": None})
+    monkeypatch.setattr(DV, "_STATE", {"path": None, "why": "", "disabled": {}})
     q, k, v, cu_host, cu = _problem([5, 1, 9, 3], hq, hkv, 8)
     scale = 8 ** -0.5
     out = DV.packed_causal_attention(q, k, v, cu_host, cu, 9, scale)
@@ -89,7 +89,7 @@ def test_failing_varlen_falls_back_once(monkeypatch):
     monkeypatch.setattr(DV.log, "warning", lambda msg, *a: warned.append(msg % a))
     monkeypatch.setattr(DV, "_on_gpu", lambda t: True)
     monkeypatch.setattr(DV, "_torch_varlen", lambda: (f := _fake_varlen("broken", calls), DV.varlen_call_plan(f)))
-    monkeypatch.setattr(DV, "_STATE", {"path": None, "why": "", "disabled": None})
+    monkeypatch.setattr(DV, "_STATE", {"path": None, "why": "", "disabled": {}})
     q, k, v, cu_host, cu = _problem([4, 7], 4, 2, 8)
     for _ in range(2):
         out = DV.packed_causal_attention(q, k, v, cu_host, cu, 7, 8 ** -0.5)
@@ -97,6 +97,11 @@ def test_failing_varlen_falls_back_once(monkeypatch):
     st = DV.status()
     assert st["path"] == "per-sequence SDPA loop" and "RuntimeError" in st["why"]
     assert len(warned) == 1 and "varlen_attn raised RuntimeError" in warned[0]
+    assert calls == [] and list(st["disabled"]) == [(torch.float32, 8)]
+    # another (dtype, head dim) still tries varlen (the failure may be specific to the first)
+    q2, k2, v2, cu_host2, cu2 = _problem([4, 7], 4, 2, 16)
+    DV.packed_causal_attention(q2, k2, v2, cu_host2, cu2, 7, 16 ** -0.5)
+    assert len(warned) == 2 and set(DV.status()["disabled"]) == {(torch.float32, 8), (torch.float32, 16)}
 
 
 def test_cpu_uses_loop():
