@@ -104,6 +104,17 @@ def test_failing_varlen_falls_back_once(monkeypatch):
     assert len(warned) == 2 and set(DV.status()["disabled"]) == {(torch.float32, 8), (torch.float32, 16)}
 
 
+def test_loop_forced_by_env(monkeypatch):
+    calls = []
+    monkeypatch.setattr(DV, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(DV, "_torch_varlen", lambda: (f := _fake_varlen("2.12", calls), DV.varlen_call_plan(f)))
+    monkeypatch.setenv(DV.LOOP_ENV, "1")
+    q, k, v, cu_host, cu = _problem([3, 6], 4, 2, 8)
+    out = DV.packed_causal_attention(q, k, v, cu_host, cu, 6, 8 ** -0.5)
+    assert calls == [] and DV.status()["why"] == f"{DV.LOOP_ENV} set"
+    assert (out.double() - _reference(q, k, v, cu_host, 8 ** -0.5)).abs().max() < 1e-5
+
+
 def test_cpu_uses_loop():
     q, k, v, cu_host, cu = _problem([3, 6], 4, 4, 8)
     out = DV.packed_causal_attention(q, k, v, cu_host, cu, 6, 0.25)
