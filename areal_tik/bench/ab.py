@@ -250,6 +250,15 @@ def summary_markdown(report: dict, meta: dict) -> str:
                          f"{x['gen_tokens']} | {_fmt(x['tokens_per_s'], 1)} | {_fmt(x['reward'])} | "
                          f"{'yes' if x['recompute_skipped'] else 'no'} | "
                          f"{x['audit_mismatch_tokens'] if x['audit'] else '-'} |")
+    walls = meta.get("arm_wall_s") or {}
+    outside = []
+    for a in ARMS:   # process start-up (AReaL init, rollout server, model) + teardown: what device calls pay
+        w = walls.get(a)
+        if isinstance(w, (int, float)):
+            in_steps = sum(x["wall_s"] for x in r["rows"][a])
+            outside.append(f"{a} {_fmt(w, 1)} s, of which {_fmt(w - in_steps, 1)} s outside the logged steps")
+    if outside:
+        lines += ["", "Arm wall time (whole process): " + "; ".join(outside) + "."]
     lines += ["", "Recompute column = AReaL's `timeperf/recompute_logp` timer (in the tik arm it holds the "
               "skip decision: server query + weight digest); `recompute fwd` = time in the actual forward.",
               "", f"Commands: `{' '.join(meta.get('cmd_baseline', []))}` / `{' '.join(meta.get('cmd_tik', []))}`", ""]

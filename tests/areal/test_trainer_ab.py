@@ -78,3 +78,8 @@ def test_report_consistent(ab_dir):
     assert {r["default_attention"] for r in rep["rows"]["baseline"]} == {expect}
     assert f"baseline packed attention (train + recompute forward): {expect}" in open(
         os.path.join(ab_dir, "summary.md")).read()
+    # whole-process wall time per arm and the part outside the logged steps (start-up): non-negative
+    import re
+    m = re.search(r"Arm wall time \(whole process\): baseline ([0-9.]+) s, of which ([0-9.-]+) s outside the logged "
+                  r"steps; tik ([0-9.]+) s, of which ([0-9.-]+) s", open(os.path.join(ab_dir, "summary.md")).read())
+    assert m and all(float(x) >= 0 for x in m.groups())
