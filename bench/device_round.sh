@@ -30,6 +30,6 @@ case "${STAGE:-tune}" in
           # backward, engine throughput with median prefill, the engine step profile, dense in graphs
     mkdir -p $ROOT_OUT/next
     OUT=$ROOT_OUT/next GPU_TESTS="tests/kernels/test_cuda_backend.py tests/kernels/test_logprobs.py tests/engine/test_default_varlen.py" \
-      bash bench/gpu_check.sh env tests cuda engine profile dense
+      PART_TIMEOUT=150 bash bench/gpu_check.sh env tests cuda engine profile dense
     ;;
 esac
