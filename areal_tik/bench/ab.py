@@ -259,6 +259,16 @@ def summary_markdown(report: dict, meta: dict) -> str:
             outside.append(f"{a} {_fmt(w, 1)} s, of which {_fmt(w - in_steps, 1)} s outside the logged steps")
     if outside:
         lines += ["", "Arm wall time (whole process): " + "; ".join(outside) + "."]
+    srv = []
+    for a in ARMS:   # the rollout server's view of each step's rollout (intervals between weight updates)
+        iv = [x for x in (meta.get("server_intervals") or {}).get(a, [])[1:] if x.get("requests")]
+        if iv:
+            busy = statistics.fmean(x["engine_busy_s"] for x in iv)
+            span = statistics.fmean(x["first_request_to_last_finish_s"] or 0.0 for x in iv)
+            srv.append(f"{a}: engine stepping {_fmt(busy, 2)} s of a {_fmt(span, 2)} s first-request-to-last-finish "
+                       f"window ({len(iv)} steps)")
+    if srv:
+        lines += ["", "Rollout server, mean per step after the first: " + "; ".join(srv) + "."]
     lines += ["", "Recompute column = AReaL's `timeperf/recompute_logp` timer (in the tik arm it holds the "
               "skip decision: server query + weight digest); `recompute fwd` = time in the actual forward.",
               "", f"Commands: `{' '.join(meta.get('cmd_baseline', []))}` / `{' '.join(meta.get('cmd_tik', []))}`", ""]
@@ -326,6 +336,26 @@ def write_report(report: dict, out: str, meta: dict) -> dict:
         f.write(md)
     pngs = plot(report, out)
     return {"summary": md, "files": ["report.json", "steps.csv", "summary.md", *map(os.path.basename, pngs)]}
+
+
+def server_intervals(out: str, arm: str) -> list[dict]:
+    """Per weight update, the rollout server's counters for the interval before it (engine busy
+    seconds, steps, requests, tokens, first request to last finish), from ``<arm>/tik_server.log``."""
+    import ast
+    import re
+    path = os.path.join(out, arm, "tik_server.log")
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = re.search(r"since the previous update: (\{.*\})\s*$", line)
+            if m:
+                try:
+                    rows.append(ast.literal_eval(m.group(1)))
+                except (ValueError, SyntaxError):
+                    pass
+    return rows
 
 
 def _arm_record_path(out: str, arm: str) -> str:
@@ -440,7 +470,8 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
             "cmd_baseline": results["baseline"]["cmd"], "cmd_tik": results["tik"]["cmd"],
             "arm_wall_s": {a: results[a]["wall_s"] for a in ARMS},
             "timed_out": {a: results[a]["timed_out"] for a in ARMS},
-            "arms_run_here": list(to_run)}
+            "arms_run_here": list(to_run),
+            "server_intervals": {a: server_intervals(out, a) for a in ARMS}}
     try:
         from areal_tik.backend.fingerprint import compute
         meta["environment"] = compute()["environment"]

@@ -93,6 +93,18 @@ class EngineWorker:
         self.n_steps = 0
         self.n_generated = 0
         self.last_error: str | None = None
+        self._interval_reset()
+
+    def _interval_reset(self):
+        """Counters since the last weight update (one RL step): how much of a rollout the engine
+        was stepping, and from the first request's arrival to the last one's finish."""
+        self.iv = {"busy_s": 0.0, "steps": 0, "tokens": 0, "requests": 0, "first_add": None, "last_finish": None}
+
+    def interval_stats(self) -> dict:
+        iv = self.iv
+        span = (iv["last_finish"] - iv["first_add"]) if iv["first_add"] is not None and iv["last_finish"] else None
+        return {"engine_busy_s": round(iv["busy_s"], 4), "engine_steps": iv["steps"], "tokens": iv["tokens"],
+                "requests": iv["requests"], "first_request_to_last_finish_s": None if span is None else round(span, 4)}
 
     # ---- thread side -------------------------------------------------------------
     def start(self):
@@ -136,7 +148,10 @@ class EngineWorker:
                     self._resolve(fut, loop, exc=e)
             if self._active and not self.paused:
                 try:
+                    t_step = time.perf_counter()
                     outs = self.engine.step()
+                    self.iv["busy_s"] += time.perf_counter() - t_step
+                    self.iv["steps"] += 1
                 except Exception as e:  # noqa: BLE001
                     self.last_error = traceback.format_exc()
                     logger.error("engine.step failed: %s", self.last_error)
@@ -165,6 +180,8 @@ class EngineWorker:
     def _finish(self, p: _Pending, reason: str):
         self._active.pop(p.rid, None)
         self.n_generated += len(p.out_ids)
+        self.iv["tokens"] += len(p.out_ids)
+        self.iv["last_finish"] = time.perf_counter()
         input_lps = None
         if p.want_input_lps:
             try:
@@ -196,6 +213,9 @@ class EngineWorker:
             return
         self._active[p.rid] = p
         self.engine.add_request(p.rid, list(p.prompt_ids), p.params)
+        self.iv["requests"] += 1
+        if self.iv["first_add"] is None:
+            self.iv["first_add"] = time.perf_counter()
 
     def abort_all(self):
         outs = []
@@ -240,11 +260,15 @@ class EngineWorker:
         elif self._active:
             raise RuntimeError("update_weights_from_disk with requests in flight and abort_all_requests=false")
         version = int(self.engine.version) + 1
+        interval = self.interval_stats()
+        self._interval_reset()
         t0 = time.perf_counter()
         self.engine.update_weights(path, version)
         dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
         info = self.model_info() if self.model_info else {}
-        return {"version": version, "load_s": dt, **info}
+        return {"version": version, "load_s": dt, "info_s": time.perf_counter() - t1, "previous_interval": interval,
+                **info}
 
 
 class TikServer:
@@ -403,7 +427,8 @@ class TikServer:
         except Exception as e:  # noqa: BLE001
             logger.error("weight update from %s failed: %s", path, e)
             return self._json({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
-        logger.info("loaded weights from %s as version %s in %.2fs", path, res["version"], res["load_s"])
+        logger.info("loaded weights from %s as version %s in %.2fs (+ digest %.2fs); since the previous update: %s",
+                    path, res["version"], res["load_s"], res.get("info_s", 0.0), res.get("previous_interval"))
         return self._json({"success": True, "message": "Succeeded to update model weights.",
                            "num_paused_requests": 0, **res})
 

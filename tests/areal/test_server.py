@@ -236,6 +236,17 @@ def test_real_engine_logprobs_match_ops(tmp_path):
             lps = server.worker.engine.score(seq, 1.0)[len(r.input_tokens) - 1:]
             assert torch.equal(torch.tensor(lps, dtype=torch.float32),
                                torch.tensor(r.output_logprobs, dtype=torch.float32)), (lps, r.output_logprobs)
+        # a weight update reports the rollout interval before it (engine busy time, requests, tokens)
+        ckpt = tmp_path / "ckpt"
+        server.worker.engine.model.save_pretrained(ckpt)
+        res = _post(addr, "/update_weights_from_disk", {"model_path": str(ckpt), "abort_all_requests": True})
+        iv = res["previous_interval"]
+        assert iv["requests"] == 3 and iv["tokens"] == sum(len(r.output_tokens) for r in resps)
+        assert iv["engine_steps"] >= 6 and iv["engine_busy_s"] > 0
+        assert 0 < iv["engine_busy_s"] <= iv["first_request_to_last_finish_s"] + 1e-3
+        res2 = _post(addr, "/update_weights_from_disk", {"model_path": str(ckpt), "abort_all_requests": True})
+        assert res2["previous_interval"] == {"engine_busy_s": 0.0, "engine_steps": 0, "tokens": 0, "requests": 0,
+                                             "first_request_to_last_finish_s": None}
         del model, ops
     finally:
         client.destroy()

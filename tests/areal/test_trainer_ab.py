@@ -83,3 +83,9 @@ def test_report_consistent(ab_dir):
     m = re.search(r"Arm wall time \(whole process\): baseline ([0-9.]+) s, of which ([0-9.-]+) s outside the logged "
                   r"steps; tik ([0-9.]+) s, of which ([0-9.-]+) s", open(os.path.join(ab_dir, "summary.md")).read())
     assert m and all(float(x) >= 0 for x in m.groups())
+    # the rollout server's per-step counters reach the report (parsed from each arm's server log)
+    for arm in ("baseline", "tik"):
+        iv = rep["meta"]["server_intervals"][arm]
+        assert len(iv) >= 2 and all(x["requests"] > 0 and x["tokens"] > 0 and x["engine_busy_s"] > 0 for x in iv)
+    assert "Rollout server, mean per step after the first: baseline: engine stepping" in open(
+        os.path.join(ab_dir, "summary.md")).read()
