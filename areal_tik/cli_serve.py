@@ -14,6 +14,12 @@ def add_parser(sub):
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-running-requests", type=int, default=256,
+                   help="sequences decoded together (the decode batch bound)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="longest prompt + output (default: the model's, capped at 8192)")
+    p.add_argument("--mem-fraction", type=float, default=0.5,
+                   help="share of the free GPU memory the KV cache may take at start-up")
     p.set_defaults(func=run)
     return p
 
@@ -23,7 +29,9 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = ServerConfig(model=args.model, kernels=args.kernels, host=args.host, port=args.port,
-                       served_model_name=args.served_model_name, seed=args.seed)
+                       served_model_name=args.served_model_name, seed=args.seed,
+                       max_running_requests=args.max_running_requests, context_length=args.context_length,
+                       mem_fraction=args.mem_fraction)
     server = build(cfg, device=args.device, dtype=args.dtype)
     run_server(server)
     return 0

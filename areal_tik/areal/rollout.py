@@ -22,17 +22,31 @@ from areal.api.cli_args import InferenceEngineConfig
 from areal.engine.sglang_remote import RemoteSGLangEngine, SGLangBackend
 from areal.infra import RemoteInfEngine
 
-__all__ = ["TikServerBackend", "TikRemoteSGLangEngine", "server_args", "serve_cmd", "launch_local_server",
-           "wait_healthy"]
+__all__ = ["TikServerBackend", "TikRemoteSGLangEngine", "server_args", "server_sizing", "serve_cmd",
+           "launch_local_server", "wait_healthy"]
 
 
 def server_args(model_path: str, kernels: str, dtype: str = "bfloat16", seed: int = 0,
-                device: str | None = None) -> dict[str, Any]:
+                device: str | None = None, context_length: int | None = None,
+                max_running_requests: int | None = None) -> dict[str, Any]:
     """The dict ``launch_server`` receives (AReaL adds ``host`` and ``port``)."""
     args = {"model_path": model_path, "kernels": kernels, "dtype": dtype, "random_seed": seed}
     if device:
         args["device"] = device
+    if context_length:
+        args["context_length"] = int(context_length)
+    if max_running_requests:
+        args["max_running_requests"] = int(max_running_requests)
     return args
+
+
+def server_sizing(config) -> dict[str, Any]:
+    """``context_length`` / ``max_running_requests`` for the server from an AReaL experiment
+    config: ``sglang.context_length``; ``sglang.max_running_requests``, else
+    ``rollout.max_concurrent_rollouts`` (what AReaL may send at once)."""
+    sg, ro = getattr(config, "sglang", None), getattr(config, "rollout", None)
+    mrr = getattr(sg, "max_running_requests", None) or getattr(ro, "max_concurrent_rollouts", None)
+    return {"context_length": getattr(sg, "context_length", None), "max_running_requests": mrr}
 
 
 def serve_cmd(args: dict[str, Any]) -> list[str]:
@@ -42,6 +56,10 @@ def serve_cmd(args: dict[str, Any]) -> list[str]:
            "--seed", str(args.get("random_seed", 0))]
     if args.get("device"):
         cmd += ["--device", str(args["device"])]
+    if args.get("context_length"):
+        cmd += ["--context-length", str(args["context_length"])]
+    if args.get("max_running_requests"):
+        cmd += ["--max-running-requests", str(args["max_running_requests"])]
     return cmd
 
 
@@ -78,12 +96,14 @@ def wait_healthy(addr: str, timeout: float = 300.0, proc: subprocess.Popen | Non
 def launch_local_server(model_path: str, kernels: str, port: int | None = None, host: str = "127.0.0.1",
                         dtype: str = "bfloat16", seed: int = 0, device: str | None = None,
                         log_path: str | None = None, timeout: float = 600.0,
-                        env: dict | None = None) -> tuple[subprocess.Popen, str]:
+                        env: dict | None = None, context_length: int | None = None,
+                        max_running_requests: int | None = None) -> tuple[subprocess.Popen, str]:
     """Start ``areal-tik serve`` as a child process and wait for ``/health``; return (proc, "host:port")."""
     if port is None:
         from areal.utils.network import find_free_ports
         port = find_free_ports(1)[0]
-    args = server_args(model_path, kernels, dtype=dtype, seed=seed, device=device)
+    args = server_args(model_path, kernels, dtype=dtype, seed=seed, device=device, context_length=context_length,
+                       max_running_requests=max_running_requests)
     args.update(host=host, port=port)
     out = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(serve_cmd(args), env={**os.environ, **(env or {})},

@@ -46,12 +46,21 @@ TOP_K_DISABLED = 1 << 30
 
 @dataclasses.dataclass
 class ServerConfig:
+    """``max_running_requests``: sequences decoded together (SGLang's name; AReaL sends a whole
+    RL batch at once, e.g. 16 prompts x 8 samples, so 64 made the rollout run in waves).
+    ``context_length``: longest prompt + output (SGLang's name; ``None``: the model's, capped at
+    8192); it and ``max_running_requests`` bound the KV cache. ``mem_fraction``: share of the
+    GPU memory free at start-up the KV cache may take (the trainer shares the GPU in an SPMD
+    world of one, so SGLang's ``mem_fraction_static`` = 0.9 is not taken over)."""
     model: str
     kernels: str = "tik"
     host: str = "127.0.0.1"
     port: int = 30000
     served_model_name: str | None = None
     seed: int = 0
+    max_running_requests: int = 256
+    context_length: int | None = None
+    mem_fraction: float = 0.5
 
 
 class _Pending:
@@ -526,7 +535,11 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     model = patch_model(model, kernels=cfg.kernels) or model
     model.eval()
     t1 = time.perf_counter()
-    engine = LLMEngine(model, EngineConfig())
+    max_pos = int(getattr(model.config, "max_position_embeddings", 8192))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=int(cfg.max_running_requests),
+                                           max_model_len=min(int(cfg.context_length), max_pos)
+                                           if cfg.context_length else None,
+                                           gpu_memory_utilization=float(cfg.mem_fraction)))
     _attach_score(engine, model)
     logger.info("start-up: model built/loaded + patched in %.1fs, engine (KV cache) in %.1fs",
                 t1 - t0, time.perf_counter() - t1)
