@@ -33,7 +33,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-__all__ = ["varlen_call_plan", "packed_causal_attention", "status"]
+__all__ = ["varlen_call_plan", "packed_causal_attention", "sdpa_causal", "status"]
 
 log = logging.getLogger(__name__)
 LOOP_ENV = "AREAL_TIK_DEFAULT_ATTN_LOOP"   # =1: always the per-sequence loop (escape hatch)
@@ -71,15 +71,18 @@ def _on_gpu(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def sdpa_causal(q, k, v, scale):
+    """SDPA over [B, L, H, D] tensors, causal, GQA."""
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)
+
+
 def _loop(q, k, v, cu_host, scale):
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k.shape[1]
     for a, b in zip(cu_host[:-1], cu_host[1:]):
         if b > a:
-            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
-                                               v[a:b].transpose(0, 1)[None], is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
-            out[a:b] = o[0].transpose(0, 1)
+            out[a:b] = sdpa_causal(q[a:b][None], k[a:b][None], v[a:b][None], scale)[0]
     return out
 
 

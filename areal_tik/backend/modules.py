@@ -30,7 +30,7 @@ from torch import nn
 
 from areal_tik import ops
 from areal_tik.backend.attn_context import AttentionContext, get_context
-from areal_tik.backend.default_varlen import packed_causal_attention
+from areal_tik.backend.default_varlen import packed_causal_attention, sdpa_causal
 
 __all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "PagedAttention", "ForwardMeta", "RopeCache",
            "decoder_layer_forward", "base_model_forward"]
@@ -151,15 +151,8 @@ class PagedAttention(nn.Module):
             return default_paged_attention(q, k_cache, v_cache, ctx, self.scaling)
         if meta.cu_host is not None:
             return packed_causal_attention(q, k, v, meta.cu_host, meta.cu_seqlens, meta.max_seqlen, self.scaling)
-        out = _sdpa_causal(q.view(B, L, hq, D), k.view(B, L, hkv, D), v.view(B, L, hkv, D), self.scaling)
+        out = sdpa_causal(q.view(B, L, hq, D), k.view(B, L, hkv, D), v.view(B, L, hkv, D), self.scaling)
         return out.reshape(B * L, hq, D)
-
-
-def _sdpa_causal(q, k, v, scale):
-    """SDPA over [B, L, H, D] tensors, causal, GQA."""
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                       scale=scale, enable_gqa=q.shape[2] != k.shape[2])
-    return o.transpose(1, 2)
 
 
 def _fresh_prefill(ctx: AttentionContext) -> bool:
