@@ -89,24 +89,24 @@ def _drain(eng: LLMEngine, results: dict):
             results[o.request_id] = o
 
 
-def _run_r2(model, cfg, reqs, rng):
-    eng = _engine(model, cfg, page_size=cfg.page_sizes[0], chunked_prefill=False)
+def _all_at_once(eng: LLMEngine, reqs, rng):
+    """Add every request (in a random order) before the first step, run to the end."""
     res = {}
     for rid, p, sp in rng.sample(reqs, len(reqs)):
         eng.add_request(rid, p, sp)
     _drain(eng, res)
     return res, eng.stats()
+
+
+def _run_r2(model, cfg, reqs, rng):
+    return _all_at_once(_engine(model, cfg, page_size=cfg.page_sizes[0], chunked_prefill=False), reqs, rng)
 
 
 def _run_r3(model, cfg, reqs, rng):
     eng = _engine(model, cfg, page_size=cfg.page_sizes[-1], chunked_prefill=True,
                   max_num_batched_tokens=rng.randint(5, max(6, cfg.max_prompt_len // 2)),
                   page_order_seed=rng.getrandbits(32))
-    res = {}
-    for rid, p, sp in rng.sample(reqs, len(reqs)):
-        eng.add_request(rid, p, sp)
-    _drain(eng, res)
-    return res, eng.stats()
+    return _all_at_once(eng, reqs, rng)
 
 
 def _run_r4(model, cfg, reqs, rng):
