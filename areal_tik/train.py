@@ -52,6 +52,11 @@ def _split_own_args(argv):
 
 def _spmd_env():
     os.environ.setdefault("AREAL_SPMD_MODE", "1")
+    single_process_dist_env()
+
+
+def single_process_dist_env():
+    """torch.distributed env of a world of one (this process), a free port if none is set."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")

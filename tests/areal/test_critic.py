@@ -21,19 +21,11 @@ pytest.importorskip("areal")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from areal_tik.train import single_process_dist_env  # noqa: E402
+
 pytestmark = pytest.mark.areal
 
 LENS = (11, 7)
-
-
-def _env():
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        from areal.utils.network import find_free_ports
-        os.environ["MASTER_PORT"] = str(find_free_ports(1)[0])
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +45,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def make_critic(model_dir):
-    _env()
+    single_process_dist_env()
     made = []
 
     def make(kernels, cls=None, attn_impl="sdpa"):
