@@ -276,6 +276,24 @@ def _load_kv_block(K, V, BT, seq, hk, kv_row0, offs_n, kv_ok, offs_d,
 
 
 @triton.jit
+def _fwd_block(q, K, V, BT, seq, hk, q_start, start_n, seqlen_k, pos, offs_d, m, l_t, acc, qk_scale, ones,
+               stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+               BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Load the KV block at ``start_n`` and take its online-softmax step; MASKED: a block some
+    row sees only in part (causal diagonal or sequence end)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    kv_ok = offs_n < seqlen_k
+    k, v = _load_kv_block(K, V, BT, seq, hk, q_start, offs_n, kv_ok, offs_d,
+                          stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                          PAGED, PAGE_SIZE, MASKED)
+    if MASKED:
+        valid = (offs_n[None, :] <= pos[:, None]) & kv_ok[None, :]
+        return _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones, True)
+    else:
+        return _block_step(q, k, v, 0, m, l_t, acc, qk_scale, ones, False)
+
+
+@triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, BT, CUQ, SEQK, qk_scale,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_ot, stride_oh, stride_lt, stride_bt,
@@ -316,24 +334,18 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, BT, CUQ, SEQK, qk_scale,
             l_t = tl.zeros([BLOCK_M, 16], tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
             for start_n in range(0, n_full, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                k, v = _load_kv_block(K, V, BT, seq, hk, q_start, offs_n, offs_n < seqlen_k, offs_d,
-                                      stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
-                                      PAGED, PAGE_SIZE, False)
-                m, l_t, acc = _block_step(q, k, v, 0, m, l_t, acc, qk_scale, ones, False)
+                m, l_t, acc = _fwd_block(q, K, V, BT, seq, hk, q_start, start_n, seqlen_k, pos, offs_d, m, l_t, acc,
+                                         qk_scale, ones, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                                         BLOCK_N, PAGED, PAGE_SIZE, False)
                 if (start_n + BLOCK_N) % PARTITION == 0:
                     M, L, A = _merge_state(M, L, A, m, tl.max(l_t, 1), acc, 0, True)
                     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
                     l_t = tl.zeros([BLOCK_M, 16], tl.float32)
                     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
             for start_n in range(n_full, kv_end, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                kv_ok = offs_n < seqlen_k
-                k, v = _load_kv_block(K, V, BT, seq, hk, q_start, offs_n, kv_ok, offs_d,
-                                      stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
-                                      PAGED, PAGE_SIZE, True)
-                valid = (offs_n[None, :] <= pos[:, None]) & kv_ok[None, :]
-                m, l_t, acc = _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones, True)
+                m, l_t, acc = _fwd_block(q, K, V, BT, seq, hk, q_start, start_n, seqlen_k, pos, offs_d, m, l_t, acc,
+                                         qk_scale, ones, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                                         BLOCK_N, PAGED, PAGE_SIZE, True)
                 if (start_n + BLOCK_N) % PARTITION == 0:
                     M, L, A = _merge_state(M, L, A, m, tl.max(l_t, 1), acc,
                                            pos >= start_n + BLOCK_N - PARTITION, False)
@@ -352,19 +364,13 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, BT, CUQ, SEQK, qk_scale,
                 part_end = tl.minimum(part_start + PARTITION, kv_end)
                 mid = tl.maximum(tl.minimum(n_full, part_end), part_start)
                 for start_n in range(part_start, mid, BLOCK_N):
-                    offs_n = start_n + tl.arange(0, BLOCK_N)
-                    k, v = _load_kv_block(K, V, BT, seq, hk, q_start, offs_n, offs_n < seqlen_k, offs_d,
-                                          stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
-                                          PAGED, PAGE_SIZE, False)
-                    m, l_t, acc = _block_step(q, k, v, 0, m, l_t, acc, qk_scale, ones, False)
+                    m, l_t, acc = _fwd_block(q, K, V, BT, seq, hk, q_start, start_n, seqlen_k, pos, offs_d, m, l_t,
+                                             acc, qk_scale, ones, stride_kt, stride_kh, stride_vt, stride_vh,
+                                             stride_bt, BLOCK_N, PAGED, PAGE_SIZE, False)
                 for start_n in range(mid, part_end, BLOCK_N):
-                    offs_n = start_n + tl.arange(0, BLOCK_N)
-                    kv_ok = offs_n < seqlen_k
-                    k, v = _load_kv_block(K, V, BT, seq, hk, q_start, offs_n, kv_ok, offs_d,
-                                          stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
-                                          PAGED, PAGE_SIZE, True)
-                    valid = (offs_n[None, :] <= pos[:, None]) & kv_ok[None, :]
-                    m, l_t, acc = _block_step(q, k, v, valid, m, l_t, acc, qk_scale, ones, True)
+                    m, l_t, acc = _fwd_block(q, K, V, BT, seq, hk, q_start, start_n, seqlen_k, pos, offs_d, m, l_t,
+                                             acc, qk_scale, ones, stride_kt, stride_kh, stride_vt, stride_vh,
+                                             stride_bt, BLOCK_N, PAGED, PAGE_SIZE, True)
                 M, L, A = _merge_state(M, L, A, m, tl.max(l_t, 1), acc, pos >= part_start, False)
         out = A / L[:, None]
         tl.store(O + q_rows[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
