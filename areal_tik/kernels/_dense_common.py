@@ -73,6 +73,18 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must have a unit stride in its last dimension (strides {tuple(t.stride())})")
 
 
+def as_2d(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``x`` viewed as 2-D (leading dims flattened) without a copy; ``layout`` names the 2-D
+    shape in the error (e.g. "[M, K]")."""
+    if x.dim() == 2:
+        return x
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError as e:
+        raise ValueError(f"x of shape {tuple(x.shape)} and strides {tuple(x.stride())} cannot be viewed as "
+                         f"{layout} without a copy; pass a contiguous tensor") from e
+
+
 def div16_attrs(fn, names) -> dict:
     """ASTSource ``attrs`` marking ``names`` (pointer/stride args of ``fn``) divisible by 16,
     the specialisation Triton applies at launch to aligned tensors (compile checks)."""

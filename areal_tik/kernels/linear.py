@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from areal_tik.kernels._dense_common import (
+    as_2d,
     check_dtype, check_last_dim_contiguous, check_contiguous, check_same_device, check_same_dtype,
     check_triton_device, div16_attrs, interpreting,
 )
@@ -468,16 +469,6 @@ def _validate(x, weight, bias, triton_path: bool):
         check_same_device(("x", x), ("weight", weight), ("bias", bias))
 
 
-def _as_2d(x: torch.Tensor) -> torch.Tensor:
-    if x.dim() == 2:
-        return x
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError as e:
-        raise ValueError(f"x of shape {tuple(x.shape)} and strides {tuple(x.stride())} cannot be viewed as "
-                         f"[M, K] without a copy; pass a contiguous tensor") from e
-
-
 def _linear_backward(ctx, dy, x2, w):
     """Gradients of ``_LinearFn`` (inputs ``fwd, x2, w, b``: ``needs_input_grad[1:]``)."""
     dx = dw = db = None
@@ -509,7 +500,7 @@ class _LinearFn(torch.autograd.Function):
 def _linear_2d(fwd, x, weight, bias, triton_path: bool) -> torch.Tensor:
     """Validate, flatten to 2-D, run ``fwd`` (through autograd when a grad is needed)."""
     _validate(x, weight, bias, triton_path=triton_path)
-    x2 = _as_2d(x)
+    x2 = as_2d(x, "[M, K]")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         y = _LinearFn.apply(fwd, x2, weight, bias)

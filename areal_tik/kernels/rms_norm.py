@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from areal_tik.kernels._dense_common import (
+    as_2d,
     check_contiguous, check_dtype, check_last_dim_contiguous, check_same_device, check_same_dtype,
     check_triton_device, div16_attrs,
 )
@@ -137,20 +138,10 @@ def _validate(x, weight, triton_path):
     (check_triton_device if triton_path else check_same_device)(("x", x), ("weight", weight))
 
 
-def _as_2d(x):
-    if x.dim() == 2:
-        return x
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError as e:
-        raise ValueError(f"x of shape {tuple(x.shape)}/strides {tuple(x.stride())} is not viewable as [M, N]; "
-                         f"pass a contiguous tensor") from e
-
-
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF-semantics RMSNorm, one row per Triton program (see module docstring)."""
     _validate(x, weight, True)
-    x2 = _as_2d(x)
+    x2 = as_2d(x, "[M, N]")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         y = _RMSNormFn.apply(x2, weight, float(eps))
     else:
