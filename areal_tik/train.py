@@ -127,6 +127,23 @@ def load_config(argv):
     return config
 
 
+def check_xccl_layout(weight_update_mode: str, server_device: str | None) -> None:
+    """``xccl`` on CUDA broadcasts over NCCL, which refuses two ranks on one GPU: the rollout
+    server must sit on another GPU than the trainer (cuda:0 in a world of one)."""
+    if weight_update_mode != "xccl":
+        return
+    import torch
+    if not torch.cuda.is_available():
+        return  # AReaL's CPU platform: gloo, any layout
+    dev = torch.device(server_device or "cuda")
+    if dev.type == "cuda" and (dev.index or 0) == 0:
+        raise SystemExit("actor.weight_update_mode=xccl needs the rollout server on another GPU than the trainer "
+                         "(NCCL refuses two ranks on one device): set AREAL_TIK_SERVER_DEVICE=cuda:1, or use "
+                         "actor.weight_update_mode=disk on one GPU")
+    if dev.type == "cuda" and dev.index >= torch.cuda.device_count():
+        raise SystemExit(f"AREAL_TIK_SERVER_DEVICE={server_device}: only {torch.cuda.device_count()} GPU(s) visible")
+
+
 def main(argv: list[str] | None = None) -> int:
     own, argv = _split_own_args(list(sys.argv[1:] if argv is None else argv))
     config = load_config(argv)
@@ -171,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                          "start an SGLang server and set AREAL_LLM_SERVER_ADDRS=host:port, or use "
                          "scheduler.type=local (AReaL launches it)")
     if spmd and use_tik_server(config) and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
+        check_xccl_layout(config.actor.weight_update_mode, os.getenv("AREAL_TIK_SERVER_DEVICE"))
         log_dir = os.path.join(config.cluster.fileroot, config.experiment_name, config.trial_name)
         os.makedirs(log_dir, exist_ok=True)
         server, addr = launch_local_server(model_dir, config.actor.kernel_backend, dtype=config.actor.dtype,

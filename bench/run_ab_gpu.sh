@@ -40,6 +40,7 @@
 # QWEN_DIR=<local HF dir> uses real weights + tokenizer instead.
 #
 # Env knobs: RECIPES ("grpo ppo"), ARMS (both | baseline | tik), STEPS (10), BUDGET_S (540),
+# WEIGHT_UPDATE (xccl when the server has its own GPU, else disk),
 # ARM_TIMEOUT (BUDGET_S split over the arms run in this call),
 # GEN_TOKENS (512), AB_OUT (report root, default /tmp/areal_tik_ab_reports), RUNS_DIR,
 # EXTRA_OVERRIDES (whitespace-separated AReaL overrides appended last, e.g.
@@ -47,7 +48,8 @@
 # ?/= like "train_dataset.path='builtin:arith/mix?n=64'"), SMOKE=1 (CPU-size dry run of this
 # very path: preset tiny-qwen2, 16 new tokens, batch 2, 2 steps; ~45 s per recipe on a CPU).
 # Layout: trainer on GPU 0; rollout server on GPU 1 when >= 2 GPUs are visible
-# (AREAL_TIK_SERVER_DEVICE; set it yourself to override).
+# (AREAL_TIK_SERVER_DEVICE; set it yourself to override), weights sent by xccl (AReaL's default)
+# there, by disk on one GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -69,7 +71,12 @@ mkdir -p "$AB_OUT"
 
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ -z "${AREAL_TIK_SERVER_DEVICE:-}" ] && [ "$NGPU" -ge 2 ]; then export AREAL_TIK_SERVER_DEVICE=cuda:1; fi
-echo "run_ab_gpu: recipes=[$RECIPES] arms=$ARMS steps=$STEPS smoke=$SMOKE gpus=$NGPU server_device=${AREAL_TIK_SERVER_DEVICE:-default}" \
+# AReaL's default weight transfer is xccl (NCCL broadcast trainer -> server), which needs the server on
+# its own GPU; on one GPU (trainer and server colocated) AReaL itself requires disk.
+case "${AREAL_TIK_SERVER_DEVICE:-cuda}" in cuda|cuda:0) WU_DEFAULT=disk ;; *) WU_DEFAULT=xccl ;; esac
+[ "$NGPU" -ge 1 ] || WU_DEFAULT=disk
+WEIGHT_UPDATE=${WEIGHT_UPDATE:-$WU_DEFAULT}
+echo "run_ab_gpu: recipes=[$RECIPES] arms=$ARMS steps=$STEPS smoke=$SMOKE gpus=$NGPU server_device=${AREAL_TIK_SERVER_DEVICE:-default} weight_update=$WEIGHT_UPDATE" \
      "arm_timeout=${ARM_TIMEOUT}s out=$AB_OUT runs=$RUNS_DIR"
 
 if [ -n "${QWEN_DIR:-}" ]; then  # real weights + tokenizer available locally
@@ -78,12 +85,12 @@ else
   DATA=(actor.path=preset:qwen2.5-1.5b tokenizer_path=builtin:tiny-char "train_dataset.path='builtin:arith/mix?n=8192'")
 fi
 SIZE=(gconfig.max_new_tokens="$GEN_TOKENS" gconfig.max_tokens=$(( GEN_TOKENS + 512 )) rollout.setup_timeout=900
-      actor.tik.audit_interval=5)
+      actor.tik.audit_interval=5 actor.weight_update_mode="$WEIGHT_UPDATE")
 if [ "$SMOKE" = 1 ]; then
   DATA=(actor.path=preset:tiny-qwen2 tokenizer_path=builtin:tiny-char "train_dataset.path='builtin:arith/mix?n=64'")
   SIZE=(gconfig.max_new_tokens=16 gconfig.max_tokens=64 gconfig.n_samples=2 train_dataset.batch_size=2
         train_dataset.max_length=64 sglang.context_length=64 actor.mb_spec.max_tokens_per_mb=4096
-        actor.ppo_n_minibatches=1 actor.tik.audit_interval=5)
+        actor.ppo_n_minibatches=1 actor.tik.audit_interval=5 actor.weight_update_mode="$WEIGHT_UPDATE")
 fi
 
 python3 -m areal_tik.cli env --json > "$AB_OUT/env.json" 2> "$AB_OUT/env.err" || echo "areal-tik env failed (see $AB_OUT/env.err)"

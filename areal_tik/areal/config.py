@@ -144,9 +144,9 @@ class TikPPOConfig(PPOConfig):
         if g.frequency_penalty != 0.0:
             raise ConfigError(f"gconfig.frequency_penalty must be 0 with actor.kernel_backend=tik, "
                               f"got {g.frequency_penalty} (a penalty changes the returned log-probs)")
-        if a.weight_update_mode != "disk":
-            raise ConfigError(f"actor.weight_update_mode must be 'disk' with actor.kernel_backend=tik, "
-                              f"got {a.weight_update_mode!r} (the tik server loads weights from disk)")
+        if a.weight_update_mode not in ("disk", "xccl"):
+            raise ConfigError(f"actor.weight_update_mode must be 'disk' or 'xccl' with actor.kernel_backend=tik, "
+                              f"got {a.weight_update_mode!r} (what the tik server can receive)")
         if not self.rollout.backend.startswith("sglang"):
             raise ConfigError(f"rollout.backend must be 'sglang:...' with actor.kernel_backend=tik "
                               f"(the tik server speaks SGLang's API), got {self.rollout.backend!r}")

@@ -53,6 +53,7 @@ class LLMEngine:
         self._requests: dict[str, list[Sequence]] = {}
         self._pending_done: list[Sequence] = []   # max_new_tokens == 0: finished without a step
         self._version = int(version)
+        self.weights_serial = 0  # +1 per update_weights call (a bucketed update is several calls per version)
         self.num_steps = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
@@ -62,6 +63,10 @@ class LLMEngine:
         return self._version
 
     # ---- requests ----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
     def add_request(self, request_id, input_ids, params: SamplingParams | None = None) -> None:
         """Queue a request (``n`` samples become ``n`` sequences). Ids must be unique among
         unfinished requests."""
@@ -180,6 +185,7 @@ class LLMEngine:
             raise ValueError("update_weights: no tensors found")
         self.scheduler.preempt_all()
         self._version = int(version)
+        self.weights_serial += 1
 
     # ---- extras ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -19,6 +19,12 @@ Endpoints (responses are ``Content-Type: application/json``; AReaL's client refu
   regime R5), new requests wait until ``POST /continue_generation``;
 - ``POST /update_weights_from_disk {model_path, abort_all_requests}`` -> loads
   synchronously (AReaL deletes the folder right after the reply), bumps the version;
+- ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
+  backend, group_name}`` -> joins the trainer's process group (AReaL's ``xccl`` mode);
+  ``POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
+  abort_all_requests}`` -> receives one bucket by broadcast from the trainer and loads it.
+  One weight update is several buckets between ``/pause_generation`` and
+  ``/continue_generation``: the version advances once, at its first bucket;
 - ``POST /flush_cache`` -> no-op success (the engine keeps no cross-request cache that
   could go stale: weights changed means every KV page was freed by the abort).
 
@@ -102,6 +108,8 @@ class EngineWorker:
         self.n_steps = 0
         self.n_generated = 0
         self.last_error: str | None = None
+        self.groups: dict[str, Any] = {}  # weight-update process groups by name (xccl mode)
+        self._dist_update_open = False  # a bucketed update has started and not been closed by continue
         self._interval_reset()
 
     def _interval_reset(self):
@@ -247,6 +255,7 @@ class EngineWorker:
 
     def cmd_continue(self):
         self.paused = False
+        self._dist_update_open = False
         held, self._held = self._held, []
         for p in held:
             self._add_now(p)
@@ -264,18 +273,40 @@ class EngineWorker:
         return True
 
     def cmd_update_weights(self, path: str, abort: bool):
+        self._dist_update_open = False
+        return self._load(lambda: path, abort, new_version=True, what="update_weights_from_disk", with_info=True)
+
+    def cmd_update_from_distributed(self, body: dict, abort: bool):
+        """One bucket of an xccl update: receive (in this thread, the only one touching the
+        model) and load it. The first bucket after a pause opens a new version."""
+        from areal_tik.engine.weight_group import receive_bucket
+        pg = self.groups.get(body.get("group_name"))
+        if pg is None:
+            raise RuntimeError(f"update_weights_from_distributed: no weight update group {body.get('group_name')!r} "
+                               f"(known: {sorted(self.groups)}); call /init_weights_update_group first")
+        new_version = not self._dist_update_open
+        self._dist_update_open = True
+        device = getattr(self.engine, "device", "cpu")
+        return self._load(lambda: receive_bucket(pg, body["names"], body["dtypes"], body["shapes"], device), abort,
+                          new_version=new_version, what="update_weights_from_distributed", with_info=False)
+
+    def _load(self, source: Callable[[], Any], abort: bool, new_version: bool, what: str, with_info: bool):
+        """``with_info``: also compute the model info (weights digest) now; a bucket leaves it to
+        the next ``/get_server_info`` (only the last bucket's digest would mean anything)."""
         if abort:
             self.abort_all()
         elif self._active:
-            raise RuntimeError("update_weights_from_disk with requests in flight and abort_all_requests=false")
-        version = int(self.engine.version) + 1
-        interval = self.interval_stats()
-        self._interval_reset()
+            raise RuntimeError(f"{what} with requests in flight and abort_all_requests=false")
+        version = int(self.engine.version) + (1 if new_version else 0)
+        interval = None
+        if new_version:
+            interval = self.interval_stats()
+            self._interval_reset()
         t0 = time.perf_counter()
-        self.engine.update_weights(path, version)
+        self.engine.update_weights(source(), version)
         dt = time.perf_counter() - t0
         t1 = time.perf_counter()
-        info = self.model_info() if self.model_info else {}
+        info = self.model_info() if self.model_info and with_info else {}
         return {"version": version, "load_s": dt, "info_s": time.perf_counter() - t1, "previous_interval": interval,
                 **info}
 
@@ -441,6 +472,50 @@ class TikServer:
         return self._json({"success": True, "message": "Succeeded to update model weights.",
                            "num_paused_requests": 0, **res})
 
+    async def init_weights_update_group(self, request):
+        from areal_tik.engine.weight_group import join_group
+        try:
+            body = await self._body(request)
+            args = dict(master_address=str(body["master_address"]), master_port=int(body["master_port"]),
+                        rank=int(body.get("rank_offset", 1)), world_size=int(body["world_size"]),
+                        group_name=str(body.get("group_name", "weight_update_group")),
+                        backend=str(body.get("backend", "nccl")))
+        except (ValueError, KeyError, TypeError) as e:
+            return self._json({"success": False, "message": f"bad request: {e}"}, status=400)
+        if args["group_name"] in self.worker.groups:
+            return self._json({"success": False, "message": f"group {args['group_name']!r} already exists"}, status=400)
+        t0 = time.perf_counter()
+        try:  # the rendezvous blocks until the trainer joins: off the event loop and the engine thread
+            pg = await asyncio.to_thread(join_group, **args)
+        except Exception as e:  # noqa: BLE001
+            logger.error("joining weight update group %s failed: %s", args, e)
+            return self._json({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
+        self.worker.groups[args["group_name"]] = pg
+        logger.info("joined weight update group %s as rank %d of %d (%s) in %.2fs", args["group_name"], args["rank"],
+                    args["world_size"], args["backend"], time.perf_counter() - t0)
+        return self._json({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def update_weights_from_distributed(self, request):
+        try:
+            body = await self._body(request)
+            for k in ("names", "dtypes", "shapes"):
+                if not isinstance(body.get(k), list):
+                    raise ValueError(f"{k} must be a list")
+            if body.get("load_format") not in (None, "direct", "auto"):
+                raise ValueError(f"load_format {body.get('load_format')!r} is not supported")
+        except ValueError as e:
+            return self._json({"success": False, "message": f"bad request: {e}"}, status=400)
+        abort = bool(body.get("abort_all_requests", False))
+        try:
+            res = await self.worker.submit(lambda: self.worker.cmd_update_from_distributed(body, abort))
+        except Exception as e:  # noqa: BLE001
+            logger.error("weight update from group %s failed: %s", body.get("group_name"), e)
+            return self._json({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
+        logger.info("received %d tensors from group %s into version %s in %.2fs%s", len(body["names"]),
+                    body.get("group_name"), res["version"], res["load_s"],
+                    f"; since the previous update: {res['previous_interval']}" if res.get("previous_interval") else "")
+        return self._json({"success": True, "message": "Succeeded to update model weights.", **res})
+
     async def flush_cache(self, request):
         return self._json({"success": True})
 
@@ -454,7 +529,7 @@ class TikServer:
 
     async def unsupported(self, request):
         return self._json({"success": False, "message": f"{request.path} is not supported by the areal-tik server "
-                                                       "(use actor.weight_update_mode=disk, no LoRA, no offload)"},
+                                                       "(no LoRA, no memory offload)"},
                           status=400)
 
     def app(self):
@@ -474,7 +549,9 @@ class TikServer:
         r.add_post("/flush_cache", self.flush_cache)
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
-        for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/load_lora_adapter",
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        for path in ("/load_lora_adapter",
                      "/unload_lora_adapter", "/release_memory_occupation", "/resume_memory_occupation"):
             r.add_post(path, self.unsupported)
         return app
@@ -504,6 +581,9 @@ def run_server(server: TikServer, ready: threading.Event | None = None, stop: th
         asyncio.run(main())
     finally:
         server.worker.stop()
+        from areal_tik.engine.weight_group import leave_group
+        for pg in server.worker.groups.values():
+            leave_group(pg)
 
 
 def _default_fingerprint() -> str:
@@ -565,7 +645,7 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     digest_cache = {}
 
     def model_info():
-        v = int(engine.version)
+        v = (int(engine.version), engine.weights_serial)
         if digest_cache.get("v") != v:
             digest_cache.update(v=v, d=model_digest(model, dtype=getattr(torch, dtype)))
         return {"weights_digest": digest_cache["d"]}

@@ -46,7 +46,7 @@ def test_unknown_key_fails():
 @pytest.mark.parametrize("overrides,key", [
     (["actor.temperature=0.7"], "actor.temperature"),
     (["gconfig.greedy=true"], "gconfig.greedy"),
-    (["actor.weight_update_mode=xccl"], "actor.weight_update_mode"),
+    (["actor.weight_update_mode=awex"], "actor.weight_update_mode"),
     (["+gconfig.frequency_penalty=0.5"], "gconfig.frequency_penalty"),
 ])
 def test_tik_inconsistencies_fail_at_load(overrides, key):
@@ -83,3 +83,20 @@ def test_server_cli_flags_size_the_engine():
     eng = server.worker.engine
     assert eng.config.max_num_seqs == 7 and eng.max_model_len == 100
     assert ServerConfig(model="m").max_running_requests == 256   # a whole RL batch, not waves of 64
+
+
+def test_xccl_layout_check(monkeypatch):
+    """xccl on CUDA is NCCL: the rollout server may not share the trainer's GPU (cuda:0)."""
+    import torch
+
+    from areal_tik.train import check_xccl_layout
+    check_xccl_layout("disk", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for dev in (None, "cuda", "cuda:0"):
+        with pytest.raises(SystemExit, match="AREAL_TIK_SERVER_DEVICE=cuda:1"):
+            check_xccl_layout("xccl", dev)
+    check_xccl_layout("xccl", "cuda:1")
+    check_xccl_layout("disk", "cuda:0")
+    with pytest.raises(SystemExit, match="only 2 GPU"):
+        check_xccl_layout("xccl", "cuda:2")

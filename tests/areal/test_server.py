@@ -12,6 +12,7 @@ import asyncio
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 import json
 
@@ -252,3 +253,107 @@ def test_real_engine_logprobs_match_ops(tmp_path):
         client.destroy()
         stop.set()
         th.join(15)
+
+
+def _xccl_trainer(addr: str, fileroot: str, buckets: list, updates: int, device: str, q) -> None:
+    """AReaL's trainer side of an xccl update, in its own process (a process holds one rank of a
+    named group): AReaL's client posts the requests, AReaL's group helper opens rank 0, and
+    each bucket is broadcast tensor by tensor after its request, as FSDPEngine does."""
+    try:
+        import torch
+        import torch.distributed as dist
+        from areal.api.alloc_mode import ModelAllocation
+        from areal.api.io_struct import ParamSpec
+        from areal.engine.core.distributed import init_custom_process_group
+        from areal.infra.platforms import current_platform
+        from areal.utils.network import find_free_ports
+
+        client = _client(addr, fileroot)
+        meta = WeightUpdateMeta.from_fsdp_xccl(gen_allocation=ModelAllocation.from_str("sglang:d1p1t1", name="rollout"))
+        meta.nccl_master_address, meta.nccl_master_port = "127.0.0.1", find_free_ports(1)[0]
+        meta.nccl_group_name = "update_weight_group"
+        fut = client.init_weights_update_group(meta)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        pg = init_custom_process_group(backend=current_platform.communication_backend, init_method=f"tcp://127.0.0.1:{meta.nccl_master_port}",
+                                       world_size=2, rank=0, group_name=meta.nccl_group_name)
+        fut.result()
+        for u in range(updates):
+            client.pause_generation()
+            for bucket in buckets:
+                named = [(n, (torch.arange(int(torch.tensor(s).prod())).reshape(s) * (u + 1)).to(getattr(torch, d))
+                          .to(device)) for n, d, s in bucket]
+                specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype=str(t.dtype).split(".")[1]) for n, t in named]
+                fut = client.update_weights_from_distributed(meta, specs)
+                for _, t in named:
+                    dist.broadcast(t, src=0, group=pg)
+                fut.result()
+            client.continue_generation()
+        client.destroy()
+        q.put("ok")
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        import traceback
+        q.put(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+
+def _xccl_updates(scripted_server, tmp_path, trainer_device, server_device):
+    """AReaL's xccl mode against the server: the group is joined through /init_weights_update_group,
+    each bucket arrives bit-exact, in order, and one update (two buckets between pause and
+    continue) advances the version once."""
+    import multiprocessing as mp
+
+    import torch
+    eng, addr = scripted_server
+    eng.device = server_device
+    loaded = []
+    eng.update_weights = lambda src, version: (loaded.append((version, dict(src))), setattr(eng, "version", version))
+    buckets = [[("w.a", "bfloat16", [3, 5]), ("w.b", "float32", [7])], [("w.c", "bfloat16", [2, 2, 2])]]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_xccl_trainer, args=(addr, str(tmp_path), buckets, 2, trainer_device, q))
+    p.start()
+    try:
+        res = q.get(timeout=120)
+    finally:
+        p.join(30)
+    assert res == "ok", res
+    assert [v for v, _ in loaded] == [1, 1, 2, 2]  # two buckets per update, one version step per update
+    for i, (version, got) in enumerate(loaded):
+        for n, d, s in buckets[i % 2]:
+            want = (torch.arange(int(torch.tensor(s).prod())).reshape(s) * version).to(getattr(torch, d))
+            assert got[n].device == torch.device(server_device) and got[n].dtype == want.dtype, n
+            assert torch.equal(got[n].cpu(), want), n
+    assert _get(addr, "/get_server_info")["weight_version"] == 2
+
+
+def test_xccl_weight_update_buckets_gloo(scripted_server, tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("AReaL's client asks for nccl on a CUDA machine: test_xccl_weight_update_buckets_nccl")
+    _xccl_updates(scripted_server, tmp_path, "cpu", "cpu")
+
+
+@pytest.mark.gpu
+def test_xccl_weight_update_buckets_nccl(scripted_server, tmp_path):
+    """The same over NCCL: trainer on cuda:0, server receiving on cuda:1 (the A/B's 2-GPU layout)."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs the two ranks on two GPUs")
+    _xccl_updates(scripted_server, tmp_path, "cuda:0", "cuda:1")
+
+
+def test_xccl_requests_without_a_group_fail_cleanly(scripted_server):
+    _, addr = scripted_server
+    for path, payload in (("/update_weights_from_distributed",
+                           {"names": ["x"], "dtypes": ["bfloat16"], "shapes": [[2]], "group_name": "nope"}),
+                          ("/update_weights_from_distributed", {"names": "x"}),
+                          ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                          "rank_offset": 0, "world_size": 2, "backend": "gloo",
+                                                          "group_name": "g"})):
+        req = urllib.request.Request(f"http://{addr}{path}", data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(req, timeout=30)
+        assert ei.value.code == 400
+        body = json.loads(ei.value.read())
+        assert body["success"] is False and body["message"]

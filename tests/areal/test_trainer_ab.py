@@ -89,3 +89,28 @@ def test_report_consistent(ab_dir):
         assert len(iv) >= 2 and all(x["requests"] > 0 and x["tokens"] > 0 and x["engine_busy_s"] > 0 for x in iv)
     assert "Rollout server, mean per step after the first: baseline: engine stepping" in open(
         os.path.join(ab_dir, "summary.md")).read()
+
+
+def test_tik_arm_with_xccl_weight_updates(tmp_path):
+    """AReaL's default weight transfer (``xccl``: trainer rank 0 broadcasts every parameter to the
+    rollout server; gloo on a CPU) instead of the disk round trip: the server's bf16 weights after
+    each update equal the trainer's (digest), so step 1 still skips the recompute."""
+    import glob
+    import subprocess
+    import sys
+    log = tmp_path / "steps.jsonl"
+    cmd = [sys.executable, "-m", "areal_tik.train", "--config", os.path.abspath(RECIPE), "actor.kernel_backend=tik",
+           "actor.weight_update_mode=xccl", "total_train_steps=2", "trial_name=xccl", "experiment_name=tiktest-xccl",
+           f"cluster.fileroot={tmp_path}", "actor.tik.audit_interval=2", "--step-log", str(log)]
+    env = {k: v for k, v in os.environ.items() if k not in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT")}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = load_steps(str(log))
+    assert [s["global_step"] for s in steps] == [0, 1]
+    s0, s1 = steps[0]["tik"][0], steps[1]["tik"][0]
+    assert s0["audit"] and s0["audit_tokens"] > 0 and s0["audit_mismatch_tokens"] == 0 and s0["reasons"] == []
+    assert s1["skipped"] and s1["reasons"] == []  # server_version and weights_digest matched after the broadcast
+    server_log = open(glob.glob(str(tmp_path / "*" / "xccl" / "tik_server.log"))[0]).read()
+    assert "joined weight update group update_weight_group as rank 1 of 2 (gloo)" in server_log
+    assert server_log.count("from group update_weight_group into version") == 2
+    assert "update_weights_from_disk" not in server_log
