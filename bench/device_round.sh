@@ -5,6 +5,7 @@
 #   STAGE=next   bash bench/device_round.sh  -> what the third session runs first: cuda backend
 #                GPU tests (single decode path), log-prob tests, cuda/engine/profile/dense benches
 #                (session 2 ran the parity/isolation/verify round: bench/results/*_parity-r2)
+#   STAGE=s3     bash bench/device_round.sh  -> the short version of 'next' run in session 3 (tests + cuda bench)
 # The tuned tables (areal_tik/kernels/{linear,attention}_tuned.json) come back in the archives
 # and are committed by hand after checking the re-tests passed.
 set -u
@@ -31,5 +32,12 @@ case "${STAGE:-tune}" in
     mkdir -p $ROOT_OUT/next
     OUT=$ROOT_OUT/next GPU_TESTS="tests/kernels/test_cuda_backend.py tests/kernels/test_logprobs.py tests/engine/test_default_varlen.py" \
       PART_TIMEOUT=150 bash bench/gpu_check.sh env tests cuda engine profile dense
+    ;;
+  s3)     # session 3 first call (2 GPUs): the single-path cuda decode (40 GPU tests), the row-blocked
+          # logits backward, the baseline's torch varlen_attn (forward + backward, used by the A/B's
+          # baseline arm), the cuda-vs-Triton-vs-SDPA attention bench
+    mkdir -p $ROOT_OUT/s3
+    OUT=$ROOT_OUT/s3 GPU_TESTS="tests/engine/test_default_varlen.py tests/kernels/test_cuda_backend.py tests/kernels/test_logprobs.py" \
+      PART_TIMEOUT=${PART_TIMEOUT:-150} bash bench/gpu_check.sh env tests cuda
     ;;
 esac
