@@ -84,3 +84,20 @@ def test_rerun_replaces_stale_report(tmp_path, monkeypatch):
     assert not (tmp_path / "report.json").exists()   # the old pair's report no longer describes the arms
     assert again["pending"] == ["tik"]                # and the old tik arm is not paired with the new baseline
     assert ab.load_arm(str(tmp_path), "tik") is None
+
+
+def test_arm_stops_when_its_server_fails(tmp_path, monkeypatch):
+    """A rollout server whose engine failed answers every /generate with 500 and AReaL's client keeps
+    retrying: run_arm must stop the arm on the server's log line, not wait for the timeout."""
+    import sys
+    import time
+    runs = tmp_path / "runs"
+    script = ("import os, time; d = os.path.join(%r, 'exp', 'tik'); os.makedirs(d, exist_ok=True); "
+              "open(os.path.join(d, 'tik_server.log'), 'w').write('INFO up\\nERROR engine.step failed: Traceback\\n"
+              "CUDA error: operation not permitted when stream is capturing\\n'); time.sleep(120)") % str(runs)
+    monkeypatch.setattr(ab, "_arm_cmd", lambda *a, **k: [sys.executable, "-c", script])
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="rollout server failed(.|\n)*stream is capturing"):
+        ab.run_arm("cfg.yaml", "tik", 3, str(tmp_path / "out"), runs_dir=str(runs), timeout=100, partial_ok=True)
+    assert time.perf_counter() - t0 < 30
+    assert (tmp_path / "out" / "tik" / "tik_server.log").exists()  # copied into the report dir

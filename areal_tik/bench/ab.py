@@ -63,6 +63,25 @@ def _copy_server_log(out: str, arm: str, runs_dir: str | None) -> None:
             pass
 
 
+SERVER_FATAL = ("engine.step failed",)  # a server that logs this answers every /generate with 500 from then on
+
+
+def _server_failure(out: str, arm: str, runs_dir: str | None) -> str | None:
+    """The first fatal line of the arm's rollout server log, if any (AReaL's client retries failed
+    generations until the arm's timeout, so without this a broken server costs the whole budget)."""
+    import glob
+    for p in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, "tik_server.log")):
+        try:
+            with open(p, errors="replace") as f:
+                lines = f.readlines()
+        except OSError:
+            continue
+        for i, line in enumerate(lines):
+            if any(k in line for k in SERVER_FATAL):
+                return "".join(lines[i:i + 60])
+    return None
+
+
 def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = (), on_step=None,
             timeout: float | None = None, env: dict | None = None, runs_dir: str | None = None,
             partial_ok: bool = False) -> dict:
@@ -81,9 +100,11 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
     run_env.update(env or {})
     t0 = time.perf_counter()
     timed_out = False
+    server_failure = None
     with open(os.path.join(out, arm, "train.log"), "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
         seen = 0
+        polls = 0
         try:
             while proc.poll() is None:
                 time.sleep(0.5)
@@ -93,6 +114,9 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
                 seen = n
                 if timeout is not None and time.perf_counter() - t0 > timeout:
                     timed_out = True
+                    break
+                polls += 1
+                if polls % 10 == 0 and (server_failure := _server_failure(out, arm, runs_dir)):
                     break
         finally:
             if proc.poll() is None:  # timeout or interrupt: the trainer and its rollout server (same group)
@@ -104,6 +128,9 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
                 proc.wait()
     _copy_server_log(out, arm, runs_dir)
     rows = load_steps(log) if os.path.exists(log) else []
+    if server_failure:
+        raise RuntimeError(f"{arm} arm stopped: its rollout server failed (see {out}/{arm}/tik_server.log):\n"
+                           f"{server_failure}")
     if timed_out:
         if not partial_ok:
             raise TimeoutError(f"{arm} arm ran past {timeout}s; see {out}/{arm}/train.log")

@@ -184,7 +184,9 @@ class ModelRunner:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 set_context(ctx)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
+                # thread_local: other threads' CUDA calls (the rollout server's NCCL watchdog, once it
+                # joined AReaL's xccl weight-update group) would otherwise invalidate the capture
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     out = self._forward(s["ids"][:bs], s["pos"][:bs])
                 if self._pool is None:
                     self._pool = graph.pool()

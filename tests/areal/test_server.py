@@ -357,3 +357,110 @@ def test_xccl_requests_without_a_group_fail_cleanly(scripted_server):
         assert ei.value.code == 400
         body = json.loads(ei.value.read())
         assert body["success"] is False and body["message"]
+
+
+def _tiny_weights(scale_seed: int):
+    """(name, bf16 tensor) for every tiny-qwen2 parameter, drawn from a seeded CPU generator."""
+    import torch
+
+    from areal_tik.models import build_model
+    g = torch.Generator().manual_seed(scale_seed)
+    model = build_model("tiny-qwen2", dtype=torch.float32, device="cpu")
+    return [(n, (torch.randn(p.shape, generator=g) * 0.05).to(torch.bfloat16)) for n, p in model.named_parameters()]
+
+
+def _xccl_engine_trainer(addr: str, fileroot: str, device: str, q_out, q_in) -> None:
+    """Trainer side for the real-engine test: join, let the test generate (CUDA-graph capture with
+    the NCCL group alive), then send every tiny-qwen2 parameter in two buckets."""
+    try:
+        import torch
+        import torch.distributed as dist
+        from areal.api.alloc_mode import ModelAllocation
+        from areal.api.io_struct import ParamSpec
+        from areal.engine.core.distributed import init_custom_process_group
+        from areal.infra.platforms import current_platform
+        from areal.utils.network import find_free_ports
+
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        client = _client(addr, fileroot)
+        meta = WeightUpdateMeta.from_fsdp_xccl(gen_allocation=ModelAllocation.from_str("sglang:d1p1t1", name="rollout"))
+        meta.nccl_master_address, meta.nccl_master_port = "127.0.0.1", find_free_ports(1)[0]
+        meta.nccl_group_name = "update_weight_group"
+        fut = client.init_weights_update_group(meta)
+        pg = init_custom_process_group(backend=current_platform.communication_backend,
+                                       init_method=f"tcp://127.0.0.1:{meta.nccl_master_port}",
+                                       world_size=2, rank=0, group_name=meta.nccl_group_name)
+        fut.result()
+        q_out.put("joined")
+        assert q_in.get(timeout=120) == "send"
+        named = [(n, t.to(device)) for n, t in _tiny_weights(7)]
+        client.pause_generation()
+        half = len(named) // 2
+        for bucket in (named[:half], named[half:]):
+            specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype="bfloat16") for n, t in bucket]
+            fut = client.update_weights_from_distributed(meta, specs)
+            for _, t in bucket:
+                dist.broadcast(t, src=0, group=pg)
+            fut.result()
+        client.continue_generation()
+        client.destroy()
+        q_out.put("ok")
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+        q_out.put(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+
+def _xccl_real_engine(tmp_path, trainer_device, server_device):
+    """The real engine behind the server, AReaL's trainer side in another process: decoding after
+    the group exists (on CUDA, the NCCL watchdog thread must not break graph capture), then a
+    two-bucket update whose result has the sender's exact bits (weights digest)."""
+    import multiprocessing as mp
+
+    from areal_tik.backend.weights_digest import digest
+    from areal_tik.engine.server import build
+    cfg = ServerConfig(model="tiny-qwen2", kernels="tik", port=_free_port(), max_running_requests=8,
+                       context_length=256)
+    server = build(cfg, device=server_device)
+    ready, stop = threading.Event(), threading.Event()
+    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True)
+    th.start()
+    assert ready.wait(120)
+    addr = f"127.0.0.1:{cfg.port}"
+    ctx = mp.get_context("spawn")
+    q_out, q_in = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_xccl_engine_trainer, args=(addr, str(tmp_path), trainer_device, q_out, q_in))
+    p.start()
+    try:
+        assert q_out.get(timeout=180) == "joined"
+        gen = {"input_ids": [3, 5, 7, 9], "sampling_params": {"max_new_tokens": 12, "temperature": 1.0},
+               "return_logprob": True}
+        r = _post(addr, "/generate", gen)
+        assert len(r["output_ids"]) == 12  # graph capture + replay with the NCCL watchdog running
+        before = _get(addr, "/get_server_info")
+        q_in.put("send")
+        assert q_out.get(timeout=180) == "ok"
+        after = _get(addr, "/get_server_info")
+        assert after["weight_version"] == before["weight_version"] + 1
+        assert after["weights_digest"] == digest(_tiny_weights(7)) != before["weights_digest"]
+        assert len(_post(addr, "/generate", gen)["output_ids"]) == 12
+    finally:
+        p.join(30)
+        stop.set()
+        th.join(30)
+
+
+def test_xccl_real_engine_gloo(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("AReaL's client asks for nccl on a CUDA machine: test_xccl_real_engine_nccl")
+    _xccl_real_engine(tmp_path, "cpu", "cpu")
+
+
+@pytest.mark.gpu
+def test_xccl_real_engine_nccl(tmp_path):
+    """Server on cuda:1 (CUDA graphs), trainer side on cuda:0: the A/B's 2-GPU layout."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs the two ranks on two GPUs")
+    _xccl_real_engine(tmp_path, "cuda:0", "cuda:1")
