@@ -183,11 +183,15 @@ class ModelRunner:
                     self._forward(s["ids"][:bs], s["pos"][:bs])   # warm-up: compile kernels outside capture
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 set_context(ctx)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: other threads' CUDA calls (the rollout server's NCCL watchdog, once it
-                # joined AReaL's xccl weight-update group) would otherwise invalidate the capture
-                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                    out = self._forward(s["ids"][:bs], s["pos"][:bs])
+                # On this runner's device, on its own stream: torch.cuda.graph's default capture
+                # stream lives on the *current* device, so a runner on cuda:1 (the rollout server
+                # next to a trainer on cuda:0) captured nothing and failed ("operation not permitted
+                # when stream is capturing", seen on 2x H200). thread_local: other threads' CUDA
+                # calls (the NCCL watchdog of an xccl weight-update group) cannot invalidate it.
+                with torch.cuda.device(self.device):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                        out = self._forward(s["ids"][:bs], s["pos"][:bs])
                 if self._pool is None:
                     self._pool = graph.pool()
         finally:

@@ -150,6 +150,10 @@ class EngineWorker:
         loop.call_soon_threadsafe(_set)
 
     def _run(self):
+        dev = getattr(self.engine, "device", None)
+        if dev is not None and str(dev).startswith("cuda"):
+            import torch
+            torch.cuda.set_device(dev)  # this thread's current device = the engine's (e.g. cuda:1)
         while not self._stop.is_set():
             ran = False
             while True:
