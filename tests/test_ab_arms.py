@@ -101,3 +101,21 @@ def test_arm_stops_when_its_server_fails(tmp_path, monkeypatch):
         ab.run_arm("cfg.yaml", "tik", 3, str(tmp_path / "out"), runs_dir=str(runs), timeout=100, partial_ok=True)
     assert time.perf_counter() - t0 < 30
     assert (tmp_path / "out" / "tik" / "tik_server.log").exists()  # copied into the report dir
+
+
+def test_arm_that_hangs_after_its_last_step_is_complete(tmp_path, monkeypatch):
+    """All requested steps logged, then the process hangs in teardown (seen with xccl on 2x H200):
+    killed after the grace period, counted complete (not timed out, not failed)."""
+    import sys
+    import time
+    out = tmp_path / "out"
+    log = out / "tik" / "steps.jsonl"
+    row = json.dumps({"global_step": 0, "wall_s": 1.0, "stats": {}})
+    script = ("import json, time; f = open(%r, 'a'); [f.write(%r + '\\n') for _ in range(3)]; f.flush(); "
+              "time.sleep(120)") % (str(log), row)
+    monkeypatch.setattr(ab, "_arm_cmd", lambda *a, **k: [sys.executable, "-c", script])
+    t0 = time.perf_counter()
+    res = ab.run_arm("cfg.yaml", "tik", 3, str(out), runs_dir=str(tmp_path / "runs"), timeout=100,
+                     partial_ok=False, teardown_grace_s=2)
+    assert time.perf_counter() - t0 < 30
+    assert len(res["steps"]) == 3 and res["teardown_killed"] and not res["timed_out"]

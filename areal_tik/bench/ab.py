@@ -84,13 +84,15 @@ def _server_failure(out: str, arm: str, runs_dir: str | None) -> str | None:
 
 def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = (), on_step=None,
             timeout: float | None = None, env: dict | None = None, runs_dir: str | None = None,
-            partial_ok: bool = False) -> dict:
+            partial_ok: bool = False, teardown_grace_s: float = 30.0) -> dict:
     """Run one arm to completion; ``on_step(arm, n_done)`` after every logged step.
 
     ``timeout``: seconds before the arm is killed; then ``TimeoutError``, or with ``partial_ok``
     the steps logged so far are returned with ``timed_out: True`` (a device call has a hard
     wall-clock limit: a partial A/B beats none). ``runs_dir``: AReaL's ``cluster.fileroot``
-    (model dirs, checkpoints; default ``<out>/runs``)."""
+    (model dirs, checkpoints; default ``<out>/runs``). Once all ``steps`` are logged the process
+    gets ``teardown_grace_s`` to exit, then it is killed and the arm counts as complete
+    (``teardown_killed``): on 2x H200 with xccl both trainers hung ~2 min after their last step."""
     os.makedirs(os.path.join(out, arm), exist_ok=True)
     log = os.path.join(out, arm, "steps.jsonl")
     if os.path.exists(log):
@@ -99,8 +101,9 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
     run_env = {k: v for k, v in os.environ.items() if k not in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT")}
     run_env.update(env or {})
     t0 = time.perf_counter()
-    timed_out = False
+    timed_out = teardown_killed = False
     server_failure = None
+    t_all_logged = None
     with open(os.path.join(out, arm, "train.log"), "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
         seen = 0
@@ -112,8 +115,14 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
                 if n != seen and on_step:
                     on_step(arm, n)
                 seen = n
+                if n >= steps:
+                    t_all_logged = t_all_logged or time.perf_counter()
+                    if time.perf_counter() - t_all_logged > teardown_grace_s:
+                        teardown_killed = True
+                        break
                 if timeout is not None and time.perf_counter() - t0 > timeout:
-                    timed_out = True
+                    timed_out = n < steps
+                    teardown_killed = not timed_out
                     break
                 polls += 1
                 if polls % 10 == 0 and (server_failure := _server_failure(out, arm, runs_dir)):
@@ -134,12 +143,13 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
     if timed_out:
         if not partial_ok:
             raise TimeoutError(f"{arm} arm ran past {timeout}s; see {out}/{arm}/train.log")
-    elif proc.returncode != 0:
+    elif proc.returncode != 0 and not teardown_killed:
         tail = open(os.path.join(out, arm, "train.log"), errors="replace").read()[-3000:]
         raise RuntimeError(f"{arm} arm failed (exit {proc.returncode}); log tail:\n{tail}")
     if on_step:
         on_step(arm, len(rows))
-    return {"cmd": cmd, "wall_s": time.perf_counter() - t0, "steps": rows, "timed_out": timed_out}
+    return {"cmd": cmd, "wall_s": time.perf_counter() - t0, "steps": rows, "timed_out": timed_out,
+            "teardown_killed": teardown_killed}
 
 
 def _step_row(rec: dict) -> dict:
@@ -286,6 +296,10 @@ def summary_markdown(report: dict, meta: dict) -> str:
             outside.append(f"{a} {_fmt(w, 1)} s, of which {_fmt(w - in_steps, 1)} s outside the logged steps")
     if outside:
         lines += ["", "Arm wall time (whole process): " + "; ".join(outside) + "."]
+    killed = [a for a, k in (meta.get("teardown_killed") or {}).items() if k]
+    if killed:
+        lines += ["", f"The {', '.join(killed)} process(es) logged every step but did not exit within the grace "
+                      "period and were killed during teardown (their steps are complete)."]
     srv = []
     for a in ARMS:   # the rollout server's view of each step's rollout (intervals between weight updates)
         iv = [x for x in (meta.get("server_intervals") or {}).get(a, [])[1:] if x.get("requests")]
@@ -463,6 +477,7 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
                       partial_ok=partial_ok)
         results[a] = res
         _write_arm_record(out, a, {"cmd": res["cmd"], "wall_s": res["wall_s"], "timed_out": res["timed_out"],
+                                   "teardown_killed": res.get("teardown_killed", False),
                                    "complete": True, "steps_requested": n, "shared": here})
 
     if to_run:  # a report from an earlier pair no longer describes these arms
@@ -497,6 +512,7 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
             "cmd_baseline": results["baseline"]["cmd"], "cmd_tik": results["tik"]["cmd"],
             "arm_wall_s": {a: results[a]["wall_s"] for a in ARMS},
             "timed_out": {a: results[a]["timed_out"] for a in ARMS},
+            "teardown_killed": {a: bool(results[a].get("teardown_killed")) for a in ARMS},
             "arms_run_here": list(to_run),
             "server_intervals": {a: server_intervals(out, a) for a in ARMS}}
     try:
