@@ -4,6 +4,7 @@ import hashlib
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from areal_tik.backend import weights_digest as WD
@@ -52,3 +53,36 @@ def test_sensitive_to_one_element_and_swaps():
     n[0], n[1] = b, a
     assert WD.digest([ts[0], ("norm", n), *ts[2:]]) != base
     assert WD.digest(list(reversed(ts))) == base   # order of the pairs does not matter (sorted by name)
+
+
+def test_triton_one_pass_sums_equal_the_reference(monkeypatch):
+    """The CUDA path's one-kernel sums (run here in Triton's interpreter on CPU tensors) equal the
+    chunked reference for bf16/fp16/fp32 bits, ragged sizes and extreme values; the digest is the
+    same whichever path computes it."""
+    g = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    cases = [torch.randn(1, generator=g).bfloat16(), torch.randn(4097, generator=g).bfloat16(),
+             (torch.randn(3, 1500, generator=g) * 1e4).half(), torch.randn(9001, generator=g),
+             torch.full((5000,), -0.0).bfloat16(), torch.tensor([float("inf"), float("nan"), -3e38]),
+             torch.empty(0, dtype=torch.bfloat16)]
+    for t in cases:
+        ref = WD._chunk_sums(t)
+        want = (sum(int(x) for x in ref[0::2]), sum(int(x) for x in ref[1::2]))
+        got = tuple(int(x) for x in WD._triton_sums(t))
+        assert got == want, (t.dtype, t.shape)
+    named = [(f"t{i}", t) for i, t in enumerate(cases)]
+    want = WD.digest(named, None)
+    monkeypatch.setattr(WD, "_use_triton", lambda t: t.element_size() <= 4)
+    assert WD.digest(named, None) == want
+
+
+@pytest.mark.gpu
+def test_triton_digest_on_cuda_equals_the_reference(monkeypatch):
+    """On the GPU: the one-pass kernel and the chunked torch reference give the same digest for a
+    1.5B-like embedding (233M bf16 elements, several reference chunks) and fp32 masters."""
+    g = torch.Generator(device="cuda").manual_seed(random.SystemRandom().randrange(2**31))
+    named = [("embed", torch.randn(151936, 1536, device="cuda", generator=g).bfloat16()),
+             ("norm", torch.randn(1536, device="cuda", generator=g)),
+             ("q", torch.randn(1536, 1537, device="cuda", generator=g))]
+    fast = WD.digest(named)
+    monkeypatch.setattr(WD, "_use_triton", lambda t: False)
+    assert WD.digest(named) == fast

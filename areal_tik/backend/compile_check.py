@@ -21,14 +21,17 @@ TRITON_ARCHS = (80, 90)
 NVCC_ARCHS = ("80", "90a")
 
 
+EXTRA_KERNEL_MODULES = ("areal_tik.backend.weights_digest",)  # Triton kernels outside areal_tik.kernels
+
+
 def triton_specs():
     import areal_tik.kernels as kpkg
-    for m in sorted(pkgutil.iter_modules(kpkg.__path__), key=lambda m: m.name):
-        if m.name.startswith("_"):
-            continue
-        mod = importlib.import_module(f"{kpkg.__name__}.{m.name}")
+    names = [f"{kpkg.__name__}.{m.name}" for m in sorted(pkgutil.iter_modules(kpkg.__path__), key=lambda m: m.name)
+             if not m.name.startswith("_")]
+    for name in (*names, *EXTRA_KERNEL_MODULES):
+        mod = importlib.import_module(name)
         for spec in getattr(mod, "COMPILE_SPECS", ()):
-            yield m.name, spec
+            yield name.rsplit(".", 1)[-1], spec
 
 
 def compile_triton(archs=TRITON_ARCHS) -> list[dict]:
