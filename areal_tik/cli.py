@@ -20,6 +20,7 @@ SUBCOMMANDS = [
     "areal_tik.cli_serve",
     "areal_tik.cli_train",
     "areal_tik.cli_ab",
+    "areal_tik.cli_warmstart",
     "areal_tik.cli_bench",
     "areal_tik.cli_agent",
 ]

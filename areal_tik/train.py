@@ -86,8 +86,8 @@ def materialize_model(config) -> str:
     tok = AutoTokenizer.from_pretrained(config.tokenizer_path)
     root = os.path.join(config.cluster.fileroot, config.experiment_name, config.trial_name, "init_model")
     if not os.path.exists(os.path.join(root, "config.json")):
-        ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                   bos_token_id=tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id)
+        from areal_tik.areal.warmstart import special_token_ids
+        ids = special_token_ids(tok)
         # Seeded init on the GPU when there is one (a 1.5B bf16 init took 19.6 s on 2 CPU cores;
         # an A/B arm on the H200 spent ~85 s before its first step). Both arms run this same code
         # on the same device and seed, so they start from the same weights.

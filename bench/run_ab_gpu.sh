@@ -41,7 +41,9 @@
 # QWEN_DIR=<local HF dir> uses real weights + tokenizer instead.
 #
 # Env knobs: RECIPES ("grpo ppo"), ARMS (both | baseline | tik), STEPS (10), BUDGET_S (540),
-# WEIGHT_UPDATE (xccl when the server has its own GPU, else disk),
+# WEIGHT_UPDATE (xccl when the server has its own GPU, else disk), WARMSTART_STEPS (0; N > 0: first
+# `areal-tik warmstart` the preset on the arithmetic task for N steps into WARM_DIR and run both arms
+# from it, so the reward is not 0: use with a small GEN_TOKENS, e.g. 32, the answers are short),
 # ARM_TIMEOUT (BUDGET_S split over the arms run in this call),
 # GEN_TOKENS (512), AB_OUT (report root, default /tmp/areal_tik_ab_reports), RUNS_DIR,
 # EXTRA_OVERRIDES (whitespace-separated AReaL overrides appended last, e.g.
@@ -80,7 +82,13 @@ WEIGHT_UPDATE=${WEIGHT_UPDATE:-$WU_DEFAULT}
 echo "run_ab_gpu: recipes=[$RECIPES] arms=$ARMS steps=$STEPS smoke=$SMOKE gpus=$NGPU server_device=${AREAL_TIK_SERVER_DEVICE:-default} weight_update=$WEIGHT_UPDATE" \
      "arm_timeout=${ARM_TIMEOUT}s out=$AB_OUT runs=$RUNS_DIR"
 
-if [ -n "${QWEN_DIR:-}" ]; then  # real weights + tokenizer available locally
+if [ "${WARMSTART_STEPS:-0}" -gt 0 ]; then  # a preset that earns reward: the A/B's reward comparison
+  WARM_DIR=${WARM_DIR:-/tmp/areal_tik_warm}
+  python3 -m areal_tik.cli warmstart --model "${WARM_MODEL:-qwen2.5-1.5b}" --task mix --steps "$WARMSTART_STEPS" \
+      --lr "${WARMSTART_LR:-3e-4}" --out "$WARM_DIR" --no-progress | tee "$AB_OUT/warmstart.json"
+  QWEN_DIR=$WARM_DIR
+fi
+if [ -n "${QWEN_DIR:-}" ]; then  # real weights + tokenizer available locally (or the warm start)
   DATA=(actor.path="$QWEN_DIR" tokenizer_path="$QWEN_DIR" "train_dataset.path='builtin:arith/mix?n=8192'")
 else
   DATA=(actor.path=preset:qwen2.5-1.5b tokenizer_path=builtin:tiny-char "train_dataset.path='builtin:arith/mix?n=8192'")
@@ -101,7 +109,7 @@ pack() {  # the device returns at most 8 files from $OUT: one archive + one summ
   [ "$(cd "$AB_OUT" && pwd)" = "$(cd "$OUT" && pwd)" ] && return 0
   for R in "${RECIPE_LIST[@]}"; do
     [ -d "$AB_OUT/$R" ] || continue
-    tar czf "$OUT/ab_$R.tgz" -C "$AB_OUT" "$R" env.json 2>/dev/null || true
+    tar czf "$OUT/ab_$R.tgz" -C "$AB_OUT" "$R" env.json $(cd "$AB_OUT" && ls warmstart.json 2>/dev/null) 2>/dev/null || true
     [ -f "$AB_OUT/$R/summary.md" ] && cp "$AB_OUT/$R/summary.md" "$OUT/ab_${R}_summary.md"
   done
   echo "packed into $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,29 @@
+"""``areal-tik warmstart --model <preset|dir> --out DIR``: supervised warm start on the built-in
+arithmetic task, so that an A/B on a preset (no pretrained weights) has a reward to compare."""
+from __future__ import annotations
+
+
+def add_parser(sub):
+    p = sub.add_parser("warmstart", help="train a preset on the built-in arithmetic task (next-token loss) and "
+                                         "save an HF dir a recipe can load (actor.path=DIR tokenizer_path=DIR)")
+    p.add_argument("--model", required=True, help="preset name (e.g. tiny-qwen2, qwen2.5-1.5b) or HF dir")
+    p.add_argument("--out", required=True, help="output HF directory")
+    p.add_argument("--task", default="mix", help="add1 | add2 | mix (default mix)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from areal_tik.areal.warmstart import warm_start
+    from areal_tik.cli import print_json
+
+    rec = warm_start(args.model, args.out, task=args.task, steps=args.steps, batch=args.batch, lr=args.lr,
+                     seed=args.seed, device=args.device, progress=not args.no_progress)
+    print_json({k: v for k, v in rec.items() if k != "losses_every_10"})
+    return 0
