@@ -119,3 +119,18 @@ def test_arm_that_hangs_after_its_last_step_is_complete(tmp_path, monkeypatch):
                      partial_ok=False, teardown_grace_s=2)
     assert time.perf_counter() - t0 < 30
     assert len(res["steps"]) == 3 and res["teardown_killed"] and not res["timed_out"]
+
+
+def test_reward_ratio_interval():
+    """The reward ratio's 95% interval (delta method over per-step means) is recomputable from the
+    logged rewards, and undefined (nan) when an arm's reward is 0."""
+    import math
+    import statistics
+    rb, rt = [0.40, 0.50, 0.45, 0.55], [0.42, 0.48, 0.50, 0.52]
+    ci = ab._ratio_ci(rb, rt)
+    mb, mt = statistics.fmean(rb), statistics.fmean(rt)
+    sb, st = statistics.stdev(rb) / 2, statistics.stdev(rt) / 2
+    half = 1.96 * (mt / mb) * math.sqrt((sb / mb) ** 2 + (st / mt) ** 2)
+    assert ci["ratio_ci95"] == pytest.approx([mt / mb - half, mt / mb + half])
+    assert ci["se_baseline"] == pytest.approx(sb) and ci["se_tik"] == pytest.approx(st)
+    assert all(math.isnan(x) for x in ab._ratio_ci([0.0, 0.0], [0.1, 0.2])["ratio_ci95"])

@@ -185,6 +185,23 @@ def _spread(xs: list[float]) -> dict:
             "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
 
 
+def _ratio_ci(rb: list[float], rt: list[float]) -> dict:
+    """Standard errors of the two arms' mean reward (per-step means as the samples) and a 95%
+    interval for tik/baseline by the delta method. An approximation: the steps of one arm are
+    not independent (the policy improves), but both arms share the curve's shape."""
+    out = {"se_baseline": math.nan, "se_tik": math.nan, "ratio_ci95": [math.nan, math.nan]}
+    if len(rb) < 2 or len(rt) < 2 or not all(math.isfinite(x) for x in (*rb, *rt)):
+        return out
+    mb, mt = statistics.fmean(rb), statistics.fmean(rt)
+    sb, st = statistics.stdev(rb) / math.sqrt(len(rb)), statistics.stdev(rt) / math.sqrt(len(rt))
+    out.update(se_baseline=sb, se_tik=st)
+    if mb > 0 and mt > 0:
+        r = mt / mb
+        half = 1.96 * r * math.sqrt((sb / mb) ** 2 + (st / mt) ** 2)
+        out["ratio_ci95"] = [r - half, r + half]
+    return out
+
+
 def analyze(baseline: list[dict], tik: list[dict]) -> dict:
     """Report dict from the two step logs (lists of step records)."""
     rows = {"baseline": [_step_row(r) for r in baseline], "tik": [_step_row(r) for r in tik]}
@@ -215,7 +232,8 @@ def analyze(baseline: list[dict], tik: list[dict]) -> dict:
                                if tot["tik"] > 0 and tot["baseline"] > 0 and toks["baseline"] > 0 else math.nan),
         "phase_mean_s": phase_means,
         "reward_mean": {"baseline": mean_rb, "tik": mean_rt,
-                        "ratio": (mean_rt / mean_rb) if mean_rb not in (0.0,) and not math.isnan(mean_rb) else math.nan},
+                        "ratio": (mean_rt / mean_rb) if mean_rb not in (0.0,) and not math.isnan(mean_rb) else math.nan,
+                        **_ratio_ci(rb, rt)},
         "tik": {
             "steps_skipped": sum(r["recompute_skipped"] for r in tik_rows),
             "audits": sum(r["audit"] for r in tik_rows),
@@ -257,8 +275,11 @@ def summary_markdown(report: dict, meta: dict) -> str:
              f"max {_fmt(r['step_time_ratio']['max'])}, std {_fmt(r['step_time_ratio']['std'])}",
              f"- generated tokens/s: baseline {_fmt(r['tokens_per_s']['baseline'], 1)}, "
              f"tik {_fmt(r['tokens_per_s']['tik'], 1)} (ratio {_fmt(r['tokens_per_s_ratio'])})",
-             f"- mean training reward: baseline {_fmt(r['reward_mean']['baseline'])}, "
-             f"tik {_fmt(r['reward_mean']['tik'])} (ratio {_fmt(r['reward_mean']['ratio'])})",
+             f"- mean training reward: baseline {_fmt(r['reward_mean']['baseline'])} "
+             f"(+- {_fmt(r['reward_mean'].get('se_baseline'))} s.e.), tik {_fmt(r['reward_mean']['tik'])} "
+             f"(+- {_fmt(r['reward_mean'].get('se_tik'))}); ratio {_fmt(r['reward_mean']['ratio'])}, "
+             f"95% CI [{', '.join(_fmt(x) for x in r['reward_mean'].get('ratio_ci95', [math.nan, math.nan]))}] "
+             f"(per-step means as samples, all steps)",
              f"- tik: recompute skipped on {r['tik']['steps_skipped']}/{r['n_steps']} steps, "
              f"{r['tik']['audits']} audits, {r['tik']['audit_mismatch_tokens']}/{r['tik']['audit_tokens']} "
              f"audited tokens mismatching (max |diff| {r['tik']['audit_max_abs_diff']:.3g}); "
