@@ -3,7 +3,9 @@
 #   bash bench/gpu_check.sh [PART ...]   parts: env tests negctl <bench name without bench_/.py> ...; default: all
 #   GPU_TESTS='tests/kernels/test_x.py ...' limits the tests part; part "isolate" runs the decode-path
 #   isolation tests (tests/engine/test_gpu_decode_isolation.py + the tiny GPU parity) into gpu_isolate.log;
-#   part "profile" splits an engine decode step into host phases + top device ops (bench/profile_engine.py);
+#   part "profile" splits an engine decode step into host phases + top device ops (bench/profile_engine.py,
+#   PROFILE_ARGS e.g. "--batches 64 128 --prompt-len 16"); part "profile_train" times a training micro-batch
+#   (forward, forward+backward) per kernels mode with its top device ops (bench/profile_train.py);
 #   PART_TIMEOUT (s, default 900) bounds each bench/profile part, so one slow part cannot cost the archive; BENCH_ARGS is passed to every bench script (e.g. --quick)
 # Locally, copy $OUT into bench/results/<date>_<gpu>_<commit>/ (bench/collect_results.py).
 set -uo pipefail
@@ -27,7 +29,8 @@ for part in "${PARTS[@]}"; do
     tests) python -m pytest -q -rfE -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     isolate) python -m pytest -q -rfE -m gpu tests/engine/test_gpu_decode_isolation.py tests/engine/test_parity.py -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_isolate.xml" 2>&1 | tee "$OUT/gpu_isolate.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     negctl) python bench/negative_controls.py --out "$OUT" || status=1 ;;
-    profile) timeout "${PART_TIMEOUT:-900}" python bench/profile_engine.py --out "$OUT" 2>&1 | tee "$OUT/profile_engine.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    profile) timeout "${PART_TIMEOUT:-900}" python bench/profile_engine.py --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_engine.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    profile_train) timeout "${PART_TIMEOUT:-900}" python bench/profile_train.py --out "$OUT" 2>&1 | tee "$OUT/profile_train.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     *) timeout "${PART_TIMEOUT:-900}" python "bench/bench_${part}.py" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_${part}.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
   esac
   echo "== part $part done in $(( $(date +%s) - t0 )) s (status so far $status)"

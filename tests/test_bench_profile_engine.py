@@ -29,3 +29,16 @@ def test_profile_engine_cpu(tmp_path, graphs):
                                                                  else ["forward (eager)"])
             assert all(v > 0 for v in ph.values()) and r["ms_per_step"] > 0
             assert r["top_host_ops"] and all(o["calls_per_step"] > 0 for o in r["top_host_ops"])
+
+
+def test_profile_train_cpu(tmp_path):
+    """bench/profile_train.py (the train-step gap tool) produces its JSON for both kernel modes."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_train.py"), "--out", str(tmp_path),
+                        "--model", "tiny-qwen2", "--seqs", "2", "--seq-len", "12", "--reps", "1"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.load(open(tmp_path / "train_profile.json"))
+    assert set(res["runs"]) == {"tik", "default"}
+    for r in res["runs"].values():
+        assert r["tokens"] == 24 and r["forward_ms"] > 0 and r["forward_backward_ms"] > 0
+        assert r["top_host_ops"]
