@@ -136,11 +136,14 @@ def check_xccl_layout(weight_update_mode: str, server_device: str | None) -> Non
     if not torch.cuda.is_available():
         return  # AReaL's CPU platform: gloo, any layout
     dev = torch.device(server_device or "cuda")
-    if dev.type == "cuda" and (dev.index or 0) == 0:
+    if dev.type != "cuda":
+        raise SystemExit(f"actor.weight_update_mode=xccl on a CUDA machine broadcasts over NCCL: the rollout server "
+                         f"must be on a GPU, not AREAL_TIK_SERVER_DEVICE={server_device}")
+    if (dev.index or 0) == 0:
         raise SystemExit("actor.weight_update_mode=xccl needs the rollout server on another GPU than the trainer "
                          "(NCCL refuses two ranks on one device): set AREAL_TIK_SERVER_DEVICE=cuda:1, or use "
                          "actor.weight_update_mode=disk on one GPU")
-    if dev.type == "cuda" and dev.index >= torch.cuda.device_count():
+    if dev.index >= torch.cuda.device_count():
         raise SystemExit(f"AREAL_TIK_SERVER_DEVICE={server_device}: only {torch.cuda.device_count()} GPU(s) visible")
 
 

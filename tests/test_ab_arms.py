@@ -134,3 +134,21 @@ def test_reward_ratio_interval():
     assert ci["ratio_ci95"] == pytest.approx([mt / mb - half, mt / mb + half])
     assert ci["se_baseline"] == pytest.approx(sb) and ci["se_tik"] == pytest.approx(st)
     assert all(math.isnan(x) for x in ab._ratio_ci([0.0, 0.0], [0.1, 0.2])["ratio_ci95"])
+
+
+def test_stale_server_failure_from_an_earlier_run_is_ignored(tmp_path, monkeypatch):
+    """The server log is appended to: a failure line left by an earlier run in the same runs dir
+    must not stop a healthy arm."""
+    import sys
+    runs = tmp_path / "runs"
+    d = runs / "exp" / "tik"
+    d.mkdir(parents=True)
+    (d / "tik_server.log").write_text("ERROR engine.step failed: an earlier run\n")
+    out = tmp_path / "out"
+    log = out / "tik" / "steps.jsonl"
+    row = json.dumps({"global_step": 0, "wall_s": 1.0, "stats": {}})
+    script = ("import time; time.sleep(6); f = open(%r, 'a'); [f.write(%r + '\\n') for _ in range(2)]; f.close(); "
+              "open(%r, 'a').write('INFO this run is fine\\n')") % (str(log), row, str(d / "tik_server.log"))
+    monkeypatch.setattr(ab, "_arm_cmd", lambda *a, **k: [sys.executable, "-c", script])
+    res = ab.run_arm("cfg.yaml", "tik", 2, str(out), runs_dir=str(runs), timeout=60)
+    assert len(res["steps"]) == 2 and not res["timed_out"]

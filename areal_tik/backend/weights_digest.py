@@ -14,6 +14,7 @@ element changes it, and so does any swap of two differing elements.
 from __future__ import annotations
 
 import hashlib
+from contextlib import nullcontext as _nullcontext
 from typing import Iterable
 
 import torch
@@ -44,15 +45,16 @@ if triton is not None:
 _TRITON_BLOCK = 4096
 COMPILE_SPECS = [] if triton is None else [
     {"fn": _weighted_bit_sums_kernel, "signature": {"bits_ptr": f"*{b}", "out_ptr": "*i64", "n": "i32"},
-     "constexprs": {"P1": _P1, "P2": _P2, "BLOCK": _TRITON_BLOCK}} for b in ("i16", "i32")]
+     "constexprs": {"P1": _P1, "P2": _P2, "BLOCK": _TRITON_BLOCK}} for b in ("u8", "i16")]
 
 
 def _triton_sums(t: torch.Tensor) -> list[torch.Tensor]:
     """The two sums of :func:`_chunk_sums` over the whole tensor in one pass (one kernel, then an
     exact int64 sum of the per-program partials). Equal to the chunked reference: each term is
     below 2^15 * 2^16 in magnitude, so any tensor under 2^31 elements sums below 2^62 (no
-    wrap-around), and integer addition does not depend on order. For 1-, 2- and 4-byte
-    elements; the trainer's per-step digest of a 1.5B model reads its bf16 bits once."""
+    wrap-around), and integer addition does not depend on order. Hence 1- and 2-byte elements
+    only: 4-byte bit patterns (~2^31) wrap int64, and the reference adds its wrapped per-chunk
+    sums as Python ints. The trainer's per-step digest of a 1.5B model reads its bf16 bits once."""
     flat = t.detach().contiguous().reshape(-1)
     if flat.is_floating_point():
         flat = flat.view(_INT_VIEW[flat.element_size()])
@@ -62,13 +64,14 @@ def _triton_sums(t: torch.Tensor) -> list[torch.Tensor]:
         return [z, z.clone()]
     grid = (triton.cdiv(n, _TRITON_BLOCK),)
     partial = torch.empty((grid[0], 2), dtype=torch.int64, device=flat.device)
-    _weighted_bit_sums_kernel[grid](flat, partial, n, P1=_P1, P2=_P2, BLOCK=_TRITON_BLOCK)
+    with torch.cuda.device(flat.device) if flat.is_cuda else _nullcontext():  # Triton launches on the current device
+        _weighted_bit_sums_kernel[grid](flat, partial, n, P1=_P1, P2=_P2, BLOCK=_TRITON_BLOCK)
     tot = partial.sum(0)
     return [tot[0], tot[1]]
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return (triton is not None and t.is_cuda and t.element_size() <= 4 and t.numel() < (1 << 31))
+    return (triton is not None and t.is_cuda and t.element_size() <= 2 and t.numel() < (1 << 31))
 
 
 def _chunk_sums(t: torch.Tensor) -> list[torch.Tensor]:

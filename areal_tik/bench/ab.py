@@ -66,14 +66,28 @@ def _copy_server_log(out: str, arm: str, runs_dir: str | None) -> None:
 SERVER_FATAL = ("engine.step failed",)  # a server that logs this answers every /generate with 500 from then on
 
 
-def _server_failure(out: str, arm: str, runs_dir: str | None) -> str | None:
-    """The first fatal line of the arm's rollout server log, if any (AReaL's client retries failed
-    generations until the arm's timeout, so without this a broken server costs the whole budget)."""
+def _server_logs(out: str, arm: str, runs_dir: str | None) -> dict[str, int]:
+    """The arm's rollout server logs now and their sizes (the server appends: a log from an
+    earlier run in the same runs dir must not count against this one)."""
     import glob
+    sizes = {}
     for p in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, "tik_server.log")):
         try:
-            with open(p, errors="replace") as f:
-                lines = f.readlines()
+            sizes[p] = os.path.getsize(p)
+        except OSError:
+            pass
+    return sizes
+
+
+def _server_failure(out: str, arm: str, runs_dir: str | None, skip: dict[str, int] | None = None) -> str | None:
+    """The first fatal line the arm's rollout server logged after the offsets in ``skip``, if any
+    (AReaL's client retries failed generations until the arm's timeout, so without this a broken
+    server costs the whole budget)."""
+    for p in _server_logs(out, arm, runs_dir):
+        try:
+            with open(p, "rb") as f:
+                f.seek((skip or {}).get(p, 0))
+                lines = f.read().decode(errors="replace").splitlines(keepends=True)
         except OSError:
             continue
         for i, line in enumerate(lines):
@@ -103,6 +117,7 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
     t0 = time.perf_counter()
     timed_out = teardown_killed = False
     server_failure = None
+    old_logs = _server_logs(out, arm, runs_dir)
     t_all_logged = None
     with open(os.path.join(out, arm, "train.log"), "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
@@ -125,7 +140,7 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
                     teardown_killed = not timed_out
                     break
                 polls += 1
-                if polls % 10 == 0 and (server_failure := _server_failure(out, arm, runs_dir)):
+                if polls % 10 == 0 and (server_failure := _server_failure(out, arm, runs_dir, old_logs)):
                     break
         finally:
             if proc.poll() is None:  # timeout or interrupt: the trainer and its rollout server (same group)

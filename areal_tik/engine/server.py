@@ -289,10 +289,11 @@ class EngineWorker:
             raise RuntimeError(f"update_weights_from_distributed: no weight update group {body.get('group_name')!r} "
                                f"(known: {sorted(self.groups)}); call /init_weights_update_group first")
         new_version = not self._dist_update_open
-        self._dist_update_open = True
         device = getattr(self.engine, "device", "cpu")
-        return self._load(lambda: receive_bucket(pg, body["names"], body["dtypes"], body["shapes"], device), abort,
-                          new_version=new_version, what="update_weights_from_distributed", with_info=False)
+        res = self._load(lambda: receive_bucket(pg, body["names"], body["dtypes"], body["shapes"], device), abort,
+                         new_version=new_version, what="update_weights_from_distributed", with_info=False)
+        self._dist_update_open = True  # only once a bucket loaded: a failed first bucket opens no version
+        return res
 
     def _load(self, source: Callable[[], Any], abort: bool, new_version: bool, what: str, with_info: bool):
         """``with_info``: also compute the model info (weights digest) now; a bucket leaves it to
@@ -366,7 +367,9 @@ class TikServer:
                            "weight_version": int(self.worker.engine.version)})
 
     async def get_server_info(self, request):
-        return self._json(self.server_info())
+        # in the engine thread: the weights digest reads the model (which only that thread touches,
+        # and on its device: a server on cuda:1 would launch the digest kernel on cuda:0 from here)
+        return self._json(await self.worker.submit(self.server_info))
 
     def _params(self, sp: dict):
         temp = float(sp.get("temperature", 1.0) if sp.get("temperature") is not None else 1.0)
@@ -486,8 +489,11 @@ class TikServer:
                         backend=str(body.get("backend", "nccl")))
         except (ValueError, KeyError, TypeError) as e:
             return self._json({"success": False, "message": f"bad request: {e}"}, status=400)
-        if args["group_name"] in self.worker.groups:
-            return self._json({"success": False, "message": f"group {args['group_name']!r} already exists"}, status=400)
+        old = self.worker.groups.pop(args["group_name"], None)
+        if old is not None:  # a restarted trainer re-creates its group: it is already waiting in the rendezvous
+            from areal_tik.engine.weight_group import leave_group
+            logger.warning("weight update group %s exists: replacing it (trainer restarted?)", args["group_name"])
+            await asyncio.to_thread(leave_group, old)
         t0 = time.perf_counter()
         try:  # the rendezvous blocks until the trainer joins: off the event loop and the engine thread
             pg = await asyncio.to_thread(join_group, **args)

@@ -22,11 +22,7 @@ import datetime
 
 import torch
 
-__all__ = ["join_group", "receive_bucket", "leave_group", "DTYPES"]
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-          "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-          "bool": torch.bool}
+__all__ = ["join_group", "receive_bucket", "leave_group"]
 
 
 def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
@@ -64,11 +60,16 @@ def receive_bucket(pg, names: list[str], dtypes: list[str], shapes: list, device
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes, "
                          f"{len(shapes)} shapes")
-    out = {}
+    # every buffer before the first receive: a bad entry found mid-bucket would leave the trainer's
+    # remaining broadcasts unmatched (it hangs until the group's timeout)
+    bufs = []
     for name, dt, shape in zip(names, dtypes, shapes):
-        if dt not in DTYPES:
-            raise ValueError(f"update_weights_from_distributed: {name} has unsupported dtype {dt!r}")
-        t = torch.empty(tuple(int(s) for s in shape), dtype=DTYPES[dt], device=device)
+        dtype = getattr(torch, str(dt), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"update_weights_from_distributed: {name} has unknown dtype {dt!r}")
+        bufs.append((name, torch.empty(tuple(int(s) for s in shape), dtype=dtype, device=device)))
+    out = {}
+    for name, t in bufs:
         dist.broadcast(t, src=0, group=pg)
         out[name] = t
     if torch.device(device).type == "cuda":

@@ -100,3 +100,5 @@ def test_xccl_layout_check(monkeypatch):
     check_xccl_layout("disk", "cuda:0")
     with pytest.raises(SystemExit, match="only 2 GPU"):
         check_xccl_layout("xccl", "cuda:2")
+    with pytest.raises(SystemExit, match="must be on a GPU"):
+        check_xccl_layout("xccl", "cpu")

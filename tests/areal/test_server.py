@@ -464,3 +464,24 @@ def test_xccl_real_engine_nccl(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs the two ranks on two GPUs")
     _xccl_real_engine(tmp_path, "cuda:0", "cuda:1")
+
+
+def test_server_info_digest_runs_in_the_engine_thread():
+    """/get_server_info computes the weights digest in the engine thread (the only one touching
+    the model, with the engine's CUDA device current), not in the HTTP event loop's thread."""
+    eng = ScriptedEngine()
+    seen = []
+    cfg = ServerConfig(model="scripted", kernels="tik", port=_free_port())
+    worker = EngineWorker(eng, SamplingParams,
+                          model_info=lambda: seen.append(threading.current_thread().name) or {"weights_digest": "d"})
+    server = TikServer(worker, cfg, {"kernels": "tik"})
+    ready, stop = threading.Event(), threading.Event()
+    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True)
+    th.start()
+    assert ready.wait(30)
+    try:
+        assert _get(f"127.0.0.1:{cfg.port}", "/get_server_info")["weights_digest"] == "d"
+        assert seen == ["tik-engine"]
+    finally:
+        stop.set()
+        th.join(15)
