@@ -208,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.train(workflow="areal.workflow.rlvr.RLVRWorkflow",
                               workflow_kwargs=dict(reward_fn=reward, gconfig=config.gconfig,
                                                    tokenizer=config.tokenizer_path, enable_thinking=False))
+            stamp("training done, tearing down")
+            # On 2x H200 with xccl the trainer hung ~2 min after its last step (cause unknown): if the
+            # teardown takes over 15 s, every thread's stack goes to the log (the A/B harness kills it 30 s
+            # after its last step)
+            import faulthandler
+            faulthandler.dump_traceback_later(15, exit=False)
     finally:
         if server is not None:
             os.environ.pop("AREAL_LLM_SERVER_ADDRS", None)
@@ -216,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                 server.wait(timeout=30)
             except Exception:  # noqa: BLE001
                 server.kill()
+        import faulthandler
+        faulthandler.cancel_dump_traceback_later()
+    stamp("torn down")
     return 0
 
 
