@@ -95,3 +95,24 @@ def test_parity_all_regimes_with_graphs(graphs, model, seed_rng):
         assert v["n_mismatch"] == 0 and v["divergent_sequences"] == 0, (r, v)
         if r != "R1":
             assert v["engine"]["graph_steps"] > 0, (r, v["engine"])
+
+
+@pytest.mark.gpu
+def test_graphs_on_a_non_current_device(seed_rng):
+    """The engine on cuda:1 while cuda:0 is current (the rollout server next to a trainer): graph
+    capture must happen on the runner's device and stream. Regression (2x H200, 2026-11-30): the
+    capture used torch.cuda.graph's default stream, which lives on the current device, captured
+    nothing and failed with 'operation not permitted when stream is capturing'."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    torch.cuda.set_device(0)
+    m1 = patch_model(build_model("tiny-qwen2", device="cuda:1", seed=11))
+    prompts = _prompts([14, 31, 5], seed_rng)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=40, seed=seed_rng + i, ignore_eos=True) for i in range(3)]
+    e_graph = _engine(m1, eager=False)
+    got = _run(e_graph, prompts, params)
+    assert torch.cuda.current_device() == 0
+    ref = _run(_engine(m1, eager=True), prompts, params)
+    assert e_graph.runner.num_graph_steps > 0
+    assert [g[0] for g in got] == [r[0] for r in ref]
+    assert all(torch.equal(torch.tensor(g[1]), torch.tensor(r[1])) for g, r in zip(got, ref))
