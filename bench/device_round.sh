@@ -44,7 +44,7 @@ case "${STAGE:-tune}" in
           # plus the new GPU tests (Triton weights digest)
     mkdir -p $ROOT_OUT/s4
     OUT=$ROOT_OUT/s4 GPU_TESTS="tests/test_weights_digest.py tests/engine/test_graph_capture.py" \
-      PROFILE_ARGS="--batches 64 128 --prompt-len 16" PART_TIMEOUT=${PART_TIMEOUT:-180} \
+      PROFILE_ARGS="--batches 64 128 --prompt-len 136" PART_TIMEOUT=${PART_TIMEOUT:-180} \
       bash bench/gpu_check.sh env tests profile profile_train
     ;;
 esac

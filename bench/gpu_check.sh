@@ -4,7 +4,8 @@
 #   GPU_TESTS='tests/kernels/test_x.py ...' limits the tests part; part "isolate" runs the decode-path
 #   isolation tests (tests/engine/test_gpu_decode_isolation.py + the tiny GPU parity) into gpu_isolate.log;
 #   part "profile" splits an engine decode step into host phases + top device ops (bench/profile_engine.py,
-#   PROFILE_ARGS e.g. "--batches 64 128 --prompt-len 16"); part "profile_train" times a training micro-batch
+#   PROFILE_ARGS e.g. "--batches 64 128 --prompt-len 136": contexts 136..235 stay in one 16-page table-width
+#   bucket, so no graph capture lands inside the timed steps); part "profile_train" times a training micro-batch
 #   (forward, forward+backward) per kernels mode with its top device ops (bench/profile_train.py);
 #   PART_TIMEOUT (s, default 900) bounds each bench/profile part, so one slow part cannot cost the archive; BENCH_ARGS is passed to every bench script (e.g. --quick)
 # Locally, copy $OUT into bench/results/<date>_<gpu>_<commit>/ (bench/collect_results.py).
