@@ -40,11 +40,12 @@ case "${STAGE:-tune}" in
     OUT=$ROOT_OUT/s3 GPU_TESTS="tests/engine/test_default_varlen.py tests/kernels/test_cuda_backend.py tests/kernels/test_logprobs.py" \
       PART_TIMEOUT=${PART_TIMEOUT:-150} bash bench/gpu_check.sh env tests cuda
     ;;
-  s4)     # session 4 first call: where tik loses in the 2x H200 A/B (rollout at B=128, train step),
+  s4)     # session 4 first call: where tik loses in the 2x H200 A/B (rollout at B=128, train step, our
+          # linears vs cuBLAS at M=128 inside CUDA graphs),
           # plus the new GPU tests (Triton weights digest)
     mkdir -p $ROOT_OUT/s4
     OUT=$ROOT_OUT/s4 GPU_TESTS="tests/test_weights_digest.py tests/engine/test_graph_capture.py" \
       PROFILE_ARGS="--batches 64 128 --prompt-len 136" PART_TIMEOUT=${PART_TIMEOUT:-180} \
-      bash bench/gpu_check.sh env tests profile profile_train
+      bash bench/gpu_check.sh env tests profile profile_train dense
     ;;
 esac
