@@ -15,7 +15,8 @@
 # /tmp/site and AB_OUT: start again at 1). Check each command's own exit status before the next
 # one (`a | tail && b` runs b whatever a did):
 #   1. carry [.whl/p1]: mkdir -p /tmp/w && cp .whl/p1/* /tmp/w/ && GIT_COMMIT=<sha> STAGE=s4 bash bench/device_round.sh
-#        (Triton digest GPU test, engine profile at B=64/128, train micro-batch profile; ~3-4 min)
+#        (GPU tests: Triton digest, graphs on cuda:1; engine profile at B=64/128; train micro-batch profile;
+#        linears vs cuBLAS incl. M=128; ~5 min)
 #   2. carry [.whl/p2]: cp .whl/p2/* /tmp/w/
 #   3. carry [.whl/p3]: cp .whl/p3/* /tmp/w/ && bash bench/install_gpu_wheels.sh /tmp/w && \
 #        PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -m gpu tests/areal/test_server.py -k nccl -p no:cacheprovider > /tmp/t.log 2>&1; \
