@@ -189,13 +189,16 @@ class TikFSDPPPOActor(FSDPPPOActor):
             labels = labels.squeeze(0)
         return labels
 
-    def _tik_logprobs(self, logits, labels):
+    def _tik_logprobs(self, logits, labels, entropy: bool = False):
+        """Log-probs (and, with ``entropy``, the entropy of softmax(logits/T) from the same pass
+        over the logits, detached: a logged statistic, not part of the log-prob contract)."""
         from areal_tik import ops
-        lp = ops.logprobs_from_logits(logits, labels, float(self.config.temperature))
+        out = ops.logprobs_from_logits(logits, labels, float(self.config.temperature), return_entropy=entropy)
+        lp = out[0] if entropy else out
         if logits.requires_grad and lp.grad_fn is None:
             raise RuntimeError("areal_tik.ops.logprobs_from_logits returned no autograd graph; "
                                "the training loss needs its backward")
-        return lp
+        return (lp, out[1].detach()) if entropy else lp
 
     def _compute_logprobs(self, logits, inputs, ulysses_pad_size=0):
         if self.kernel_backend != "tik":
@@ -207,14 +210,9 @@ class TikFSDPPPOActor(FSDPPPOActor):
         if self.kernel_backend != "tik":
             return super()._compute_logprobs_entropy(logits, inputs, ulysses_pad_size)
         self._no_sp()
-        lp = self._tik_logprobs(logits, self._labels(inputs))
-        with torch.no_grad():  # entropy is a statistic here, not part of the log-prob contract
-            ents = []
-            for chunk in torch.split(logits.detach(), 1024, dim=0):
-                l = torch.log_softmax(chunk.float() / float(self.config.temperature), dim=-1)
-                ents.append(-(l.exp() * l).sum(-1))
-            ent = torch.cat(ents) if ents else logits.new_zeros(0, dtype=torch.float32)
-        return lp, ent
+        # one pass over the [T, V] logits for both (the separate torch entropy pass this replaces
+        # re-read them about six times in fp32; the 2x H200 A/B's tik train step was 16% slower)
+        return self._tik_logprobs(logits, self._labels(inputs), entropy=True)
 
     def _no_sp(self):
         if self.parallel_helper.sp_size > 1 or self.parallel_helper.tp_size > 1:
