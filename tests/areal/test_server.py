@@ -255,39 +255,54 @@ def test_real_engine_logprobs_match_ops(tmp_path):
         th.join(15)
 
 
+def _xccl_join(addr: str, fileroot: str, device: str):
+    """AReaL's trainer side of xccl, rank 0, in its own process (a process holds one rank of a named
+    group): AReaL's client posts /init_weights_update_group while AReaL's group helper opens the
+    group. Returns (client, meta, group)."""
+    import torch
+    from areal.api.alloc_mode import ModelAllocation
+    from areal.engine.core.distributed import init_custom_process_group
+    from areal.infra.platforms import current_platform
+    from areal.utils.network import find_free_ports
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    client = _client(addr, fileroot)
+    meta = WeightUpdateMeta.from_fsdp_xccl(gen_allocation=ModelAllocation.from_str("sglang:d1p1t1", name="rollout"))
+    meta.nccl_master_address, meta.nccl_master_port = "127.0.0.1", find_free_ports(1)[0]
+    meta.nccl_group_name = "update_weight_group"
+    fut = client.init_weights_update_group(meta)
+    pg = init_custom_process_group(backend=current_platform.communication_backend,
+                                   init_method=f"tcp://127.0.0.1:{meta.nccl_master_port}",
+                                   world_size=2, rank=0, group_name=meta.nccl_group_name)
+    fut.result()
+    return client, meta, pg
+
+
+def _xccl_send_bucket(client, meta, pg, named: list) -> None:
+    """One bucket as FSDPEngine sends it: the request, then a broadcast per tensor, in order."""
+    import torch.distributed as dist
+    from areal.api.io_struct import ParamSpec
+
+    specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype=str(t.dtype).split(".")[1]) for n, t in named]
+    fut = client.update_weights_from_distributed(meta, specs)
+    for _, t in named:
+        dist.broadcast(t, src=0, group=pg)
+    fut.result()
+
+
 def _xccl_trainer(addr: str, fileroot: str, buckets: list, updates: int, device: str, q) -> None:
-    """AReaL's trainer side of an xccl update, in its own process (a process holds one rank of a
-    named group): AReaL's client posts the requests, AReaL's group helper opens rank 0, and
-    each bucket is broadcast tensor by tensor after its request, as FSDPEngine does."""
+    """``updates`` weight updates of the given buckets, each between pause and continue."""
     try:
         import torch
-        import torch.distributed as dist
-        from areal.api.alloc_mode import ModelAllocation
-        from areal.api.io_struct import ParamSpec
-        from areal.engine.core.distributed import init_custom_process_group
-        from areal.infra.platforms import current_platform
-        from areal.utils.network import find_free_ports
 
-        client = _client(addr, fileroot)
-        meta = WeightUpdateMeta.from_fsdp_xccl(gen_allocation=ModelAllocation.from_str("sglang:d1p1t1", name="rollout"))
-        meta.nccl_master_address, meta.nccl_master_port = "127.0.0.1", find_free_ports(1)[0]
-        meta.nccl_group_name = "update_weight_group"
-        fut = client.init_weights_update_group(meta)
-        if device.startswith("cuda"):
-            torch.cuda.set_device(device)
-        pg = init_custom_process_group(backend=current_platform.communication_backend, init_method=f"tcp://127.0.0.1:{meta.nccl_master_port}",
-                                       world_size=2, rank=0, group_name=meta.nccl_group_name)
-        fut.result()
+        client, meta, pg = _xccl_join(addr, fileroot, device)
         for u in range(updates):
             client.pause_generation()
             for bucket in buckets:
-                named = [(n, (torch.arange(int(torch.tensor(s).prod())).reshape(s) * (u + 1)).to(getattr(torch, d))
-                          .to(device)) for n, d, s in bucket]
-                specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype=str(t.dtype).split(".")[1]) for n, t in named]
-                fut = client.update_weights_from_distributed(meta, specs)
-                for _, t in named:
-                    dist.broadcast(t, src=0, group=pg)
-                fut.result()
+                _xccl_send_bucket(client, meta, pg, [
+                    (n, (torch.arange(int(torch.tensor(s).prod())).reshape(s) * (u + 1)).to(getattr(torch, d)).to(device))
+                    for n, d, s in bucket])
             client.continue_generation()
         client.destroy()
         q.put("ok")
@@ -373,36 +388,14 @@ def _xccl_engine_trainer(addr: str, fileroot: str, device: str, q_out, q_in) -> 
     """Trainer side for the real-engine test: join, let the test generate (CUDA-graph capture with
     the NCCL group alive), then send every tiny-qwen2 parameter in two buckets."""
     try:
-        import torch
-        import torch.distributed as dist
-        from areal.api.alloc_mode import ModelAllocation
-        from areal.api.io_struct import ParamSpec
-        from areal.engine.core.distributed import init_custom_process_group
-        from areal.infra.platforms import current_platform
-        from areal.utils.network import find_free_ports
-
-        if device.startswith("cuda"):
-            torch.cuda.set_device(device)
-        client = _client(addr, fileroot)
-        meta = WeightUpdateMeta.from_fsdp_xccl(gen_allocation=ModelAllocation.from_str("sglang:d1p1t1", name="rollout"))
-        meta.nccl_master_address, meta.nccl_master_port = "127.0.0.1", find_free_ports(1)[0]
-        meta.nccl_group_name = "update_weight_group"
-        fut = client.init_weights_update_group(meta)
-        pg = init_custom_process_group(backend=current_platform.communication_backend,
-                                       init_method=f"tcp://127.0.0.1:{meta.nccl_master_port}",
-                                       world_size=2, rank=0, group_name=meta.nccl_group_name)
-        fut.result()
+        client, meta, pg = _xccl_join(addr, fileroot, device)
         q_out.put("joined")
         assert q_in.get(timeout=120) == "send"
         named = [(n, t.to(device)) for n, t in _tiny_weights(7)]
         client.pause_generation()
         half = len(named) // 2
         for bucket in (named[:half], named[half:]):
-            specs = [ParamSpec(name=n, shape=tuple(t.shape), dtype="bfloat16") for n, t in bucket]
-            fut = client.update_weights_from_distributed(meta, specs)
-            for _, t in bucket:
-                dist.broadcast(t, src=0, group=pg)
-            fut.result()
+            _xccl_send_bucket(client, meta, pg, bucket)
         client.continue_generation()
         client.destroy()
         q_out.put("ok")
