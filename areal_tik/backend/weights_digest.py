@@ -48,6 +48,12 @@ COMPILE_SPECS = [] if triton is None else [
      "constexprs": {"P1": _P1, "P2": _P2, "BLOCK": _TRITON_BLOCK}} for b in ("u8", "i16")]
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s raw bits, flat (floats viewed as the same-width integers)."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(_INT_VIEW[flat.element_size()]) if flat.is_floating_point() else flat
+
+
 def _triton_sums(t: torch.Tensor) -> list[torch.Tensor]:
     """The two sums of :func:`_chunk_sums` over the whole tensor in one pass (one kernel, then an
     exact int64 sum of the per-program partials). Equal to the chunked reference: each term is
@@ -55,9 +61,7 @@ def _triton_sums(t: torch.Tensor) -> list[torch.Tensor]:
     wrap-around), and integer addition does not depend on order. Hence 1- and 2-byte elements
     only: 4-byte bit patterns (~2^31) wrap int64, and the reference adds its wrapped per-chunk
     sums as Python ints. The trainer's per-step digest of a 1.5B model reads its bf16 bits once."""
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.is_floating_point():
-        flat = flat.view(_INT_VIEW[flat.element_size()])
+    flat = _bits(t)
     n = flat.numel()
     if n == 0:
         z = torch.zeros((), dtype=torch.int64, device=flat.device)
@@ -78,9 +82,7 @@ def _chunk_sums(t: torch.Tensor) -> list[torch.Tensor]:
     """Per chunk of ``t``'s raw bits, the two weighted int64 sums as 0-dim tensors on ``t``'s
     device (no host sync here: the caller reads all of them back at once). The reference,
     and the path off CUDA; on CUDA :func:`_triton_sums` gives the same totals in one pass."""
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.is_floating_point():
-        flat = flat.view(_INT_VIEW[flat.element_size()])
+    flat = _bits(t)
     out = []
     for start in range(0, flat.numel(), _CHUNK):
         v = flat[start:start + _CHUNK].to(torch.int64)

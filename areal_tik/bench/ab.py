@@ -54,9 +54,8 @@ def _arm_cmd(config: str, arm: str, steps: int, out: str, overrides: list[str], 
 def _copy_server_log(out: str, arm: str, runs_dir: str | None) -> None:
     """``<fileroot>/<experiment>/<arm>/tik_server.log`` -> ``<out>/<arm>/tik_server.log`` (the runs
     dir may live outside the report dir, e.g. off a device's small result folder)."""
-    import glob
     import shutil
-    for p in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, "tik_server.log")):
+    for p in _server_logs(out, arm, runs_dir):
         try:
             shutil.copyfile(p, os.path.join(out, arm, "tik_server.log"))
         except OSError:
@@ -79,20 +78,23 @@ def _server_logs(out: str, arm: str, runs_dir: str | None) -> dict[str, int]:
     return sizes
 
 
-def _server_failure(out: str, arm: str, runs_dir: str | None, skip: dict[str, int] | None = None) -> str | None:
-    """The first fatal line the arm's rollout server logged after the offsets in ``skip``, if any
-    (AReaL's client retries failed generations until the arm's timeout, so without this a broken
-    server costs the whole budget)."""
+def _server_failure(out: str, arm: str, runs_dir: str | None, offsets: dict[str, int]) -> str | None:
+    """The first fatal line the arm's rollout server logged past ``offsets`` (per log: bytes
+    already scanned, or there before this run), if any; ``offsets`` advances to the last whole
+    line read, so each poll reads only what is new (AReaL's client retries failed generations
+    until the arm's timeout, so without this check a broken server costs the whole budget)."""
     for p in _server_logs(out, arm, runs_dir):
         try:
             with open(p, "rb") as f:
-                f.seek((skip or {}).get(p, 0))
-                lines = f.read().decode(errors="replace").splitlines(keepends=True)
+                f.seek(offsets.get(p, 0))
+                data = f.read()
         except OSError:
             continue
+        lines = data.decode(errors="replace").splitlines(keepends=True)
         for i, line in enumerate(lines):
             if any(k in line for k in SERVER_FATAL):
                 return "".join(lines[i:i + 60])
+        offsets[p] = offsets.get(p, 0) + data.rfind(b"\n") + 1  # a partly written last line is read again
     return None
 
 
@@ -117,7 +119,7 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
     t0 = time.perf_counter()
     timed_out = teardown_killed = False
     server_failure = None
-    old_logs = _server_logs(out, arm, runs_dir)
+    scanned = _server_logs(out, arm, runs_dir)  # what earlier runs appended is not this run's failure
     t_all_logged = None
     with open(os.path.join(out, arm, "train.log"), "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
@@ -140,7 +142,7 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
                     teardown_killed = not timed_out
                     break
                 polls += 1
-                if polls % 10 == 0 and (server_failure := _server_failure(out, arm, runs_dir, old_logs)):
+                if polls % 10 == 0 and (server_failure := _server_failure(out, arm, runs_dir, scanned)):
                     break
         finally:
             if proc.poll() is None:  # timeout or interrupt: the trainer and its rollout server (same group)

@@ -617,7 +617,6 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     if cfg.kernels not in ("tik", "default"):
         raise ValueError(f"--kernels must be 'tik' or 'default', got {cfg.kernels!r}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    import time
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, dtype=getattr(torch, dtype), device=device)
@@ -655,7 +654,7 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     digest_cache = {}
 
     def model_info():
-        v = (int(engine.version), engine.weights_serial)
+        v = engine.weights_serial  # advances with every load (a bucketed update is several per version)
         if digest_cache.get("v") != v:
             digest_cache.update(v=v, d=model_digest(model, dtype=getattr(torch, dtype)))
         return {"weights_digest": digest_cache["d"]}
