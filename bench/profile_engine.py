@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from areal_tik.backend.patch import patch_model  # noqa: E402
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from areal_tik.models import build_model  # noqa: E402
+from areal_tik.profiling import summarize_profile  # noqa: E402
 
 
 def _sync():
@@ -86,27 +87,6 @@ def profile(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int) -> 
         _sync()
     eng.abort_all()
     return {"batch": B, "ms_per_step": plain_ms, "phase_ms_per_step": phases, **summarize_profile(prof, steps)}
-
-
-def summarize_profile(prof, steps: int, top: int = 15) -> dict:
-    """Device-busy ms per step and the top device / host ops of a ``torch.profiler`` run over
-    ``steps`` steps. Device time = the device-side (kernel/memcpy) events only, as torch's own
-    table sums it: a CPU op's self device time repeats its kernels' time, summing both would
-    double-count."""
-    from torch.autograd import DeviceType
-
-    def on_device(e):
-        return getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU and not getattr(e, "is_user_annotation",
-                                                                                             False)
-    kernels_total = sum(e.self_device_time_total for e in prof.events() if on_device(e))
-    ev = prof.key_averages()
-    dev_rows = sorted((e for e in ev if on_device(e)), key=lambda e: e.self_device_time_total, reverse=True)[:top]
-    cpu_rows = sorted((e for e in ev if not on_device(e)), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return {"device_busy_ms_per_step": kernels_total / 1e3 / steps,
-            "top_device_ops": [{"name": e.key, "ms_per_step": e.self_device_time_total / 1e3 / steps,
-                                "calls_per_step": e.count / steps} for e in dev_rows],
-            "top_host_ops": [{"name": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
-                              "calls_per_step": e.count / steps} for e in cpu_rows]}
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from areal_tik.backend.logprob_head import packed_logprobs  # noqa: E402
 from areal_tik.backend.patch import patch_model  # noqa: E402
 from areal_tik.models import build_model  # noqa: E402
-from profile_engine import summarize_profile  # noqa: E402
+from areal_tik.profiling import summarize_profile  # noqa: E402
 
 
 def _sync():

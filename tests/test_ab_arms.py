@@ -152,3 +152,24 @@ def test_stale_server_failure_from_an_earlier_run_is_ignored(tmp_path, monkeypat
     monkeypatch.setattr(ab, "_arm_cmd", lambda *a, **k: [sys.executable, "-c", script])
     res = ab.run_arm("cfg.yaml", "tik", 2, str(out), runs_dir=str(runs), timeout=60)
     assert len(res["steps"]) == 2 and not res["timed_out"]
+
+
+def test_profiled_step_left_out_and_compiles_reported():
+    """A step recorded under torch.profiler (slowed by it) is left out of the ratios; the per-step
+    table shows each step's Triton compiles, the trainer's and the server's."""
+    def recs(walls, profiled_at, jit):
+        return [{"global_step": i, "wall_s": w, "stats": {"timeperf/rollout": w / 2}, "tik": [{"gen_tokens": 10}],
+                 "jit": {"compiles": jit[i], "seconds": 0.5 * jit[i], "by_kernel": {}},
+                 **({"profiled": "/x/profile_step3.txt"} if i == profiled_at else {})} for i, w in enumerate(walls)]
+    b = recs([20.0, 10.0, 10.0, 30.0], 3, [0, 0, 0, 0])
+    t = recs([25.0, 8.0, 8.0, 24.0], 3, [9, 2, 0, 0])
+    rep = ab.analyze(b, t)
+    assert rep["measured_steps"] == [1, 2]
+    assert rep["throughput_ratio_total"] == pytest.approx(20.0 / 16.0)
+    assert [r["jit_compiles"] for r in rep["rows"]["tik"]] == [9, 2, 0, 0]
+    iv = [{"engine_busy_s": 1.0, "engine_steps": 3, "tokens": 9, "requests": 3, "first_request_to_last_finish_s": 1.1,
+           "eager_steps": 1, "eager_s": 0.2, "max_step_ms": 200.0, "graphs_captured": 2 - min(i, 2),
+           "jit_compiles": 4 - i, "jit_compile_s": 1.0, "jit_kernels": {}} for i in range(4)]
+    md = ab.summary_markdown(rep, {"config": CFG, "server_intervals": {"baseline": iv, "tik": iv}})
+    assert "| tik | 3 (profiled) |" in md and "| 2 (1.0 s) / 3 (1.0 s) |" in md
+    assert "eager steps (prefill) 0.20 s" in md and "1 graph captures and 6 Triton compiles in all" in md

@@ -158,7 +158,16 @@ class TikFSDPPPOActor(FSDPPPOActor):
         out = super().initialize(*args, **kwargs)
         if self.kernel_backend == "tik":
             self._keep_rope_fp32()
+            self._precompile()
         return out
+
+    def _precompile(self):
+        """Compile every linear tile config a micro-batch can pick (M up to the micro-batch token
+        budget) now, so no training step pays a Triton compile (the 2x H200 A/B's sporadic slow
+        steps); a no-op off CUDA."""
+        from areal_tik.backend.precompile import precompile_linears
+        max_tokens = int(getattr(self.config.mb_spec, "max_tokens_per_mb", None) or 32768)
+        precompile_linears(self.model, max_tokens=max_tokens, min_tokens=64)
 
     def _keep_rope_fp32(self):
         """FSDP2's ``cast_forward_inputs=True`` (hard-wired in AReaL's ``parallelize_model``) casts

@@ -65,4 +65,5 @@ class TikFSDPPPOCritic(FSDPPPOCritic):
         out = super().initialize(*args, **kwargs)
         if self.kernel_backend == "tik":
             TikFSDPPPOActor._keep_rope_fp32(self)  # same FSDP2 input-cast fix as the actor
+            TikFSDPPPOActor._precompile(self)
         return out

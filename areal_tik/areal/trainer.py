@@ -10,7 +10,11 @@
   or when SGLang is not installed; its server args come from :func:`rollout.server_args`,
   not ``SGLangConfig.build_args`` (which needs the sglang package);
 - after every step the stats AReaL commits (timings ``timeperf/*``, rewards, ``tik/*``)
-  are also appended as one JSON line to ``step_log`` (the A/B harness reads it).
+  are also appended as one JSON line to ``step_log`` (the A/B harness reads it), with the
+  Triton JIT compiles of this process during the step (``jit``);
+- ``AREAL_TIK_PROFILE_STEP=N`` records step N of this process under ``torch.profiler`` and
+  writes its top device and host ops next to the step log (``profile_step<N>.txt``); that
+  step's record says ``profiled`` (the A/B leaves it out of its ratios: profiling slows it).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from areal_tik.areal.actor import TikFSDPPPOActor
 from areal_tik.areal.config import TikPPOActorConfig, TikPPOCriticConfig
 from areal_tik.areal.critic import TikFSDPPPOCritic
 from areal_tik.areal.rollout import TikRemoteSGLangEngine, server_args, server_sizing
+from areal_tik.kernels import jit_watch
 
 logger = logging.getLogger("TikTrainer")
 
@@ -46,11 +51,39 @@ def use_tik_server(config) -> bool:
 class TikPPOTrainer(PPOTrainer):
     def __init__(self, config, train_dataset=None, valid_dataset=None, step_log: str | None = None):
         self.step_log = step_log
+        jit_watch.install()
+        self._jit_mark = jit_watch.snapshot()
+        self._profile_step = int(os.environ["AREAL_TIK_PROFILE_STEP"]) if os.environ.get("AREAL_TIK_PROFILE_STEP") \
+            else None
+        self._profiler = None
         super().__init__(config, train_dataset=train_dataset, valid_dataset=valid_dataset)
 
     def train(self, *args, **kwargs):
         self._t_last_commit = time.perf_counter()
+        self._jit_mark = jit_watch.snapshot()
+        if self._profile_step == 0:
+            self._start_profiler()
         return super().train(*args, **kwargs)
+
+    # ---- one profiled step (AREAL_TIK_PROFILE_STEP) ----------------------------------
+    def _start_profiler(self):
+        import torch
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=acts)
+        self._profiler.__enter__()
+
+    def _finish_profiler(self, global_step: int) -> str | None:
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        if not self.step_log:
+            return None
+        path = os.path.join(os.path.dirname(os.path.abspath(self.step_log)), f"profile_step{global_step}.txt")
+        from areal_tik.profiling import profile_tables
+        with open(path, "w") as f:
+            f.write(profile_tables(prof, title=f"step {global_step}, {self.config.actor.kernel_backend} kernels"))
+        return path
 
     def _create_train_engine(self, actor_config, alloc):
         if alloc.backend != "fsdp" or not isinstance(actor_config, TikPPOActorConfig):
@@ -114,7 +147,13 @@ class TikPPOTrainer(PPOTrainer):
             wall = now - getattr(self, "_t_last_commit", now)
             self._t_last_commit = now
             rec = {"global_step": global_step, "version": global_step, "wall_s": wall,
-                   "stats": {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}}
+                   "stats": {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))},
+                   "jit": jit_watch.delta(self._jit_mark)}
+            self._jit_mark = jit_watch.snapshot()
+            if self._profiler is not None:
+                rec["profiled"] = self._finish_profiler(global_step)
+            elif self._profile_step is not None and global_step + 1 == self._profile_step:
+                self._start_profiler()
             tik = getattr(self.actor, "tik_records", None)
             if tik:
                 rec["tik"] = [r for r in tik if r.get("version") == global_step]

@@ -192,6 +192,10 @@ def _step_row(rec: dict) -> dict:
     row["compare_max_abs_diff"] = max([float(t.get("compare_max_abs_diff", 0.0)) for t in tik] or [0.0])
     row["tokens_per_s"] = row["gen_tokens"] / row["wall_s"] if row["wall_s"] > 0 else math.nan
     row["default_attention"] = ",".join(sorted({t["default_attention"] for t in tik if t.get("default_attention")}))
+    jit = rec.get("jit") or {}
+    row["jit_compiles"] = int(jit.get("compiles", 0))
+    row["jit_compile_s"] = float(jit.get("seconds", 0.0))
+    row["profiled"] = bool(rec.get("profiled"))
     return row
 
 
@@ -224,7 +228,9 @@ def analyze(baseline: list[dict], tik: list[dict]) -> dict:
     rows = {"baseline": [_step_row(r) for r in baseline], "tik": [_step_row(r) for r in tik]}
     n = min(len(rows["baseline"]), len(rows["tik"]))
     first = 1 if n >= 2 else 0  # step 0: warm-up and the tik audit
-    measured = list(range(first, n))
+    # a step recorded under torch.profiler (either arm) is slowed by it: left out when others remain
+    measured = [i for i in range(first, n) if not (rows["baseline"][i]["profiled"] or rows["tik"][i]["profiled"])]
+    measured = measured or list(range(first, n))
     per_step_ratio = [rows["baseline"][i]["wall_s"] / rows["tik"][i]["wall_s"] for i in measured
                       if rows["tik"][i]["wall_s"] > 0]
     tot = {a: sum(rows[a][i]["wall_s"] for i in measured) for a in ARMS}
@@ -285,7 +291,8 @@ def summary_markdown(report: dict, meta: dict) -> str:
                   f"{r['n_steps']} of {meta.get('steps')} requested steps compared.**", ""]
     lines += [
              f"{r['n_steps']} steps per arm; ratios over steps {r['measured_steps']} "
-             "(step 0 = warm-up + tik audit, excluded when there are >= 2 steps).", "",
+             "(step 0 = warm-up + tik audit, excluded when there are >= 2 steps; so is a step recorded "
+             "under torch.profiler).", "",
              f"- **step throughput tik/baseline: {_fmt(r['throughput_ratio_total'])}x** "
              f"(sum of baseline step times / sum of tik step times); per-step ratio mean "
              f"{_fmt(r['step_time_ratio']['mean'])}, min {_fmt(r['step_time_ratio']['min'])}, "
@@ -315,16 +322,22 @@ def summary_markdown(report: dict, meta: dict) -> str:
         p = r["phase_mean_s"][a]
         lines.append(f"| {a} | {_fmt(p['rollout'])} | {_fmt(p['recompute'])} | {_fmt(p['train_step'])} | "
                      f"{_fmt(p['weight_update'])} | {_fmt(p['other'])} | {_fmt(p['wall_s'])} |")
+    srv_iv = {a: (meta.get("server_intervals") or {}).get(a, []) for a in ARMS}
     lines += ["", "## Per step", "",
               "| arm | step | step s | rollout | recompute | recompute fwd | train | weights | gen tok | tok/s | "
-              "reward | skipped | audit mism |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "reward | skipped | audit mism | JIT compiles (trainer / server) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in ARMS:
-        for x in r["rows"][a]:
-            lines.append(f"| {a} | {x['step']} | {_fmt(x['wall_s'])} | {_fmt(x['rollout'])} | {_fmt(x['recompute'])} | "
+        for i, x in enumerate(r["rows"][a]):
+            iv = srv_iv[a][i] if i < len(srv_iv[a]) else {}
+            srv_jit = f"{iv['jit_compiles']} ({_fmt(iv.get('jit_compile_s'), 1)} s)" if "jit_compiles" in iv else "-"
+            lines.append(f"| {a} | {x['step']}{' (profiled)' if x.get('profiled') else ''} | {_fmt(x['wall_s'])} | "
+                         f"{_fmt(x['rollout'])} | {_fmt(x['recompute'])} | "
                          f"{_fmt(x['recompute_forward_s'])} | {_fmt(x['train_step'])} | {_fmt(x['weight_update'])} | "
                          f"{x['gen_tokens']} | {_fmt(x['tokens_per_s'], 1)} | {_fmt(x['reward'])} | "
                          f"{'yes' if x['recompute_skipped'] else 'no'} | "
-                         f"{x['audit_mismatch_tokens'] if x['audit'] else '-'} |")
+                         f"{x['audit_mismatch_tokens'] if x['audit'] else '-'} | "
+                         f"{x.get('jit_compiles', 0)} ({_fmt(x.get('jit_compile_s', 0.0), 1)} s) / {srv_jit} |")
     walls = meta.get("arm_wall_s") or {}
     outside = []
     for a in ARMS:   # process start-up (AReaL init, rollout server, model) + teardown: what device calls pay
@@ -344,8 +357,14 @@ def summary_markdown(report: dict, meta: dict) -> str:
         if iv:
             busy = statistics.fmean(x["engine_busy_s"] for x in iv)
             span = statistics.fmean(x["first_request_to_last_finish_s"] or 0.0 for x in iv)
-            srv.append(f"{a}: engine stepping {_fmt(busy, 2)} s of a {_fmt(span, 2)} s first-request-to-last-finish "
-                       f"window ({len(iv)} steps)")
+            txt = (f"{a}: engine stepping {_fmt(busy, 2)} s of a {_fmt(span, 2)} s first-request-to-last-finish "
+                   f"window ({len(iv)} steps)")
+            if all("eager_s" in x for x in iv):
+                txt += (f", of it eager steps (prefill) {_fmt(statistics.fmean(x['eager_s'] for x in iv), 2)} s, "
+                        f"slowest step {_fmt(max(x['max_step_ms'] for x in iv), 1)} ms, "
+                        f"{sum(x['graphs_captured'] for x in iv)} graph captures and "
+                        f"{sum(x['jit_compiles'] for x in iv)} Triton compiles in all")
+            srv.append(txt)
     if srv:
         lines += ["", "Rollout server, mean per step after the first: " + "; ".join(srv) + "."]
     lines += ["", "Recompute column = AReaL's `timeperf/recompute_logp` timer (in the tik arm it holds the "
@@ -404,7 +423,8 @@ def write_report(report: dict, out: str, meta: dict) -> dict:
         json.dump({"meta": meta, **report}, f, indent=2, default=str)
     cols = ["step", "wall_s", "rollout", "recompute", "recompute_forward_s", "train_step", "weight_update", "other",
             "gen_tokens", "tokens_per_s", "reward", "recompute_skipped", "audit", "audit_tokens",
-            "audit_mismatch_tokens", "audit_max_abs_diff", "compare_tokens", "compare_mismatch_tokens"]
+            "audit_mismatch_tokens", "audit_max_abs_diff", "compare_tokens", "compare_mismatch_tokens",
+            "jit_compiles", "jit_compile_s", "profiled"]
     with open(os.path.join(out, "steps.csv"), "w") as f:
         f.write("arm," + ",".join(cols) + "\n")
         for a in ARMS:

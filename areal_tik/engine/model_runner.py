@@ -97,7 +97,14 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
     @torch.no_grad()
     def run(self, batch: ScheduledBatch):
-        """Forward + sample. Returns (tokens, logprobs), one per sampling chunk in order."""
+        """Forward + sample. Returns (tokens, logprobs), one per sampling chunk in order. Runs on the
+        runner's device whatever device is current (Triton launches on the current one)."""
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                return self._run_and_sample(batch)
+        return self._run_and_sample(batch)
+
+    def _run_and_sample(self, batch: ScheduledBatch):
         if not batch.is_prefill and self.use_graphs and len(batch) <= self.graph_max_bs:
             logits = self._run_graph(batch)
             self.num_graph_steps += 1

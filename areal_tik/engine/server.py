@@ -44,6 +44,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from areal_tik.kernels import jit_watch
+
 logger = logging.getLogger("areal_tik.server")
 
 JSON = "application/json"
@@ -115,13 +117,27 @@ class EngineWorker:
     def _interval_reset(self):
         """Counters since the last weight update (one RL step): how much of a rollout the engine
         was stepping, and from the first request's arrival to the last one's finish."""
-        self.iv = {"busy_s": 0.0, "steps": 0, "tokens": 0, "requests": 0, "first_add": None, "last_finish": None}
+        self.iv = {"busy_s": 0.0, "steps": 0, "tokens": 0, "requests": 0, "first_add": None, "last_finish": None,
+                   "eager_steps": 0, "eager_s": 0.0, "max_step_s": 0.0, "graphs": self._graph_count(),
+                   "jit": jit_watch.snapshot()}
+
+    def _runner_counter(self, name: str) -> int:
+        return int(getattr(getattr(self.engine, "runner", None), name, 0) or 0)
+
+    def _graph_count(self) -> int:
+        return len(getattr(getattr(self.engine, "runner", None), "_graphs", None) or ())
 
     def interval_stats(self) -> dict:
+        """Also: eager steps (prefill, or decode past the graph buckets) and their seconds, the
+        slowest step, CUDA graphs captured and Triton JIT compiles in this interval."""
         iv = self.iv
         span = (iv["last_finish"] - iv["first_add"]) if iv["first_add"] is not None and iv["last_finish"] else None
+        jit = jit_watch.delta(iv["jit"])
         return {"engine_busy_s": round(iv["busy_s"], 4), "engine_steps": iv["steps"], "tokens": iv["tokens"],
-                "requests": iv["requests"], "first_request_to_last_finish_s": None if span is None else round(span, 4)}
+                "requests": iv["requests"], "first_request_to_last_finish_s": None if span is None else round(span, 4),
+                "eager_steps": iv["eager_steps"], "eager_s": round(iv["eager_s"], 4),
+                "max_step_ms": round(1e3 * iv["max_step_s"], 2), "graphs_captured": self._graph_count() - iv["graphs"],
+                "jit_compiles": jit["compiles"], "jit_compile_s": jit["seconds"], "jit_kernels": jit["by_kernel"]}
 
     # ---- thread side -------------------------------------------------------------
     def start(self):
@@ -170,9 +186,15 @@ class EngineWorker:
             if self._active and not self.paused:
                 try:
                     t_step = time.perf_counter()
+                    n_eager = self._runner_counter("num_eager_steps")
                     outs = self.engine.step()
-                    self.iv["busy_s"] += time.perf_counter() - t_step
+                    dt = time.perf_counter() - t_step
+                    self.iv["busy_s"] += dt
                     self.iv["steps"] += 1
+                    self.iv["max_step_s"] = max(self.iv["max_step_s"], dt)
+                    if self._runner_counter("num_eager_steps") != n_eager:
+                        self.iv["eager_steps"] += 1
+                        self.iv["eager_s"] += dt
                 except Exception as e:  # noqa: BLE001
                     self.last_error = traceback.format_exc()
                     logger.error("engine.step failed: %s", self.last_error)
@@ -616,6 +638,7 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
 
     if cfg.kernels not in ("tik", "default"):
         raise ValueError(f"--kernels must be 'tik' or 'default', got {cfg.kernels!r}")
+    jit_watch.install()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -632,6 +655,11 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     _attach_score(engine, model)
     logger.info("start-up: model built/loaded + patched in %.1fs, engine (KV cache) in %.1fs",
                 t1 - t0, time.perf_counter() - t1)
+    if cfg.kernels == "tik":
+        # every linear tile config a prefill or decode step can pick, compiled now rather than
+        # inside a rollout (a no-op off CUDA)
+        from areal_tik.backend.precompile import precompile_linears
+        precompile_linears(model, max_tokens=max(engine.config.max_num_batched_tokens, engine.config.max_num_seqs))
 
     if cfg.kernels == "tik":
         from areal_tik.backend.fingerprint import compute

@@ -51,7 +51,7 @@ from areal_tik.kernels._dense_common import (
     check_triton_device, div16_attrs, interpreting,
 )
 
-__all__ = ["linear_triton", "linear_torch", "linear_reference", "linear_fwd", "pick_config", "CONFIGS"]
+__all__ = ["linear_triton", "linear_torch", "linear_reference", "linear_fwd", "pick_config", "config_name_for", "CONFIGS"]
 
 BLOCK_K = 64  # the bit-defining reduction step (fixed for every config)
 
@@ -382,12 +382,19 @@ def _fallback_ptr_config(cfg: dict) -> dict:
     return _cfg(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], group=cfg["GROUP_M"])
 
 
+def config_name_for(M: int, N: int, K: int, dtype: torch.dtype, arch: str) -> str:
+    """Name of the GPU tile config ``linear_fwd`` uses for an ``[M, K] x [K, N]`` problem in
+    ``dtype`` (a key of :data:`CONFIGS`, or of :data:`CONFIGS_FP32` for fp32)."""
+    if dtype == torch.float32:
+        return "f32_dec16_n32" if M <= 16 else "f32_mid64_n64" if M <= 256 else "f32_big64_n128"
+    return pick_config(M, N, K, arch)
+
+
 def _config_for(M: int, N: int, K: int, x2: torch.Tensor) -> dict:
     if interpreting():
         return INTERPRETER_CONFIG
-    if x2.dtype == torch.float32:
-        return CONFIGS_FP32["f32_dec16_n32" if M <= 16 else "f32_mid64_n64" if M <= 256 else "f32_big64_n128"]
-    return CONFIGS[pick_config(M, N, K, _arch_of(x2.device))]
+    name = config_name_for(M, N, K, x2.dtype, _arch_of(x2.device))
+    return (CONFIGS_FP32 if x2.dtype == torch.float32 else CONFIGS)[name]
 
 
 # --------------------------------------------------------------------------- launcher

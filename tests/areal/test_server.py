@@ -245,9 +245,15 @@ def test_real_engine_logprobs_match_ops(tmp_path):
         assert iv["requests"] == 3 and iv["tokens"] == sum(len(r.output_tokens) for r in resps)
         assert iv["engine_steps"] >= 6 and iv["engine_busy_s"] > 0
         assert 0 < iv["engine_busy_s"] <= iv["first_request_to_last_finish_s"] + 1e-3
+        # the prefill ran eager, the decode steps through (emulated-on-CPU or real) graphs or eager
+        assert 1 <= iv["eager_steps"] <= iv["engine_steps"] and 0 < iv["eager_s"] <= iv["engine_busy_s"] + 1e-9
+        assert 0 < iv["max_step_ms"] <= 1e3 * iv["engine_busy_s"] + 1e-6
+        assert iv["jit_compiles"] >= 0 and iv["graphs_captured"] >= 0
         res2 = _post(addr, "/update_weights_from_disk", {"model_path": str(ckpt), "abort_all_requests": True})
         assert res2["previous_interval"] == {"engine_busy_s": 0.0, "engine_steps": 0, "tokens": 0, "requests": 0,
-                                             "first_request_to_last_finish_s": None}
+                                             "first_request_to_last_finish_s": None, "eager_steps": 0, "eager_s": 0.0,
+                                             "max_step_ms": 0.0, "graphs_captured": 0, "jit_compiles": 0,
+                                             "jit_compile_s": 0.0, "jit_kernels": {}}
         del model, ops
     finally:
         client.destroy()

@@ -26,8 +26,12 @@ pytestmark = [pytest.mark.areal, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def ab_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("ab")
-    rc = cli_main(["ab", "--config", RECIPE, "--steps", "2", "--out", str(out), "--no-progress", "--timeout", "400",
-                   "actor.tik.audit_interval=2", "experiment_name=tiktest-ab"])
+    os.environ["AREAL_TIK_PROFILE_STEP"] = "1"  # both arms record step 1 under torch.profiler
+    try:
+        rc = cli_main(["ab", "--config", RECIPE, "--steps", "2", "--out", str(out), "--no-progress", "--timeout",
+                       "400", "actor.tik.audit_interval=2", "experiment_name=tiktest-ab"])
+    finally:
+        del os.environ["AREAL_TIK_PROFILE_STEP"]
     assert rc == 0
     return out
 
@@ -89,6 +93,24 @@ def test_report_consistent(ab_dir):
         assert len(iv) >= 2 and all(x["requests"] > 0 and x["tokens"] > 0 and x["engine_busy_s"] > 0 for x in iv)
     assert "Rollout server, mean per step after the first: baseline: engine stepping" in open(
         os.path.join(ab_dir, "summary.md")).read()
+
+
+def test_profiled_step_and_compile_counts(ab_dir):
+    """AREAL_TIK_PROFILE_STEP=1: each arm's step 1 is recorded under torch.profiler into a table next
+    to its step log and marked in the report; every step record carries this process's Triton
+    compiles, and every server interval its eager/graph/compile counters."""
+    rep = json.load(open(os.path.join(ab_dir, "report.json")))
+    for arm in ("baseline", "tik"):
+        steps = load_steps(os.path.join(ab_dir, arm, "steps.jsonl"))
+        assert "profiled" not in steps[0] and steps[1]["profiled"].endswith("profile_step1.txt")
+        text = open(os.path.join(ab_dir, arm, "profile_step1.txt")).read()
+        assert f"# step 1, {'tik' if arm == 'tik' else 'default'} kernels" in text and "## top host ops" in text
+        assert all(isinstance(s["jit"]["compiles"], int) and s["jit"]["compiles"] >= 0 for s in steps)
+        assert [r["profiled"] for r in rep["rows"][arm]] == [False, True]
+        for x in rep["meta"]["server_intervals"][arm]:
+            assert x["eager_steps"] >= 1 and 0 < x["eager_s"] <= x["engine_busy_s"] + 1e-9 and x["max_step_ms"] > 0
+            assert x["jit_compiles"] >= 0 and x["graphs_captured"] >= 0
+    assert "| tik | 1 (profiled) |" in open(os.path.join(ab_dir, "summary.md")).read()
 
 
 def test_tik_arm_with_xccl_weight_updates(tmp_path):

@@ -1,0 +1,80 @@
+"""``backend/precompile.py``: the linear tile configs compiled before the first step are all the
+ones ``linear_fwd`` can pick, and afterwards no M in range compiles anything (GPU)."""
+import pytest
+import torch
+
+from areal_tik.backend.patch import patch_model
+from areal_tik.backend.precompile import _m_grid, linear_config_names, linear_shapes, precompile_linears
+from areal_tik.kernels import jit_watch
+from areal_tik.kernels.linear import config_name_for
+from areal_tik.models import build_model
+
+# the 1.5B model's linear shapes (qkv, o, gate_up, down, lm_head) and a value head
+SHAPES_15B = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536), (1, 1536)]
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("lo,hi", [(1, 8192), (64, 16384), (300, 5000)])
+def test_grid_reaches_every_config(arch, lo, hi):
+    """Brute force over every M in [lo, hi]: the grid misses no config (a missed bucket would be a
+    compile inside a step)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        for n, k in SHAPES_15B:
+            every = {config_name_for(m, n, k, dtype, arch) for m in range(lo, hi + 1)}
+            assert set(linear_config_names(n, k, arch, lo, hi, dtype)) == every, (n, k, dtype)
+    assert _m_grid(lo, hi)[0] == lo and _m_grid(lo, hi)[-1] == hi
+
+
+def test_shapes_of_a_patched_model():
+    m = patch_model(build_model("tiny-qwen2", device="cpu", seed=0))
+    shapes = linear_shapes(m)
+    want = {(int(mod.weight.shape[0]), int(mod.weight.shape[1]), mod.weight.dtype, mod.bias is not None)
+            for mod in m.modules() if isinstance(mod, torch.nn.Linear)}
+    assert set(shapes) == want and len(shapes) == len(want)
+
+
+def test_no_op_off_cuda():
+    m = patch_model(build_model("tiny-qwen2", device="cpu", seed=0))
+    res = precompile_linears(m, max_tokens=512)
+    assert res["configs"] == 0 and res["compiles"] == 0 and res["shapes"] == len(linear_shapes(m))
+
+
+def test_jit_watch_counts_through_the_hooks():
+    """The hook pair counts one compile per miss, by kernel name, and deltas subtract."""
+    before = jit_watch.snapshot()
+
+    class Info:
+        name = "areal_tik.kernels.linear._linear_fwd_kernel"
+    assert jit_watch._on_cache_miss(fn=Info()) is False
+    jit_watch._on_compiled(fn=Info())
+    d = jit_watch.delta(before)
+    assert d["compiles"] == 1 and d["by_kernel"] == {"_linear_fwd_kernel": 1} and d["seconds"] >= 0
+
+
+@pytest.mark.gpu
+def test_after_precompile_no_m_compiles():
+    """1.5B-shaped linears: after precompile_linears, launching at M across every bucket (and odd M)
+    compiles nothing more."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from areal_tik.kernels.linear import linear_fwd
+    assert jit_watch.install()
+    m = torch.nn.Module()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    from areal_tik.backend.modules import TikLinear
+    m.layers = torch.nn.ModuleList()
+    for n, k in SHAPES_15B[:4]:
+        lin = torch.nn.Linear(k, n, bias=(n == 2048), device=dev, dtype=torch.bfloat16)
+        lin.__class__ = TikLinear
+        m.layers.append(lin)
+    res = precompile_linears(m, max_tokens=8192, min_tokens=1)
+    assert res["configs"] > 0
+    before = jit_watch.snapshot()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for lin in m.layers:
+        for mm in (1, 7, 64, 129, 255, 511, 1000, 2047, 2049, 4096, 8191, 8192):
+            x = torch.randn(mm, lin.in_features, generator=g).to(dev, torch.bfloat16)
+            linear_fwd(x, lin.weight, lin.bias)
+    torch.cuda.synchronize()
+    d = jit_watch.delta(before)
+    assert d["compiles"] == 0, d
