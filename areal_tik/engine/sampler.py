@@ -19,41 +19,29 @@ from __future__ import annotations
 
 import torch
 
+from areal_tik import ops
 from areal_tik.backend.logprob_head import logprobs_of
 from areal_tik.kernels import _torch_math
+from areal_tik.kernels.gumbel import C_MIX, M32, hash32, uniform_noise, vocab_hash
 
 __all__ = ["Sampler", "row_key", "uniform_noise"]
 
-_M32 = 0xFFFFFFFF
-_C = 0x45D9F3B   # < 2**31: products of 32-bit values stay below 2**63 (no int64 overflow)
-
-
 def _hash32_py(x: int) -> int:
-    x &= _M32
-    x = (((x >> 16) ^ x) * _C) & _M32
-    x = (((x >> 16) ^ x) * _C) & _M32
-    return ((x >> 16) ^ x) & _M32
+    x &= M32
+    x = (((x >> 16) ^ x) * C_MIX) & M32
+    x = (((x >> 16) ^ x) * C_MIX) & M32
+    return ((x >> 16) ^ x) & M32
 
 
 def row_key(seed: int, position: int) -> int:
     """32-bit key of the random draw for token ``position`` of a request seeded ``seed``."""
     s = int(seed) & ((1 << 64) - 1)
-    k = _hash32_py(s & _M32)
+    k = _hash32_py(s & M32)
     k = _hash32_py(k ^ (s >> 32) ^ 0x9E3779B9)
-    return _hash32_py(k ^ (int(position) * 0x2545F491 & _M32))
+    return _hash32_py(k ^ (int(position) * 0x2545F491 & M32))
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    x = ((x >> 16) ^ x) * _C & _M32
-    x = ((x >> 16) ^ x) * _C & _M32
-    return (x >> 16) ^ x
-
-
-def uniform_noise(keys: torch.Tensor, vocab_index_hash: torch.Tensor) -> torch.Tensor:
-    """fp32 uniforms in (0, 1), ``[B, V]``: row b depends only on ``keys[b]``."""
-    x = _hash32(vocab_index_hash[None, :] ^ keys[:, None])
-    x = _hash32(x ^ (keys[:, None] * 0x27D4EB2F & _M32))
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+_hash32 = hash32  # the tensor version (kernels/gumbel.py), under its old name
 
 
 class Sampler:
@@ -61,7 +49,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.kernels = kernels
-        self._vhash = _hash32(torch.arange(vocab_size, dtype=torch.int64, device=self.device) * 0x61C88647 & _M32)
+        self._vhash = vocab_hash(vocab_size, self.device)
         cpu = self.device.type != "cuda"
         self._exp = _torch_math.exp if cpu else torch.exp
         self._log = _torch_math.log if cpu else torch.log
@@ -73,48 +61,57 @@ class Sampler:
         B, V = logits.shape
         dev = logits.device
         temps = [p.temperature for p in params]
-        tokens = torch.empty(B, dtype=torch.int64, device=dev)
         greedy = [i for i, t in enumerate(temps) if t == 0]
         sampled = [i for i, t in enumerate(temps) if t != 0]
-        if greedy:
+        if not greedy:      # the RL case: every row sampled, no gather/scatter
+            tokens = self._sample(logits, params, [row_key(seeds[i], positions[i]) for i in range(B)])
+        elif not sampled:
+            tokens = torch.argmax(logits, dim=-1)
+        else:
+            tokens = torch.empty(B, dtype=torch.int64, device=dev)
             gi = torch.tensor(greedy, device=dev)
             tokens[gi] = torch.argmax(logits.index_select(0, gi), dim=-1)
-        if sampled:
             si = torch.tensor(sampled, device=dev)
             tokens[si] = self._sample(logits.index_select(0, si), [params[i] for i in sampled],
                                       [row_key(seeds[i], positions[i]) for i in sampled])
-        logprobs = torch.empty(B, dtype=torch.float32, device=dev)
-        for t in sorted(set(temps)):
-            rows = [i for i, x in enumerate(temps) if x == t]
-            ri = torch.tensor(rows, device=dev)
-            logprobs[ri] = logprobs_of(logits.index_select(0, ri), tokens.index_select(0, ri), t, self.kernels)
-        return tokens.tolist(), logprobs.tolist()
+        groups = sorted(set(temps))
+        if len(groups) == 1:
+            logprobs = logprobs_of(logits, tokens, groups[0], self.kernels)
+        else:
+            logprobs = torch.empty(B, dtype=torch.float32, device=dev)
+            for t in groups:
+                ri = torch.tensor([i for i, x in enumerate(temps) if x == t], device=dev)
+                logprobs[ri] = logprobs_of(logits.index_select(0, ri), tokens.index_select(0, ri), t, self.kernels)
+        # one device-to-host copy for both (token ids < 2**53 and fp32 values are exact in float64)
+        both = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)]).tolist()
+        return [int(x) for x in both[:B]], both[B:]
 
     def _sample(self, logits: torch.Tensor, params: list, keys: list[int]) -> torch.Tensor:
         B, V = logits.shape
         dev = logits.device
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)[:, None]
-        x = logits.float() / temp
-        keep = None
+        keys_t = torch.tensor(keys, dtype=torch.int64, device=dev)
         top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
         top_p = [p.top_p for p in params]
-        if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
-            xs, _ = torch.sort(x, dim=-1, descending=True, stable=True)
-            k_t = torch.tensor(top_k, device=dev)[:, None]
-            ranks = torch.arange(V, device=dev)[None, :]
-            e = self._exp((xs - xs[:, :1]).double())                       # unnormalised probs, sorted
-            e = torch.where(ranks < k_t, e, torch.zeros_like(e))
-            cum = torch.cumsum(e, dim=-1)
-            total = cum[:, -1:]
-            p_t = torch.tensor(top_p, dtype=torch.float64, device=dev)[:, None]
-            kept_sorted = ((cum - e) < p_t * total) & (ranks < k_t)
-            kept_sorted[:, 0] = True
-            n_keep = kept_sorted.sum(-1, keepdim=True)
-            thresh = xs.gather(-1, n_keep - 1)                               # smallest kept value
-            keep = x >= thresh
-        u = uniform_noise(torch.tensor(keys, dtype=torch.int64, device=dev), self._vhash)
+        if all(k >= V for k in top_k) and all(p >= 1.0 for p in top_p):
+            # unfiltered (the RL case): one fused pass over the logits (kernels/gumbel.py)
+            return ops.gumbel_argmax(logits, keys_t, temp[:, 0], self._vhash)
+        x = logits.float() / temp
+        # top-k / top-p: the kept set from a sorted copy, then Gumbel-max over it
+        xs, _ = torch.sort(x, dim=-1, descending=True, stable=True)
+        k_t = torch.tensor(top_k, device=dev)[:, None]
+        ranks = torch.arange(V, device=dev)[None, :]
+        e = self._exp((xs - xs[:, :1]).double())                       # unnormalised probs, sorted
+        e = torch.where(ranks < k_t, e, torch.zeros_like(e))
+        cum = torch.cumsum(e, dim=-1)
+        total = cum[:, -1:]
+        p_t = torch.tensor(top_p, dtype=torch.float64, device=dev)[:, None]
+        kept_sorted = ((cum - e) < p_t * total) & (ranks < k_t)
+        kept_sorted[:, 0] = True
+        n_keep = kept_sorted.sum(-1, keepdim=True)
+        thresh = xs.gather(-1, n_keep - 1)                               # smallest kept value
+        keep = x >= thresh
+        u = uniform_noise(keys_t, self._vhash)
         gumbel = -self._log(-self._log(u))
-        score = x + gumbel
-        if keep is not None:
-            score = torch.where(keep, score, torch.full_like(score, float("-inf")))
+        score = torch.where(keep, x + gumbel, torch.full_like(x, float("-inf")))
         return torch.argmax(score, dim=-1)
