@@ -6,6 +6,7 @@
 #                GPU tests (single decode path), log-prob tests, cuda/engine/profile/dense benches
 #                (session 2 ran the parity/isolation/verify round: bench/results/*_parity-r2)
 #   STAGE=s3     bash bench/device_round.sh  -> the short version of 'next' run in session 3 (tests + cuda bench)
+#   STAGE=s4 / s5: session 4's first and last rounds (profiles; sampler + precompile checks)
 # The tuned tables (areal_tik/kernels/{linear,attention}_tuned.json) come back in the archives
 # and are committed by hand after checking the re-tests passed.
 set -u
@@ -47,5 +48,14 @@ case "${STAGE:-tune}" in
     OUT=$ROOT_OUT/s4 GPU_TESTS="tests/test_weights_digest.py tests/engine/test_graph_capture.py" \
       PROFILE_ARGS="--batches 64 128 --prompt-len 136" PART_TIMEOUT=${PART_TIMEOUT:-180} \
       bash bench/gpu_check.sh env tests profile profile_train dense
+    ;;
+  s5)     # session 4 last round, first call (2 GPUs): the fused Gumbel sampler (GPU test + engine
+          # profile's sample phase at B=64/128), precompiled linears compile nothing more at any M,
+          # graph capture on cuda:1 with the runner's own device, the engine's R1-R5 parity on the
+          # new sampler
+    mkdir -p $ROOT_OUT/s5
+    OUT=$ROOT_OUT/s5 GPU_TESTS="tests/kernels/test_gumbel.py tests/kernels/test_precompile.py tests/engine/test_graph_capture.py tests/engine/test_parity.py" \
+      PROFILE_ARGS="--batches 64 128 --prompt-len 136" PART_TIMEOUT=${PART_TIMEOUT:-150} \
+      bash bench/gpu_check.sh env tests profile
     ;;
 esac

@@ -10,21 +10,22 @@
 # takes ~40 s at 1.5B, so 10 steps of both arms do not fit one 600 s call: run one arm per call
 # (ARMS=baseline, then ARMS=tik; the report is written by the call that completes the pair; the
 # arms meet in AB_OUT, default /tmp/areal_tik_ab_reports, which survives while the machine is warm).
-# Session-4 sequence on one nvidia-h200-x2 (trainer on GPU 0, server on GPU 1, weights by xccl as in
+# Session-4 last round on one nvidia-h200-x2 (trainer on GPU 0, server on GPU 1, weights by xccl as in
 # AReaL's default), calls back to back with timeout_s=600 (a machine that went cold loses /tmp/w,
 # /tmp/site and AB_OUT: start again at 1). Check each command's own exit status before the next
 # one (`a | tail && b` runs b whatever a did):
-#   1. carry [.whl/p1]: mkdir -p /tmp/w && cp .whl/p1/* /tmp/w/ && GIT_COMMIT=<sha> STAGE=s4 bash bench/device_round.sh
-#        (GPU tests: Triton digest, graphs on cuda:1; engine profile at B=64/128; train micro-batch profile;
-#        linears vs cuBLAS incl. M=128; ~5 min)
+#   1. carry [.whl/p1]: mkdir -p /tmp/w && cp .whl/p1/* /tmp/w/ && GIT_COMMIT=<sha> STAGE=s5 bash bench/device_round.sh
+#        (GPU tests: fused Gumbel sampler, precompiled linears, graphs on cuda:1, R1-R5 parity with
+#        graphs; engine profile at B=64/128 with the new sampler; ~3 min)
 #   2. carry [.whl/p2]: cp .whl/p2/* /tmp/w/
 #   3. carry [.whl/p3]: cp .whl/p3/* /tmp/w/ && bash bench/install_gpu_wheels.sh /tmp/w && \
-#        PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -m gpu tests/areal/test_server.py -k nccl -p no:cacheprovider > /tmp/t.log 2>&1; \
-#        rc=$?; tail -3 /tmp/t.log; [ $rc -eq 0 ] && BUDGET_S=470 STEPS=10 GEN_TOKENS=256 \
-#        EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=ppo ARMS=both bash bench/run_ab_gpu.sh
-#        (measured 2026-11-30, GRPO: ~225 s per arm incl. a ~2 min teardown hang, now cut after 30 s)
-#   4. the same for RECIPES=grpo (after kernel fixes) or at recipe size (no batch_size override, GEN_TOKENS=512)
-#   5. reward: WARMSTART_STEPS=300 GEN_TOKENS=32 RECIPES=grpo ARMS=both bash bench/run_ab_gpu.sh
+#        AREAL_TIK_PROFILE_STEP=10 BUDGET_S=500 STEPS=11 GEN_TOKENS=256 \
+#        EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=grpo ARMS=both bash bench/run_ab_gpu.sh
+#        (step 10 of each arm under torch.profiler -> <arm>/profile_step10.txt, left out of the ratios;
+#        every step logs the Triton compiles of the trainer and the server)
+# Session 4's first round ran: s4 profiles, PPO (0.899x), the warm-started reward A/B (ratio 1.002):
+#   BUDGET_S=480 STEPS=10 GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=ppo ARMS=both
+#   BUDGET_S=520 STEPS=10 WARMSTART_STEPS=300 GEN_TOKENS=32 RECIPES=grpo ARMS=both
 #        (a warm-started 1.5B answers in a few tokens: cheap steps; the summary gives the reward ratio's 95% CI)
 # (Session 2, one nvidia-h200, disk mode: ~85 s start-up + ~42 s step 0 per arm, ~15 s per later step
 # at 16 prompts x 8 samples x 256 tokens, 8 s of it AReaL's save-to-disk weight update.)

@@ -126,6 +126,20 @@ def audit_compare(batch: list[dict[str, Any]], recomputed: list[torch.Tensor]) -
             "max_abs_diff": float(rep.max_abs_diff), "first_mismatch": rep.first_mismatch}
 
 
+def servers_leave_groups(addrs: list[str], names: list[str], timeout: float = 60.0) -> None:
+    """Ask each rollout server to leave the named weight update groups (best effort: a server that
+    is gone has nothing to leave)."""
+    for a in addrs:
+        for n in names:
+            try:
+                req = urllib.request.Request(f"http://{a}/destroy_weights_update_group",
+                                             data=json.dumps({"group_name": n}).encode(),
+                                             headers={"Content-Type": "application/json"})
+                urllib.request.urlopen(req, timeout=timeout).read()
+            except Exception as e:  # noqa: BLE001 - best effort at shutdown
+                logger.warning("destroy_weights_update_group %s on %s failed: %s", n, a, e)
+
+
 class TikFSDPPPOActor(FSDPPPOActor):
     """``FSDPPPOActor`` on the areal-tik kernels with the recompute skip and audit."""
 
@@ -153,6 +167,24 @@ class TikFSDPPPOActor(FSDPPPOActor):
         patched = patch_model(self.model, kernels=kernels)
         self.model = patched if patched is not None else self.model
         logger.info("model patched with kernels=%s before FSDP wrapping", kernels)
+
+    def destroy(self):
+        """AReaL's ``destroy`` ends with ``destroy_process_group()``, which also tears down the xccl
+        weight update group; NCCL makes that collective, so it waited forever for the rollout
+        server (minutes in every 2x H200 A/B, cut by the harness). Rank 0 asks each server to
+        leave the group while its own destroy runs."""
+        import threading
+        names = list(getattr(self, "weight_update_group_names", None) or [])
+        th = None
+        if names and getattr(self, "weight_update_group_initialized", False) and int(os.getenv("RANK", "0")) == 0:
+            th = threading.Thread(target=servers_leave_groups, args=(self.server_addresses(), names),
+                                  name="tik-leave-groups", daemon=True)
+            th.start()
+        try:
+            return super().destroy()
+        finally:
+            if th is not None:
+                th.join(timeout=60)
 
     def initialize(self, *args, **kwargs):
         out = super().initialize(*args, **kwargs)
@@ -234,11 +266,38 @@ class TikFSDPPPOActor(FSDPPPOActor):
             self._fingerprint = compute()["fingerprint"]
         return self._fingerprint
 
+    def _digest_now(self) -> str:
+        from areal_tik.backend.weights_digest import model_digest
+        return model_digest(self.model, dtype=getattr(torch, self.config.dtype))
+
+    def set_version(self, version: int):
+        """AReaL sets the new version right after the weight update; the tik actor then digests its
+        weights in a background thread while the rollout of that version runs (the trainer's GPU
+        is idle then), so the skip decision finds the digest ready. The weights cannot change in
+        between: the optimizer runs only in the train step, after ``compute_logp`` took the digest."""
+        changed = version != getattr(self, "_version", None)
+        super().set_version(version)
+        if changed and self.kernel_backend == "tik" and getattr(self, "model", None) is not None:
+            from concurrent.futures import ThreadPoolExecutor
+            if getattr(self, "_digest_pool", None) is None:
+                self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="tik-digest")
+            dev = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+            def work():
+                if dev is not None:
+                    torch.cuda.set_device(dev)
+                return self._digest_now()
+            self._digest_pending = (int(version), self._digest_pool.submit(work))
+
     def own_digest(self) -> str:
         v = self.get_version()
         if self._digest_cache is None or self._digest_cache[0] != v:
-            from areal_tik.backend.weights_digest import model_digest
-            self._digest_cache = (v, model_digest(self.model, dtype=getattr(torch, self.config.dtype)))
+            pending = getattr(self, "_digest_pending", None)
+            if pending is not None and pending[0] == v:
+                self._digest_pending = None
+                self._digest_cache = (v, pending[1].result())
+            else:
+                self._digest_cache = (v, self._digest_now())
         return self._digest_cache[1]
 
     def server_addresses(self) -> list[str]:

@@ -25,6 +25,8 @@ Endpoints (responses are ``Content-Type: application/json``; AReaL's client refu
   abort_all_requests}`` -> receives one bucket by broadcast from the trainer and loads it.
   One weight update is several buckets between ``/pause_generation`` and
   ``/continue_generation``: the version advances once, at its first bucket;
+  ``POST /destroy_weights_update_group {group_name}`` -> leaves it (NCCL's teardown is
+  collective: the trainer's own destroy waits for this one);
 - ``POST /flush_cache`` -> no-op success (the engine keeps no cross-request cache that
   could go stale: weights changed means every KV page was freed by the abort).
 
@@ -527,6 +529,22 @@ class TikServer:
                     args["world_size"], args["backend"], time.perf_counter() - t0)
         return self._json({"success": True, "message": "Succeeded to initialize custom process group."})
 
+    async def destroy_weights_update_group(self, request):
+        """Leave a weight update group. NCCL's communicator teardown is collective: a trainer
+        destroying its side blocks until this side does too (AReaL's engine ``destroy`` hung
+        there for minutes with no call like this one)."""
+        try:
+            name = str((await self._body(request)).get("group_name", "weight_update_group"))
+        except (ValueError, TypeError) as e:
+            return self._json({"success": False, "message": f"bad request: {e}"}, status=400)
+        pg = self.worker.groups.pop(name, None)
+        if pg is None:
+            return self._json({"success": False, "message": f"no weight update group {name!r}"}, status=400)
+        from areal_tik.engine.weight_group import leave_group
+        await asyncio.to_thread(leave_group, pg)
+        logger.info("left weight update group %s", name)
+        return self._json({"success": True, "message": f"left {name}"})
+
     async def update_weights_from_distributed(self, request):
         try:
             body = await self._body(request)
@@ -583,6 +601,7 @@ class TikServer:
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         for path in ("/load_lora_adapter",
                      "/unload_lora_adapter", "/release_memory_occupation", "/resume_memory_occupation"):
             r.add_post(path, self.unsupported)

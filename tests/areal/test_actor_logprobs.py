@@ -27,3 +27,32 @@ def test_tik_entropy_comes_from_the_log_prob_pass():
     torch.testing.assert_close(ent.double(), want, rtol=1e-5, atol=1e-5)
     lp.sum().backward()
     assert logits.grad is not None and torch.isfinite(logits.grad.float()).all()
+
+
+def test_digest_started_at_set_version_is_the_weights_digest():
+    """``set_version`` (AReaL calls it right after a weight update) digests the weights in the
+    background; the skip decision's ``own_digest`` returns exactly the synchronous digest of
+    the weights of that version, and a later version's digest follows changed weights."""
+    import types
+
+    import torch
+
+    from areal_tik.areal.actor import TikFSDPPPOActor
+    from areal_tik.backend.patch import patch_model
+    from areal_tik.backend.weights_digest import model_digest
+    from areal_tik.models import build_model
+    model = patch_model(build_model("tiny-qwen2", device="cpu", seed=3))
+    actor = object.__new__(TikFSDPPPOActor)
+    actor.model, actor.kernel_backend, actor._digest_cache = model, "tik", None
+    actor.config = types.SimpleNamespace(dtype="bfloat16")
+    actor.set_version(1)
+    assert actor._digest_pending[0] == 1
+    d1 = actor.own_digest()
+    assert d1 == model_digest(model, dtype=torch.bfloat16) and actor._digest_pending is None
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    actor.set_version(2)
+    d2 = actor.own_digest()
+    assert d2 == model_digest(model, dtype=torch.bfloat16) and d2 != d1
+    actor._version = 3  # a version set without set_version: digested on the spot
+    assert actor.own_digest() == d2

@@ -310,11 +310,28 @@ def _xccl_trainer(addr: str, fileroot: str, buckets: list, updates: int, device:
                     (n, (torch.arange(int(torch.tensor(s).prod())).reshape(s) * (u + 1)).to(getattr(torch, d)).to(device))
                     for n, d, s in bucket])
             client.continue_generation()
+        _leave_group(addr, meta, pg)
         client.destroy()
         q.put("ok")
     except BaseException as e:  # noqa: BLE001 - reported to the test
         import traceback
         q.put(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+
+def _leave_group(addr: str, meta, pg) -> None:
+    """The trainer's teardown as the tik actor does it: the server leaves the group while this side
+    destroys it (NCCL's teardown is collective: alone, the trainer's destroy waited forever)."""
+    import time
+
+    import torch.distributed as dist
+
+    from areal_tik.areal.actor import servers_leave_groups
+    th = threading.Thread(target=servers_leave_groups, args=([addr], [meta.nccl_group_name]))
+    t0 = time.perf_counter()
+    th.start()
+    dist.destroy_process_group(pg)
+    th.join(60)
+    assert not th.is_alive() and time.perf_counter() - t0 < 60, "weight update group teardown hung"
 
 
 def _xccl_updates(scripted_server, tmp_path, trainer_device, server_device):
@@ -345,6 +362,14 @@ def _xccl_updates(scripted_server, tmp_path, trainer_device, server_device):
             assert got[n].device == torch.device(server_device) and got[n].dtype == want.dtype, n
             assert torch.equal(got[n].cpu(), want), n
     assert _get(addr, "/get_server_info")["weight_version"] == 2
+    # the trainer's teardown made the server leave the group: a bucket for it is now refused
+    req = urllib.request.Request(f"http://{addr}/update_weights_from_distributed", method="POST",
+                                 data=json.dumps({"names": ["w.a"], "dtypes": ["bfloat16"], "shapes": [[3, 5]],
+                                                  "group_name": "update_weight_group"}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(req, timeout=30)
+    assert ei.value.code == 400 and "init_weights_update_group" in json.loads(ei.value.read())["message"]
 
 
 def test_xccl_weight_update_buckets_gloo(scripted_server, tmp_path):
@@ -368,6 +393,7 @@ def test_xccl_requests_without_a_group_fail_cleanly(scripted_server):
     for path, payload in (("/update_weights_from_distributed",
                            {"names": ["x"], "dtypes": ["bfloat16"], "shapes": [[2]], "group_name": "nope"}),
                           ("/update_weights_from_distributed", {"names": "x"}),
+                          ("/destroy_weights_update_group", {"group_name": "nope"}),
                           ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
                                                           "rank_offset": 0, "world_size": 2, "backend": "gloo",
                                                           "group_name": "g"})):
