@@ -9,10 +9,12 @@ same binary), so that no later step compiles.
 
 What it covers: every ``TikLinear`` shape of the model for M in ``[1, max_tokens]``. It does not
 change any result (dummy tensors only; the model's weights are only read for their shapes).
+``AREAL_TIK_PRECOMPILE=0`` turns it off (compiles then happen at first use, as before).
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -69,7 +71,7 @@ def precompile_linears(model: torch.nn.Module, max_tokens: int, min_tokens: int 
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     shapes = linear_shapes(model)
     res = {"shapes": len(shapes), "configs": 0, "compiles": 0, "compile_s": 0.0, "seconds": 0.0}
-    if dev.type != "cuda" or interpreting() or not shapes:
+    if dev.type != "cuda" or interpreting() or not shapes or os.environ.get("AREAL_TIK_PRECOMPILE", "1") == "0":
         return res
     jit_watch.install()
     before, t0 = jit_watch.snapshot(), time.perf_counter()

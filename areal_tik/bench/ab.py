@@ -193,7 +193,7 @@ def _step_row(rec: dict) -> dict:
     row["tokens_per_s"] = row["gen_tokens"] / row["wall_s"] if row["wall_s"] > 0 else math.nan
     row["default_attention"] = ",".join(sorted({t["default_attention"] for t in tik if t.get("default_attention")}))
     jit = rec.get("jit") or {}
-    row["jit_compiles"] = int(jit.get("compiles", 0))
+    row["jit_compiles"] = int(jit.get("compiles", 0)) if jit.get("installed", True) else None  # None: not counted
     row["jit_compile_s"] = float(jit.get("seconds", 0.0))
     row["profiled"] = bool(rec.get("profiled"))
     return row
@@ -330,14 +330,17 @@ def summary_markdown(report: dict, meta: dict) -> str:
     for a in ARMS:
         for i, x in enumerate(r["rows"][a]):
             iv = srv_iv[a][i] if i < len(srv_iv[a]) else {}
-            srv_jit = f"{iv['jit_compiles']} ({_fmt(iv.get('jit_compile_s'), 1)} s)" if "jit_compiles" in iv else "-"
+            srv_jit = f"{iv['jit_compiles']} ({_fmt(iv.get('jit_compile_s'), 1)} s)" \
+                if iv.get("jit_compiles") is not None else "-"
+            own_jit = f"{x['jit_compiles']} ({_fmt(x.get('jit_compile_s', 0.0), 1)} s)" \
+                if x.get("jit_compiles") is not None else "-"
             lines.append(f"| {a} | {x['step']}{' (profiled)' if x.get('profiled') else ''} | {_fmt(x['wall_s'])} | "
                          f"{_fmt(x['rollout'])} | {_fmt(x['recompute'])} | "
                          f"{_fmt(x['recompute_forward_s'])} | {_fmt(x['train_step'])} | {_fmt(x['weight_update'])} | "
                          f"{x['gen_tokens']} | {_fmt(x['tokens_per_s'], 1)} | {_fmt(x['reward'])} | "
                          f"{'yes' if x['recompute_skipped'] else 'no'} | "
                          f"{x['audit_mismatch_tokens'] if x['audit'] else '-'} | "
-                         f"{x.get('jit_compiles', 0)} ({_fmt(x.get('jit_compile_s', 0.0), 1)} s) / {srv_jit} |")
+                         f"{own_jit} / {srv_jit} |")
     walls = meta.get("arm_wall_s") or {}
     outside = []
     for a in ARMS:   # process start-up (AReaL init, rollout server, model) + teardown: what device calls pay
@@ -363,7 +366,7 @@ def summary_markdown(report: dict, meta: dict) -> str:
                 txt += (f", of it eager steps (prefill) {_fmt(statistics.fmean(x['eager_s'] for x in iv), 2)} s, "
                         f"slowest step {_fmt(max(x['max_step_ms'] for x in iv), 1)} ms, "
                         f"{sum(x['graphs_captured'] for x in iv)} graph captures and "
-                        f"{sum(x['jit_compiles'] for x in iv)} Triton compiles in all")
+                        f"{sum(x['jit_compiles'] or 0 for x in iv)} Triton compiles in all")
             srv.append(txt)
     if srv:
         lines += ["", "Rollout server, mean per step after the first: " + "; ".join(srv) + "."]

@@ -139,7 +139,8 @@ class EngineWorker:
                 "requests": iv["requests"], "first_request_to_last_finish_s": None if span is None else round(span, 4),
                 "eager_steps": iv["eager_steps"], "eager_s": round(iv["eager_s"], 4),
                 "max_step_ms": round(1e3 * iv["max_step_s"], 2), "graphs_captured": self._graph_count() - iv["graphs"],
-                "jit_compiles": jit["compiles"], "jit_compile_s": jit["seconds"], "jit_kernels": jit["by_kernel"]}
+                "jit_compiles": jit["compiles"] if jit["installed"] else None, "jit_compile_s": jit["seconds"],
+                "jit_kernels": jit["by_kernel"]}
 
     # ---- thread side -------------------------------------------------------------
     def start(self):

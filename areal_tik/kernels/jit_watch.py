@@ -60,10 +60,11 @@ def install() -> bool:
 
 
 def snapshot() -> dict:
-    """Totals so far: ``{"compiles": int, "seconds": float, "by_kernel": {name: n}}``."""
+    """Totals so far: ``{"compiles": int, "seconds": float, "by_kernel": {name: n}, "installed": bool}``
+    (``installed`` False: the hooks were taken or missing, the counts mean nothing)."""
     with _lock:
         return {"compiles": _state["compiles"], "seconds": round(_state["seconds"], 4),
-                "by_kernel": dict(_state["by_kernel"])}
+                "by_kernel": dict(_state["by_kernel"]), "installed": _state["installed"]}
 
 
 def delta(before: dict, after: dict | None = None) -> dict:
@@ -72,4 +73,4 @@ def delta(before: dict, after: dict | None = None) -> dict:
     kern = {k: n - before["by_kernel"].get(k, 0) for k, n in after["by_kernel"].items()}
     return {"compiles": after["compiles"] - before["compiles"],
             "seconds": round(after["seconds"] - before["seconds"], 4),
-            "by_kernel": {k: n for k, n in kern.items() if n}}
+            "by_kernel": {k: n for k, n in kern.items() if n}, "installed": after["installed"]}
