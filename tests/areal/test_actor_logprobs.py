@@ -29,30 +29,36 @@ def test_tik_entropy_comes_from_the_log_prob_pass():
     assert logits.grad is not None and torch.isfinite(logits.grad.float()).all()
 
 
-def test_digest_started_at_set_version_is_the_weights_digest():
-    """``set_version`` (AReaL calls it right after a weight update) digests the weights in the
-    background; the skip decision's ``own_digest`` returns exactly the synchronous digest of
-    the weights of that version, and a later version's digest follows changed weights."""
+def test_digest_started_with_the_rollout_is_the_weights_digest(monkeypatch):
+    """The rollout phase (``prepare_batch``) starts a background digest of the weights; the skip
+    decision's ``own_digest`` returns exactly the synchronous digest of that version's weights,
+    and a later version's digest follows changed weights."""
     import types
 
     import torch
+    from areal.engine.fsdp_engine import FSDPPPOActor
 
     from areal_tik.areal.actor import TikFSDPPPOActor
     from areal_tik.backend.patch import patch_model
     from areal_tik.backend.weights_digest import model_digest
     from areal_tik.models import build_model
+    monkeypatch.setattr(FSDPPPOActor, "prepare_batch", lambda self, *a, **k: "batch")
     model = patch_model(build_model("tiny-qwen2", device="cpu", seed=3))
     actor = object.__new__(TikFSDPPPOActor)
     actor.model, actor.kernel_backend, actor._digest_cache = model, "tik", None
     actor.config = types.SimpleNamespace(dtype="bfloat16")
     actor.set_version(1)
-    assert actor._digest_pending[0] == 1
+    assert getattr(actor, "_digest_pending", None) is None  # not at set_version (the stats commit follows it)
+    assert actor.prepare_batch("loader") == "batch" and actor._digest_pending[0] == 1
     d1 = actor.own_digest()
     assert d1 == model_digest(model, dtype=torch.bfloat16) and actor._digest_pending is None
+    actor._start_background_digest()
+    assert actor._digest_pending is None  # this version's digest is known: nothing started
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
     actor.set_version(2)
+    actor.prepare_batch("loader")
     d2 = actor.own_digest()
     assert d2 == model_digest(model, dtype=torch.bfloat16) and d2 != d1
-    actor._version = 3  # a version set without set_version: digested on the spot
+    actor._version = 3  # no rollout phase ran for this version: digested on the spot
     assert actor.own_digest() == d2
