@@ -23,6 +23,10 @@
 #        EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=grpo ARMS=both bash bench/run_ab_gpu.sh
 #        (step 10 of each arm under torch.profiler -> <arm>/profile_step10.txt, left out of the ratios;
 #        every step logs the Triton compiles of the trainer and the server)
+#   measured: 1.129x (bench/results/*_e2ef8f7_ab-grpo-final). Next session, same three calls, then
+#   RECIPES=ppo (not re-run since the critic moved to default kernels and the fixes above) and
+#   RECIPES=grpo again (the background digest now starts in prepare_batch: does tik's +0.08 s
+#   "other" go?), or GEN_TOKENS=512 without the batch_size override (the recipe's own size).
 # Session 4's first round ran: s4 profiles, PPO (0.899x), the warm-started reward A/B (ratio 1.002):
 #   BUDGET_S=480 STEPS=10 GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=ppo ARMS=both
 #   BUDGET_S=520 STEPS=10 WARMSTART_STEPS=300 GEN_TOKENS=32 RECIPES=grpo ARMS=both
