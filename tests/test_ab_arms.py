@@ -173,3 +173,18 @@ def test_profiled_step_left_out_and_compiles_reported():
     md = ab.summary_markdown(rep, {"config": CFG, "server_intervals": {"baseline": iv, "tik": iv}})
     assert "| tik | 3 (profiled) |" in md and "| 2 (1.0 s) / 3 (1.0 s) |" in md
     assert "eager steps (prefill) 0.20 s" in md and "1 graph captures and 6 Triton compiles in all" in md
+
+
+def test_critic_phase_is_its_own_column():
+    """PPO: AReaL's critic timers (values before the actor's update, critic update after) form a
+    'critic' phase instead of hiding in 'other'; without a critic the column is left out."""
+    def recs(critic):
+        return [{"global_step": i, "wall_s": 10.0, "tik": [{"gen_tokens": 10}],
+                 "stats": {"timeperf/rollout": 4.0, "timeperf/train_step": 2.0, "timeperf/critic_values": critic,
+                           "timeperf/critic_train_step": 2 * critic}} for i in range(3)]
+    rep = ab.analyze(recs(1.0), recs(0.5))
+    assert [r["critic"] for r in rep["rows"]["baseline"]] == [3.0] * 3
+    assert rep["rows"]["tik"][1]["other"] == pytest.approx(10.0 - 4.0 - 2.0 - 1.5)
+    md = ab.summary_markdown(rep, {"config": CFG})
+    assert "| weight update | critic | other |" in md and "| 3.000 |" in md
+    assert "critic" not in ab.summary_markdown(ab.analyze(recs(0.0), recs(0.0)), {"config": CFG}).split("## Per step")[0]

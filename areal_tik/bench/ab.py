@@ -28,7 +28,9 @@ import time
 
 ARMS = ("baseline", "tik")
 PHASES = (("rollout", "timeperf/rollout"), ("recompute", "timeperf/recompute_logp"),
-          ("train_step", "timeperf/train_step"), ("weight_update", "timeperf/update_weights"))
+          ("train_step", "timeperf/train_step"), ("weight_update", "timeperf/update_weights"),
+          # PPO only (0 without a critic): the value forward before, and the critic update after, the actor's
+          ("critic", ("timeperf/critic_values", "timeperf/critic_train_step")))
 REPORT_FILES = ("report.json", "steps.csv", "summary.md", "step_time.png", "reward.png")
 ARM_OVERRIDES = {"baseline": ["actor.kernel_backend=default"], "tik": ["actor.kernel_backend=tik"]}
 
@@ -173,7 +175,7 @@ def _step_row(rec: dict) -> dict:
     s = rec.get("stats", {})
     row = {"step": rec["global_step"], "wall_s": float(rec["wall_s"])}
     for name, key in PHASES:
-        row[name] = float(s.get(key, 0.0))
+        row[name] = sum(float(s.get(k, 0.0)) for k in ((key,) if isinstance(key, str) else key))
     row["other"] = row["wall_s"] - sum(row[n] for n, _ in PHASES)
     tik = rec.get("tik") or []
     row["gen_tokens"] = sum(int(t.get("gen_tokens", 0)) for t in tik)
@@ -272,10 +274,14 @@ def analyze(baseline: list[dict], tik: list[dict]) -> dict:
         },
     }
     pm = phase_means["baseline"]
-    report["limiting_phase"] = {a: max(("rollout", "recompute", "train_step", "weight_update", "other"),
+    report["limiting_phase"] = {a: max(("rollout", "recompute", "train_step", "weight_update", "critic", "other"),
                                        key=lambda p: phase_means[a][p]) for a in ARMS}
     del pm
     return report
+
+
+def _has_critic(report: dict) -> bool:
+    return any(r.get("critic", 0.0) > 0 for a in ARMS for r in report["rows"][a])
 
 
 def _fmt(x, nd=3):
@@ -316,12 +322,14 @@ def summary_markdown(report: dict, meta: dict) -> str:
              f"{', '.join(sorted({x['default_attention'] for x in r['rows']['baseline'] if x.get('default_attention')})) or 'not recorded'}",
              "",
              "## Mean seconds per measured step", "",
-             "| arm | rollout | recompute | train step | weight update | other | step |",
-             "|---|---|---|---|---|---|---|"]
+             "| arm | rollout | recompute | train step | weight update |" + (" critic |" if _has_critic(r) else "")
+             + " other | step |",
+             "|---|---|---|---|---|---|---|" + ("---|" if _has_critic(r) else "")]
     for a in ARMS:
         p = r["phase_mean_s"][a]
         lines.append(f"| {a} | {_fmt(p['rollout'])} | {_fmt(p['recompute'])} | {_fmt(p['train_step'])} | "
-                     f"{_fmt(p['weight_update'])} | {_fmt(p['other'])} | {_fmt(p['wall_s'])} |")
+                     f"{_fmt(p['weight_update'])} |" + (f" {_fmt(p['critic'])} |" if _has_critic(r) else "")
+                     + f" {_fmt(p['other'])} | {_fmt(p['wall_s'])} |")
     srv_iv = {a: (meta.get("server_intervals") or {}).get(a, []) for a in ARMS}
     lines += ["", "## Per step", "",
               "| arm | step | step s | rollout | recompute | recompute fwd | train | weights | gen tok | tok/s | "
@@ -382,15 +390,17 @@ def plot(report: dict, out: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     paths = []
-    names = [p for p, _ in PHASES] + ["other"]
-    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8c8c8c"]
+    colors = dict(zip([p for p, _ in PHASES] + ["other"], ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3",
+                                                          "#8c8c8c"]))
+    names = [p for p in colors if p != "critic" or _has_critic(report)]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.38
     for k, a in enumerate(ARMS):
         rows = report["rows"][a]
         xs = [r["step"] + (k - 0.5) * width for r in rows]
         bottom = [0.0] * len(rows)
-        for name, c in zip(names, colors):
+        for name in names:
+            c = colors[name]
             vals = [max(0.0, r[name]) for r in rows]
             ax.bar(xs, vals, width, bottom=bottom, color=c, edgecolor="black" if a == "tik" else None,
                    hatch="//" if a == "tik" else None, label=name if k == 0 else None)
@@ -424,8 +434,8 @@ def write_report(report: dict, out: str, meta: dict) -> dict:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump({"meta": meta, **report}, f, indent=2, default=str)
-    cols = ["step", "wall_s", "rollout", "recompute", "recompute_forward_s", "train_step", "weight_update", "other",
-            "gen_tokens", "tokens_per_s", "reward", "recompute_skipped", "audit", "audit_tokens",
+    cols = ["step", "wall_s", "rollout", "recompute", "recompute_forward_s", "train_step", "weight_update", "critic",
+            "other", "gen_tokens", "tokens_per_s", "reward", "recompute_skipped", "audit", "audit_tokens",
             "audit_mismatch_tokens", "audit_max_abs_diff", "compare_tokens", "compare_mismatch_tokens",
             "jit_compiles", "jit_compile_s", "profiled"]
     with open(os.path.join(out, "steps.csv"), "w") as f:
