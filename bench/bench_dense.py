@@ -31,6 +31,9 @@ SHAPES = {  # name: (N, K)
     "1.5b_qkv": (1536 + 2 * 256, 1536), "1.5b_o": (1536, 1536), "1.5b_gate_up": (2 * 8960, 1536),
     "1.5b_down": (1536, 8960), "7b_qkv": (3584 + 2 * 512, 3584), "7b_o": (3584, 3584),
     "7b_gate_up": (2 * 18944, 3584), "7b_down": (3584, 18944), "1.5b_lm_head": (151936, 1536),
+    # HF's Qwen2 modules (what the patched model runs) keep q/k/v and gate/up separate: q is o's
+    # shape; k and v, gate and up are these (the fused *_qkv / *_gate_up above are not run by it)
+    "1.5b_kv": (256, 1536), "1.5b_gate": (8960, 1536), "7b_kv": (512, 3584), "7b_gate": (18944, 3584),
 }
 MS = (1, 8, 64, 128, 256, 2048, 8192, 16384)  # 128: the A/B rollout's decode batch
 L2_BYTES = 60 << 20
