@@ -9,8 +9,10 @@ from areal_tik.kernels import jit_watch
 from areal_tik.kernels.linear import config_name_for
 from areal_tik.models import build_model
 
-# the 1.5B model's linear shapes (qkv, o, gate_up, down, lm_head) and a value head
-SHAPES_15B = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536), (1, 1536)]
+# the 1.5B model's linear shapes as the patched HF model runs them (q/o, k/v, gate/up, down), the fused
+# qkv and gate_up, lm_head and a value head
+SHAPES_15B = [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960), (2048, 1536), (17920, 1536), (151936, 1536),
+              (1, 1536)]
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
@@ -64,7 +66,7 @@ def test_after_precompile_no_m_compiles():
     from areal_tik.backend.modules import TikLinear
     m.layers = torch.nn.ModuleList()
     for n, k in SHAPES_15B[:4]:
-        lin = torch.nn.Linear(k, n, bias=(n == 2048), device=dev, dtype=torch.bfloat16)
+        lin = torch.nn.Linear(k, n, bias=(n == 256), device=dev, dtype=torch.bfloat16)  # k/v carry a bias
         lin.__class__ = TikLinear
         m.layers.append(lin)
     res = precompile_linears(m, max_tokens=8192, min_tokens=1)
