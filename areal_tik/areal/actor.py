@@ -174,6 +174,10 @@ class TikFSDPPPOActor(FSDPPPOActor):
         server (minutes in every 2x H200 A/B, cut by the harness). Rank 0 asks each server to
         leave the group while its own destroy runs."""
         import threading
+        pool = getattr(self, "_digest_pool", None)
+        if pool is not None:  # a digest still reading the weights must end before they are freed
+            pool.shutdown(wait=True, cancel_futures=True)
+            self._digest_pool = self._digest_pending = None
         names = list(getattr(self, "weight_update_group_names", None) or [])
         th = None
         if names and getattr(self, "weight_update_group_initialized", False) and int(os.getenv("RANK", "0")) == 0:
@@ -199,7 +203,8 @@ class TikFSDPPPOActor(FSDPPPOActor):
         steps); a no-op off CUDA."""
         from areal_tik.backend.precompile import precompile_linears
         max_tokens = int(getattr(self.config.mb_spec, "max_tokens_per_mb", None) or 32768)
-        precompile_linears(self.model, max_tokens=max_tokens, min_tokens=64)
+        # FSDP2 stores fp32 masters (AReaL's optimizer_dtype) and runs the forward in config.dtype
+        precompile_linears(self.model, max_tokens=max_tokens, min_tokens=64, dtype=getattr(torch, self.config.dtype))
 
     def _keep_rope_fp32(self):
         """FSDP2's ``cast_forward_inputs=True`` (hard-wired in AReaL's ``parallelize_model``) casts
@@ -281,7 +286,14 @@ class TikFSDPPPOActor(FSDPPPOActor):
         return super().prepare_batch(*args, **kwargs)
 
     def _start_background_digest(self) -> None:
-        if self.kernel_backend != "tik" or getattr(self, "model", None) is None:
+        """Only where it is safe: weights resident (an offloaded actor's memory is released until
+        the recompute phase restores it) and a world of one (the digest of a sharded model
+        all-gathers, and a side thread's collectives could interleave differently on each rank
+        with the rollout's own); otherwise ``own_digest`` digests on the spot, as before."""
+        if self.kernel_backend != "tik" or getattr(self, "model", None) is None or getattr(self, "is_offload", False):
+            return
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return
         v = int(self.get_version())
         pending = getattr(self, "_digest_pending", None)

@@ -53,8 +53,9 @@ class TikPPOTrainer(PPOTrainer):
         self.step_log = step_log
         jit_watch.install()
         self._jit_mark = jit_watch.snapshot()
-        self._profile_step = int(os.environ["AREAL_TIK_PROFILE_STEP"]) if os.environ.get("AREAL_TIK_PROFILE_STEP") \
-            else None
+        # the profiled step is written next to the step log, by the rank that writes it
+        self._profile_step = int(os.environ["AREAL_TIK_PROFILE_STEP"]) \
+            if os.environ.get("AREAL_TIK_PROFILE_STEP") and step_log and int(os.getenv("RANK", "0")) == 0 else None
         self._profiler = None
         super().__init__(config, train_dataset=train_dataset, valid_dataset=valid_dataset)
 
@@ -64,6 +65,14 @@ class TikPPOTrainer(PPOTrainer):
         if self._profile_step == 0:
             self._start_profiler()
         return super().train(*args, **kwargs)
+
+    def _jit_delta(self) -> dict:
+        """This process's Triton compiles since the last step. In single-controller mode the actor
+        runs in RPC workers: nothing compiles here, so the count is marked as not counted."""
+        d = jit_watch.delta(self._jit_mark)
+        if is_single_controller():
+            d["installed"] = False
+        return d
 
     # ---- one profiled step (AREAL_TIK_PROFILE_STEP) ----------------------------------
     def _start_profiler(self):
@@ -148,7 +157,7 @@ class TikPPOTrainer(PPOTrainer):
             self._t_last_commit = now
             rec = {"global_step": global_step, "version": global_step, "wall_s": wall,
                    "stats": {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))},
-                   "jit": jit_watch.delta(self._jit_mark)}
+                   "jit": self._jit_delta()}
             self._jit_mark = jit_watch.snapshot()
             if self._profiler is not None:
                 rec["profiled"] = self._finish_profiler(global_step)

@@ -26,15 +26,16 @@ __all__ = ["linear_shapes", "linear_config_names", "precompile_linears"]
 logger = logging.getLogger("areal_tik.precompile")
 
 
-def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int, torch.dtype, bool]]:
+def linear_shapes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[tuple[int, int, torch.dtype, bool]]:
     """Distinct ``(N, K, dtype, has_bias)`` of the model's ``TikLinear`` modules (global shapes:
-    a DTensor-sharded weight reports the full one)."""
+    a DTensor-sharded weight reports the full one). ``dtype``: the dtype the forward runs in,
+    when it is not the stored weights' (FSDP2 keeps fp32 masters and computes in bf16)."""
     from areal_tik.backend.modules import TikLinear
     seen = []
     for m in model.modules():
         if isinstance(m, TikLinear):
             n, k = (int(s) for s in m.weight.shape)
-            key = (n, k, m.weight.dtype, m.bias is not None)
+            key = (n, k, dtype or m.weight.dtype, m.bias is not None)
             if key not in seen:
                 seen.append(key)
     return seen
@@ -57,8 +58,10 @@ def linear_config_names(n: int, k: int, arch: str, m_min: int, m_max: int, dtype
 
 
 def precompile_linears(model: torch.nn.Module, max_tokens: int, min_tokens: int = 1,
-                       device: torch.device | str | None = None, progress: bool = False) -> dict:
+                       device: torch.device | str | None = None, progress: bool = False,
+                       dtype: torch.dtype | None = None) -> dict:
     """Launch each reachable linear config of ``model`` once (CUDA only; a no-op elsewhere).
+    ``dtype``: the compute dtype when it differs from the stored weights' (see :func:`linear_shapes`).
 
     Returns ``{"shapes", "configs", "compiles", "compile_s", "seconds"}``; ``compiles`` counts
     the Triton compilations this caused (0 when all were compiled already, in memory)."""
@@ -69,7 +72,7 @@ def precompile_linears(model: torch.nn.Module, max_tokens: int, min_tokens: int 
         p = next(model.parameters(), None)
         dev = p.device if p is not None and p.device.type == "cuda" else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    shapes = linear_shapes(model)
+    shapes = linear_shapes(model, dtype)
     res = {"shapes": len(shapes), "configs": 0, "compiles": 0, "compile_s": 0.0, "seconds": 0.0}
     if dev.type != "cuda" or interpreting() or not shapes or os.environ.get("AREAL_TIK_PRECOMPILE", "1") == "0":
         return res

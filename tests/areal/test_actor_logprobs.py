@@ -62,3 +62,45 @@ def test_digest_started_with_the_rollout_is_the_weights_digest(monkeypatch):
     assert d2 == model_digest(model, dtype=torch.bfloat16) and d2 != d1
     actor._version = 3  # no rollout phase ran for this version: digested on the spot
     assert actor.own_digest() == d2
+
+
+def test_actor_precompiles_its_compute_dtype_and_skips_unsafe_background_digests(monkeypatch):
+    """The actor precompiles in ``config.dtype`` (not the fp32 masters' dtype); no background
+    digest while the weights are offloaded; ``destroy`` ends the digest thread first."""
+    import types
+
+    import torch
+    from areal.engine.fsdp_engine import FSDPPPOActor
+
+    import areal_tik.backend.precompile as pc
+    from areal_tik.areal.actor import TikFSDPPPOActor
+    seen = {}
+    monkeypatch.setattr(pc, "precompile_linears", lambda model, **kw: seen.update(kw))
+    actor = object.__new__(TikFSDPPPOActor)
+    actor.model, actor.kernel_backend, actor._digest_cache = torch.nn.Linear(2, 2), "tik", None
+    actor.config = types.SimpleNamespace(dtype="bfloat16", mb_spec=types.SimpleNamespace(max_tokens_per_mb=4096))
+    actor._precompile()
+    assert seen == {"max_tokens": 4096, "min_tokens": 64, "dtype": torch.bfloat16}
+    actor._version, actor.is_offload = 1, True
+    actor._start_background_digest()
+    assert getattr(actor, "_digest_pending", None) is None
+    actor.is_offload = False
+    actor._start_background_digest()
+    assert actor._digest_pending[0] == 1
+    monkeypatch.setattr(FSDPPPOActor, "destroy", lambda self: "destroyed")
+    assert actor.destroy() == "destroyed" and actor._digest_pool is None and actor._digest_pending is None
+
+
+def test_profiled_step_only_where_its_table_is_written(monkeypatch, tmp_path):
+    """AREAL_TIK_PROFILE_STEP arms the profiler only in the process that writes the step log
+    (rank 0 with --step-log): elsewhere nothing would ever stop it."""
+    from areal.trainer.rl_trainer import PPOTrainer
+
+    from areal_tik.areal.trainer import TikPPOTrainer
+    monkeypatch.setattr(PPOTrainer, "__init__", lambda self, *a, **k: None)
+    monkeypatch.setenv("AREAL_TIK_PROFILE_STEP", "0")
+    monkeypatch.setenv("RANK", "0")
+    assert TikPPOTrainer(None, step_log=None)._profile_step is None
+    assert TikPPOTrainer(None, step_log=str(tmp_path / "s.jsonl"))._profile_step == 0
+    monkeypatch.setenv("RANK", "1")
+    assert TikPPOTrainer(None, step_log=str(tmp_path / "s.jsonl"))._profile_step is None

@@ -80,3 +80,15 @@ def test_after_precompile_no_m_compiles():
     torch.cuda.synchronize()
     d = jit_watch.delta(before)
     assert d["compiles"] == 0, d
+
+
+def test_shapes_in_the_compute_dtype():
+    """FSDP2 keeps fp32 master weights and runs the forward in bf16: the configs to compile are
+    the bf16 ones (an fp32 model with dtype=bf16 lists bf16 shapes, and their configs are not
+    the fp32 family)."""
+    m = patch_model(build_model("tiny-qwen2", device="cpu", seed=0, dtype=torch.float32))
+    assert {d for _, _, d, _ in linear_shapes(m)} == {torch.float32}
+    shapes = linear_shapes(m, torch.bfloat16)
+    assert {d for _, _, d, _ in shapes} == {torch.bfloat16} and len(shapes) == len(linear_shapes(m))
+    n, k, d, _ = shapes[0]
+    assert not any(c.startswith("f32_") for c in linear_config_names(n, k, "sm_90", 64, 16384, d))
