@@ -70,7 +70,9 @@ def test_after_precompile_no_m_compiles():
         lin.__class__ = TikLinear
         m.layers.append(lin)
     res = precompile_linears(m, max_tokens=8192, min_tokens=1)
-    assert res["configs"] > 0
+    # the counter sees real compiles (a fresh process misses its in-memory cache for every config,
+    # loads from Triton's disk cache included), so the zero below is a measured zero
+    assert res["configs"] > 0 and res["compiles"] >= res["configs"] // 2
     before = jit_watch.snapshot()
     g = torch.Generator(device="cpu").manual_seed(0)
     for lin in m.layers:
