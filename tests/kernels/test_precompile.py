@@ -70,9 +70,19 @@ def test_after_precompile_no_m_compiles():
         lin.__class__ = TikLinear
         m.layers.append(lin)
     res = precompile_linears(m, max_tokens=8192, min_tokens=1)
-    # the counter sees real compiles (a fresh process misses its in-memory cache for every config,
-    # loads from Triton's disk cache included), so the zero below is a measured zero
-    assert res["configs"] > 0 and res["compiles"] >= res["configs"] // 2
+    assert res["configs"] > 0
+    # the counter sees a real compile (a kernel this process never launched), so the zero below is
+    # a measured zero
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fresh(x_ptr):
+        tl.store(x_ptr, tl.load(x_ptr) + 1)
+    c0 = jit_watch.snapshot()
+    one = torch.zeros(1, device=dev)
+    _fresh[(1,)](one)
+    assert jit_watch.delta(c0)["compiles"] == 1 and one.item() == 1
     before = jit_watch.snapshot()
     g = torch.Generator(device="cpu").manual_seed(0)
     for lin in m.layers:
