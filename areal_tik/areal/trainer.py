@@ -83,11 +83,9 @@ class TikPPOTrainer(PPOTrainer):
         self._profiler = torch.profiler.profile(activities=acts)
         self._profiler.__enter__()
 
-    def _finish_profiler(self, global_step: int) -> str | None:
+    def _finish_profiler(self, global_step: int) -> str:
         prof, self._profiler = self._profiler, None
         prof.__exit__(None, None, None)
-        if not self.step_log:
-            return None
         path = os.path.join(os.path.dirname(os.path.abspath(self.step_log)), f"profile_step{global_step}.txt")
         from areal_tik.profiling import profile_tables
         with open(path, "w") as f:

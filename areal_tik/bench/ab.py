@@ -273,10 +273,8 @@ def analyze(baseline: list[dict], tik: list[dict]) -> dict:
             "max_abs_diff": max([r["compare_max_abs_diff"] for r in rows["baseline"]] or [0.0]),
         },
     }
-    pm = phase_means["baseline"]
-    report["limiting_phase"] = {a: max(("rollout", "recompute", "train_step", "weight_update", "critic", "other"),
-                                       key=lambda p: phase_means[a][p]) for a in ARMS}
-    del pm
+    report["limiting_phase"] = {a: max([p for p, _ in PHASES] + ["other"], key=lambda p: phase_means[a][p])
+                                for a in ARMS}
     return report
 
 

@@ -22,9 +22,10 @@ import torch
 from areal_tik import ops
 from areal_tik.backend.logprob_head import logprobs_of
 from areal_tik.kernels import _torch_math
-from areal_tik.kernels.gumbel import C_MIX, M32, hash32, uniform_noise, vocab_hash
+from areal_tik.kernels.gumbel import C_MIX, M32, uniform_noise, vocab_hash
 
 __all__ = ["Sampler", "row_key", "uniform_noise"]
+
 
 def _hash32_py(x: int) -> int:
     x &= M32
@@ -39,9 +40,6 @@ def row_key(seed: int, position: int) -> int:
     k = _hash32_py(s & M32)
     k = _hash32_py(k ^ (s >> 32) ^ 0x9E3779B9)
     return _hash32_py(k ^ (int(position) * 0x2545F491 & M32))
-
-
-_hash32 = hash32  # the tensor version (kernels/gumbel.py), under its old name
 
 
 class Sampler:
