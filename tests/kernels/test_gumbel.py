@@ -27,6 +27,23 @@ def test_noise_is_exactly_the_references(seed_rng):
     assert torch.equal(gumbel_argmax_torch(z, keys, torch.ones_like(temps)), want)
 
 
+def test_negative_control_other_keys_draw_other_noise(seed_rng):
+    """The equalities above are not vacuous: with zero logits the token is the noise's argmax, and
+    other keys (or a one-bit change of one key) pick other tokens."""
+    _, keys, temps = _inputs(seed_rng, 16, 3001)
+    z, ones = torch.zeros(16, 3001, device=DEV), torch.ones_like(temps)
+    base = gumbel_argmax_triton(z, keys, ones)
+    other = gumbel_argmax_triton(z, (keys + 1) % (2 ** 32), ones)
+    assert (base != other).sum() >= 12, (base, other)
+    rows = torch.tensor([1, 3, 8, 14], device=DEV)
+    flipped = keys.clone()
+    flipped[rows] ^= 1 << 17                      # one bit of four rows' keys
+    got = gumbel_argmax_triton(z, flipped, ones)
+    rest = torch.ones(16, dtype=torch.bool, device=DEV)
+    rest[rows] = False
+    assert (got[rows] != base[rows]).sum() >= 3 and torch.equal(got[rest], base[rest])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tokens_equal_the_reference(seed_rng, dtype):
     logits, keys, temps = _inputs(seed_rng, 24, 5000, dtype)
