@@ -7,6 +7,7 @@
 #                (session 2 ran the parity/isolation/verify round: bench/results/*_parity-r2)
 #   STAGE=s3     bash bench/device_round.sh  -> the short version of 'next' run in session 3 (tests + cuda bench)
 #   STAGE=s4 / s5: session 4's first and last rounds (profiles; sampler + precompile checks)
+#   STAGE=s6: session 5's first call (sampler negative control, precompile dtype fix)
 # The tuned tables (areal_tik/kernels/{linear,attention}_tuned.json) come back in the archives
 # and are committed by hand after checking the re-tests passed.
 set -u
@@ -57,5 +58,11 @@ case "${STAGE:-tune}" in
     OUT=$ROOT_OUT/s5 GPU_TESTS="tests/kernels/test_gumbel.py tests/kernels/test_precompile.py tests/engine/test_graph_capture.py tests/engine/test_parity.py" \
       PROFILE_ARGS="--batches 64 128 --prompt-len 136" PART_TIMEOUT=${PART_TIMEOUT:-150} \
       bash bench/gpu_check.sh env tests profile
+    ;;
+  s6)     # session 5 first call (2 GPUs): the Gumbel sampler's negative control and the precompile's
+          # compute-dtype fix (the trainer must precompile bf16 configs, not FSDP2's fp32 masters)
+    mkdir -p $ROOT_OUT/s6
+    OUT=$ROOT_OUT/s6 GPU_TESTS="tests/kernels/test_gumbel.py tests/kernels/test_precompile.py" \
+      PART_TIMEOUT=${PART_TIMEOUT:-150} bash bench/gpu_check.sh env tests
     ;;
 esac
