@@ -23,10 +23,14 @@
 #        EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=grpo ARMS=both bash bench/run_ab_gpu.sh
 #        (step 10 of each arm under torch.profiler -> <arm>/profile_step10.txt, left out of the ratios;
 #        every step logs the Triton compiles of the trainer and the server)
-#   measured: 1.129x (bench/results/*_e2ef8f7_ab-grpo-final). Next session, same three calls, then
-#   RECIPES=ppo (not re-run since the critic moved to default kernels and the fixes above) and
-#   RECIPES=grpo again (the background digest now starts in prepare_batch: does tik's +0.08 s
-#   "other" go?), or GEN_TOKENS=512 without the batch_size override (the recipe's own size).
+#   measured: 1.129x (bench/results/*_e2ef8f7_ab-grpo-final) in session 4; session 5 ran the same three
+#   calls (step 1 with STAGE=s6) and then, on the same warm machine:
+#     AREAL_TIK_PROFILE_STEP=10 BUDGET_S=420 STEPS=11 GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=ppo ARMS=both
+#   -> GRPO 1.210x, PPO 1.002x at 16 prompts (*_4e22786_ab-grpo-s5, *_ab-ppo-s5); after the machine went cold,
+#   carrying p1..p3 again: PPO at the recipe's 128 prompts, 1.069x (*_4e22786_ab-ppo-b128-s5):
+#     AREAL_TIK_PROFILE_STEP=10 BUDGET_S=520 STEPS=11 GEN_TOKENS=256 RECIPES=ppo ARMS=both   (541 s: the
+#     whole call budget; both arms at 128 prompts spend ~125-145 s outside the logged steps)
+#   Next: the PPO critic on tik kernels at 128 prompts (EXTRA_OVERRIDES=critic.kernel_backend=tik).
 # Session 4's first round ran: s4 profiles, PPO (0.899x), the warm-started reward A/B (ratio 1.002):
 #   BUDGET_S=480 STEPS=10 GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=ppo ARMS=both
 #   BUDGET_S=520 STEPS=10 WARMSTART_STEPS=300 GEN_TOKENS=32 RECIPES=grpo ARMS=both
