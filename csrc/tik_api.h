@@ -39,6 +39,14 @@ typedef struct {
   float* ws_ml;              // [Tq*Hq, max_chunks, 2]
   int* ws_nc;                // [Tq*Hq]
   int total_q;               // Tq
+  // Decode-shaped SPLIT launches: tile counters for the one-launch (fused) merge. NULL, or
+  // counters_cap < tik_attention_decode_counters_needed(), selects the two-launch path
+  // (decode kernel + merge kernel; same bits). The buffer must be all zero before the first
+  // launch; every fused launch leaves it all zero again (the last CTA of a tile resets its
+  // counter), so it is allocated and zeroed once and reused, also by CUDA-graph replays.
+  // Fused launches sharing one buffer must not run concurrently (e.g. on two streams).
+  int* counters;
+  int64_t counters_cap;      // number of ints at counters
 } TikAttnParams;
 
 // Which mode AUTO resolves to for these parameters (1 = fold, 2 = split).
@@ -49,11 +57,14 @@ int tik_attention(const TikAttnParams* p, cudaStream_t stream);
 // 1 when this launch reads ws_nc (it must then be zeroed, [Tq*Hq] int); 0 otherwise
 // (decode-shaped launches: their merge derives each row's chunk count itself).
 int tik_attention_needs_ws_nc(const TikAttnParams* p);
+// Counters a fused decode launch with these parameters uses (batch * Hkv * 16-row tiles).
+int64_t tik_attention_decode_counters_needed(const TikAttnParams* p);
 // Decode-shaped launches (max_seqlen_q * Hq/Hkv <= 16) always run the 4-warp decode kernel
 // (formerly "variant 2"; the 1-warp variant 1 and the variant switch are gone). Exported by
-// the binding as DECODE_PATH; cuda_ops rejects an extension without it (a stale build whose
-// default decode was variant 1).
-#define TIK_ATTN_DECODE_PATH 2
+// the binding as DECODE_PATH; cuda_ops rejects an extension with another value (a stale
+// build). 3: SPLIT-mode decode merges in the decode launch itself (p.counters), the separate
+// merge kernel stays selectable (binding argument decode_merge=1).
+#define TIK_ATTN_DECODE_PATH 3
 
 // Resource usage of every attention kernel instantiation, one line each, into buf.
 int tik_attention_describe(char* buf, int buflen);

@@ -431,20 +431,86 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 //     before its cp.async (attn_kernel's loader re-reads the block table and divides by
 //     page_size behind every cp.async, serialised by the asm memory clobber).
 //   * 3-stage cp.async ring, one barrier per block.
-//   * SPLIT mode: the merge kernel prefetches the chunk partials 16 at a time and folds them
-//     in the same ascending order with the same scalar code; it derives each row's chunk
-//     count from cu_seqlens_q / seqlens_k, so no ws_nc memset node is needed.
+//   * SPLIT mode, two launches (FUSED = false; kept as the reference path, selected when no
+//     counter buffer is passed): the merge kernel prefetches the chunk partials 16 at a time
+//     and folds them in the same ascending order with the same scalar code; it derives each
+//     row's chunk count from cu_seqlens_q / seqlens_k, so no ws_nc memset node is needed.
+//   * SPLIT mode, one launch (FUSED = true, the default when the caller passes p.counters):
+//     - a tile whose rows all end in chunk 0 (one participating CTA) finalizes in registers:
+//       merge_coeffs from the empty state (M = -inf, L = 0, O = 0) then O / L, i.e. the merge
+//       kernel's arithmetic for one partial (and FOLD mode's at the end of chunk 0);
+//     - otherwise every participating chunk CTA stores its partials as in the two-launch
+//       path, then __threadfence + barrier + one atomicAdd on the tile's counter; the CTA
+//       that draws the last ticket resets the counter to 0 (so the next launch, e.g. a
+//       CUDA-graph replay, starts from 0 without a memset) and merges each of the tile's rows
+//       over chunks 0..nc-1 ascending with merge_coeffs / merge_val, then O / L rounded once
+//       to bf16, exactly the merge kernel's per-element operations. Which CTA draws the last
+//       ticket changes who merges, never the operations or their order, so the bits are
+//       those of the two-launch path. Partials are read with ld.global.cg (L2, never a
+//       stale L1 line). The counters are shared by every launch on the device: fused launches
+//       on one device must not overlap in time (one stream at a time, as the engine runs).
 // ---------------------------------------------------------------------------------------
 constexpr int DEC_WARPS = 4;
 constexpr int DEC_STAGES = 3;
+constexpr int DEC_FUSED_PF = 16;  // chunk partials in flight per thread in the fused merge
+
+// Fused decode merge, run by the one CTA that drew a tile's last ticket: every valid row of
+// the tile (rows row0 .. row0 + nrows - 1 of sequence b / KV head hk) is folded over its
+// chunks 0..nc-1 in ascending order. Thread work item = (row, 4 consecutive columns); per
+// element the operations are attn_decode_merge_kernel's (merge_coeffs per chunk, merge_val,
+// __fdiv_rn(O, L), round to nearest bf16).
+template <int D>
+__device__ __forceinline__ void decode_merge_tile(const TikAttnParams& p, int row0, int nrows, int G, int q0,
+                                                  int pos_off, int hk, int maxc) {
+  constexpr int Q4 = D / 4;
+  bf16* out = static_cast<bf16*>(p.out);
+  for (int it = threadIdx.x; it < nrows * Q4; it += DEC_WARPS * 32) {
+    const int r = row0 + it / Q4, dq = it % Q4;
+    const int j = r / G;
+    const int pos = pos_off + j;
+    if (pos < 0) continue;  // not a valid row: nothing stored, nothing written (as the merge kernel)
+    const int64_t rowid = (int64_t)(q0 + j) * p.Hq + (int64_t)hk * G + r % G;
+    const int nc = min(pos / SPLIT + 1, maxc);
+    float M = -CUDART_INF_F, L = 0.f;
+    float O[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int c0 = 0; c0 < nc; c0 += DEC_FUSED_PF) {
+      const int n = min(DEC_FUSED_PF, nc - c0);
+      float2 mlv[DEC_FUSED_PF];
+      float4 av[DEC_FUSED_PF];
+#pragma unroll
+      for (int u = 0; u < DEC_FUSED_PF; ++u) {
+        if (u < n) {
+          const int64_t base = rowid * maxc + c0 + u;
+          mlv[u] = __ldcg(reinterpret_cast<const float2*>(p.ws_ml + base * 2));
+          av[u] = __ldcg(reinterpret_cast<const float4*>(p.ws_acc + base * D) + dq);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < DEC_FUSED_PF; ++u) {
+        if (u < n) {
+          float ca, cb;
+          merge_coeffs(M, L, mlv[u].x, mlv[u].y, ca, cb);
+          O[0] = merge_val(O[0], av[u].x, ca, cb);
+          O[1] = merge_val(O[1], av[u].y, ca, cb);
+          O[2] = merge_val(O[2], av[u].z, ca, cb);
+          O[3] = merge_val(O[3], av[u].w, ca, cb);
+        }
+      }
+    }
+    uint32_t* o32 = reinterpret_cast<uint32_t*>(out + rowid * D + dq * 4);
+    o32[0] = pack_bf16(__fdiv_rn(O[0], L), __fdiv_rn(O[1], L));
+    o32[1] = pack_bf16(__fdiv_rn(O[2], L), __fdiv_rn(O[3], L));
+  }
+}
 
 template <int D>
 constexpr int decode_smem_bytes() {
   return DEC_STAGES * 2 * BN * (D + 8) * 2;
 }
 
-template <int D, bool SPLITM>
+template <int D, bool SPLITM, bool FUSED = false>
 __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAttnParams p) {
+  static_assert(SPLITM || !FUSED, "the fused merge exists only in SPLIT mode");
   constexpr int NT = BN / 8;
   constexpr int KC = D / 16;
   constexpr int DT = D / 8;
@@ -714,6 +780,26 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
     }
   } else {
     const int maxc = max_chunks_of(p);
+    // chunks (= participating CTAs) of this tile: chunk c runs iff c * SPLIT <= tile_max_pos
+    // (jb < je above), capped by the grid's maxc (the merge kernel caps nc the same way)
+    const int nct = min(tile_max_pos / SPLIT + 1, maxc);
+    if constexpr (FUSED) {
+      if (nct == 1) {  // every row ends in chunk 0: the merge of one partial, in registers
+        bf16* out = static_cast<bf16*>(p.out);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          if (!rvalid[i]) continue;
+          float Mr = -CUDART_INF_F, Lr = 0.f, ca, cb;
+          merge_coeffs(Mr, Lr, m[i], l[i], ca, cb);
+          uint32_t* orow = reinterpret_cast<uint32_t*>(out + rowid[i] * D);
+#pragma unroll
+          for (int dt = 0; dt < DTW; ++dt)
+            orow[(dt0 + dt) * 4 + t] = pack_bf16(__fdiv_rn(merge_val(0.f, acc[dt][2 * i], ca, cb), Lr),
+                                                 __fdiv_rn(merge_val(0.f, acc[dt][2 * i + 1], ca, cb), Lr));
+        }
+        return;
+      }
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (!rvalid[i] || chunk > rlast[i]) continue;
@@ -726,6 +812,24 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
         p.ws_ml[base * 2] = m[i];
         p.ws_ml[base * 2 + 1] = l[i];
       }
+    }
+    if constexpr (FUSED) {
+      __shared__ int s_last;
+      __threadfence();  // this thread's partials are visible device-wide before the ticket
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int* ctr = p.counters + ((int64_t)b * gridDim.y + hk) * (int64_t)(gridDim.x / maxc) + tile;
+        const int ticket = atomicAdd(ctr, 1);
+        const int last = ticket == nct - 1;
+        if (last) {
+          atomicExch(ctr, 0);  // every CTA of the tile has drawn: ready for the next launch
+          __threadfence();     // acquire side: the other CTAs' partials before our reads
+        }
+        s_last = last;
+      }
+      __syncthreads();
+      if (!s_last) return;
+      decode_merge_tile<D>(p, row0, min(rows_total, row0 + 16) - row0, G, q0, pos_off, hk, maxc);
     }
   }
 }
@@ -785,6 +889,12 @@ __global__ void __launch_bounds__(D) attn_decode_merge_kernel(const TikAttnParam
   static_cast<bf16*>(p.out)[row * D + d] = __float2bfloat16_rn(__fdiv_rn(O, L));
 }
 
+// Counters the fused decode needs: one per (sequence, KV head, 16-row tile).
+__host__ __device__ __forceinline__ int64_t decode_counters_needed(const TikAttnParams& p) {
+  const int64_t rows = (int64_t)p.max_seqlen_q * (p.Hq / p.Hkv);
+  return (int64_t)p.batch * p.Hkv * ((rows + 15) / 16);
+}
+
 template <int D, bool SPLITM>
 cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
   const int64_t rows = (int64_t)p.max_seqlen_q * (p.Hq / p.Hkv);
@@ -793,6 +903,13 @@ cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
   if (gx <= 0) return cudaSuccess;
   if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
   constexpr int SMEM = decode_smem_bytes<D>();
+  if (SPLITM && p.counters != nullptr && decode_counters_needed(p) <= p.counters_cap) {
+    auto fk = attn_decode_kernel<D, true, true>;  // one launch: merge in the last CTA of each tile
+    cudaError_t e = cudaFuncSetAttribute(fk, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+    if (e != cudaSuccess) return e;
+    fk<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p);
+    return cudaGetLastError();
+  }
   auto kern = attn_decode_kernel<D, SPLITM>;
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
   if (err != cudaSuccess) return err;
@@ -824,6 +941,10 @@ void describe_one(char* buf, int buflen, int& used, const char* name, K kern, in
 extern "C" {
 
 int tik_attention_max_chunks(const TikAttnParams* p) { return tik_attn::max_chunks_of(*p); }
+
+int64_t tik_attention_decode_counters_needed(const TikAttnParams* p) {
+  return tik_attn::decode_counters_needed(*p);
+}
 
 static bool tik_small(const TikAttnParams* p) { return (int64_t)p->max_seqlen_q * (p->Hq / p->Hkv) <= 16; }
 
@@ -873,6 +994,10 @@ int tik_attention_describe(char* buf, int buflen) {
   describe_one(buf, buflen, used, "attn_decode<D64,4warp,split>", attn_decode_kernel<64, true>, decode_smem_bytes<64>());
   describe_one(buf, buflen, used, "attn_decode<D128,4warp,fold>", attn_decode_kernel<128, false>, decode_smem_bytes<128>());
   describe_one(buf, buflen, used, "attn_decode<D128,4warp,split>", attn_decode_kernel<128, true>, decode_smem_bytes<128>());
+  describe_one(buf, buflen, used, "attn_decode<D64,4warp,split,fused>", attn_decode_kernel<64, true, true>,
+               decode_smem_bytes<64>());
+  describe_one(buf, buflen, used, "attn_decode<D128,4warp,split,fused>", attn_decode_kernel<128, true, true>,
+               decode_smem_bytes<128>());
   describe_one(buf, buflen, used, "attn_decode_merge<D64>", attn_decode_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_decode_merge<D128>", attn_decode_merge_kernel<128>, 0);
   describe_one(buf, buflen, used, "attn_merge<D64>", attn_merge_kernel<64>, 0);

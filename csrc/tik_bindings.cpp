@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -47,10 +49,50 @@ int dtype_code(at::ScalarType s) {
   return -1;
 }
 
+// Fused-decode tile counters (TikAttnParams::counters): one int32 buffer per device, zeroed
+// once and reused by every launch (each fused launch leaves it all zero). Never freed: a
+// CUDA graph captured with a buffer keeps its address, so a replaced buffer stays alive
+// (retired) instead of returning to the caching allocator. Grows only outside stream capture
+// (allocation + memset + sync are not capturable); a launch that needs more counters than
+// exist while capturing gets none and takes the two-launch path (same bits).
+constexpr int64_t kMinDecodeCounters = 1 << 16;
+
+struct DecodeCounters {
+  at::Tensor buf;
+  std::vector<at::Tensor> retired;
+};
+
+std::mutex& counters_mutex() {
+  static std::mutex* m = new std::mutex();  // leaked on purpose: no destruction-order issues at exit
+  return *m;
+}
+
+std::map<int, DecodeCounters>& counters_by_device() {
+  static auto* m = new std::map<int, DecodeCounters>();  // leaked on purpose (see above)
+  return *m;
+}
+
+// Returns the device's counter buffer when it holds at least `need` ints (allocating or
+// growing it first when the stream is not capturing), else an undefined tensor.
+at::Tensor decode_counters_for(const at::Tensor& like, int64_t need, cudaStream_t st) {
+  std::lock_guard<std::mutex> lock(counters_mutex());
+  DecodeCounters& dc = counters_by_device()[like.device().index()];
+  if (dc.buf.defined() && dc.buf.numel() >= need) return dc.buf;
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone) return at::Tensor();
+  int64_t cap = dc.buf.defined() ? dc.buf.numel() : kMinDecodeCounters;
+  while (cap < need) cap *= 2;
+  at::Tensor fresh = at::zeros({cap}, like.options().dtype(at::kInt));
+  check_cuda((int)cudaStreamSynchronize(st), "decode counter zeroing");  // zero before any stream uses it
+  if (dc.buf.defined()) dc.retired.push_back(dc.buf);
+  dc.buf = fresh;
+  return dc.buf;
+}
+
 at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cu_seqlens_q, const c10::optional<at::Tensor>& seqlens_k,
                             const c10::optional<at::Tensor>& block_table, int64_t max_seqlen_q, double scale,
-                            int64_t mode, const c10::optional<at::Tensor>& out_opt) {
+                            int64_t mode, const c10::optional<at::Tensor>& out_opt, int64_t decode_merge) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   check_dev(k, q, "k");
   check_dev(v, q, "v");
@@ -121,6 +163,19 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
     }
   }
   cudaStream_t st = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  TORCH_CHECK(decode_merge == 0 || decode_merge == 1, "attention: decode_merge must be 0 (fused) or 1 (kernel)");
+  at::Tensor counters;
+  if (decode_merge == 0) {
+    // Decode-shaped SPLIT launches merge in the decode launch itself. Any other eager launch
+    // only makes sure the buffer exists (minimum size), so a graph captured later finds it.
+    const bool fused_decode = tik_attention_resolve_mode(&p) == TIK_ATTN_SPLIT_MODE &&
+                              (int64_t)p.max_seqlen_q * (p.Hq / p.Hkv) <= 16;
+    counters = decode_counters_for(q, fused_decode ? tik_attention_decode_counters_needed(&p) : 0, st);
+    if (fused_decode && counters.defined()) {
+      p.counters = counters.data_ptr<int>();
+      p.counters_cap = counters.numel();
+    }
+  }
   check_cuda(tik_attention(&p, st), "attention");
   return out;
 }
@@ -128,15 +183,24 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor attention_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale, int64_t mode,
                                 const c10::optional<at::Tensor>& out) {
-  return attention_common(q, k, v, cu_seqlens, c10::nullopt, c10::nullopt, max_seqlen, scale, mode, out);
+  return attention_common(q, k, v, cu_seqlens, c10::nullopt, c10::nullopt, max_seqlen, scale, mode, out, 0);
 }
 
 at::Tensor attention_paged_fwd(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                                const at::Tensor& seqlens_k, int64_t max_seqlen_q, double scale, int64_t mode,
-                               const c10::optional<at::Tensor>& out) {
+                               const c10::optional<at::Tensor>& out, int64_t decode_merge) {
   return attention_common(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q, scale, mode,
-                          out);
+                          out, decode_merge);
+}
+
+// The device's fused-decode counter buffer (undefined before the first attention call on it);
+// tests check that it is all zero between launches.
+at::Tensor decode_counters(int64_t device_index) {
+  std::lock_guard<std::mutex> lock(counters_mutex());
+  auto& m = counters_by_device();
+  auto it = m.find((int)device_index);
+  return it == m.end() ? at::Tensor() : it->second.buf;
 }
 
 at::Tensor rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps, const c10::optional<at::Tensor>& out) {
@@ -223,7 +287,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none());
   m.def("attention_paged_fwd", &attention_paged_fwd, "causal attention over a paged KV cache (bf16)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("cu_seqlens_q"), py::arg("seqlens_k"),
-        py::arg("max_seqlen_q"), py::arg("scale"), py::arg("mode"), py::arg("out") = py::none());
+        py::arg("max_seqlen_q"), py::arg("scale"), py::arg("mode"), py::arg("out") = py::none(),
+        py::arg("decode_merge") = 0);
+  m.def("decode_counters", &decode_counters, "the device's fused-decode counter buffer (tests)",
+        py::arg("device_index"));
   m.def("rms_norm_fwd", &rms_norm_fwd, "RMSNorm forward, HF rounding points", py::arg("x"), py::arg("w"),
         py::arg("eps"), py::arg("out") = py::none());
   m.def("apply_rope_fwd", &apply_rope_fwd, "neox RoPE, fp32 math, one rounding", py::arg("x"), py::arg("cos"),

@@ -27,9 +27,16 @@ SPLIT mode); all softmax arithmetic explicitly rounded (no FMA contraction). ``m
 (``"auto"``, ``"fold"``, ``"split"``) is a test hook: every mode gives the same bits.
 Decode-shaped launches (``max_seqlen_q * G <= 16``) run a separate 4-warp kernel (the four
 warps share 16 rows and split the output head dim; same per-row arithmetic as the prefill
-kernel, so the same bits) plus its own merge; there is one decode path (the earlier 1-warp
-"v1" decode and the ``variant=`` switch were removed after the H200 run of 2026-11-30
-measured the 4-warp kernel bit-identical and 1.6-2.4x faster).
+kernel, so the same bits); there is one decode kernel (the earlier 1-warp "v1" decode and
+the ``variant=`` switch were removed after the H200 run of 2026-11-30 measured the 4-warp
+kernel bit-identical and 1.6-2.4x faster). Its split-KV merge runs, by default, inside the
+same launch (``decode_merge="fused"``): a tile whose rows end in the first 256-position
+chunk finalizes in registers; otherwise the chunk CTA that finishes last (atomic ticket on a
+per-device counter buffer that each launch leaves zeroed) merges the chunk partials in
+ascending order with the merge kernel's operations. ``decode_merge="kernel"`` (or
+``AREAL_TIK_CUDA_DECODE_MERGE=kernel``) keeps the earlier decode + merge-kernel pair; both
+give the same bits (GPU tests compare them). Fused decode launches on one device must not
+run concurrently on two streams (they share the counters).
 Accuracy: relative Frobenius error vs ``attention_reference`` (float64) < 1e-2.
 
 Backward of ``attention_varlen``: recompute-based. The saved bf16 q, k, v are cast to
@@ -63,14 +70,19 @@ BLOCK_N = 64      # must equal TIK_ATTN_BLOCK_N in csrc/tik_api.h
 SPLIT = 256       # must equal TIK_ATTN_SPLIT
 HEAD_DIMS = (64, 128)
 _MODES = {"auto": 0, "fold": 1, "split": 2}
-DECODE_PATH = 2   # must equal TIK_ATTN_DECODE_PATH (the single 4-warp decode path)
+DECODE_PATH = 3   # must equal TIK_ATTN_DECODE_PATH (4-warp decode, merge fused into the launch)
+_DECODE_MERGES = {"fused": 0, "kernel": 1}
+# Default split-KV merge of decode-shaped launches ("fused": in the decode launch; "kernel":
+# the separate merge kernel). Read once at import; same bits either way.
+DECODE_MERGE = os.environ.get("AREAL_TIK_CUDA_DECODE_MERGE", "fused")
 LOG2E = 1.4426950408889634
 
 META = {"cuda.attn.BLOCK_N": BLOCK_N, "cuda.attn.SPLIT": SPLIT, "cuda.attn.mma": "m16n8k16 bf16->f32",
         "cuda.attn.exp": "ex2.approx.ftz", "cuda.rms_norm": "warp/row, lane-strided 8-groups, xor tree",
         "cuda.rope": "fp32 mul/add rn",
         "cuda.attn.decode": "max_seqlen_q*G<=16: one 4-warp CTA per 16 rows, warps split the head dim "
-                            "(P V, D/4 columns each); split-KV: one CTA per 256-position chunk, merged ascending"}
+                            "(P V, D/4 columns each); split-KV: one CTA per 256-position chunk, merged ascending "
+                            "(in the launch by the tile's last CTA, or by a merge kernel: same operations)"}
 
 
 def extension():
@@ -81,11 +93,11 @@ def extension():
         raise RuntimeError(f"areal-tik CUDA extension built with BLOCK_N={mod.BLOCK_N}, SPLIT={mod.SPLIT}; "
                            f"cuda_ops expects {BLOCK_N}/{SPLIT}: rebuild")
     if getattr(mod, "DECODE_PATH", None) != DECODE_PATH:
-        raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} was built from older csrc "
+        raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} was built from other csrc "
                            f"(DECODE_PATH={getattr(mod, 'DECODE_PATH', None)}, expected {DECODE_PATH}: it predates "
-                           "the single 4-warp decode path and would run the removed 1-warp decode): rebuild it "
-                           "(pip install -e . to rebuild areal_tik._C, or delete the stale areal_tik/_C*.so to use "
-                           "the JIT build)")
+                           "the current decode path, e.g. the removed 1-warp decode or the decode without the "
+                           "fused merge): rebuild it (pip install -e . to rebuild areal_tik._C, or delete the stale "
+                           "areal_tik/_C*.so to use the JIT build)")
     return mod
 
 
@@ -140,6 +152,14 @@ def _mode(mode):
     if mode not in _MODES:
         raise ValueError(f"attention (cuda): mode must be one of {sorted(_MODES)}, got {mode!r}")
     return _MODES[mode]
+
+
+def _decode_merge(decode_merge):
+    dm = DECODE_MERGE if decode_merge is None else decode_merge
+    if dm not in _DECODE_MERGES:
+        raise ValueError(f"attention (cuda): decode_merge must be one of {sorted(_DECODE_MERGES)} (or None: "
+                         f"AREAL_TIK_CUDA_DECODE_MERGE, default 'fused'), got {dm!r}")
+    return _DECODE_MERGES[dm]
 
 
 # ---------------------------------------------------------------------------------------
@@ -210,7 +230,7 @@ def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_si
 
 
 def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, scale=None,
-                         window_size=None, mode="auto", out=None):
+                         window_size=None, mode="auto", out=None, decode_merge=None):
     """R2 prefill / R3 chunked prefill / R4 decode over the paged KV cache (CUDA).
 
     q ``[Tq, Hq, D]`` bf16; caches ``[num_pages, page_size, Hkv, D]`` bf16 contiguous
@@ -220,7 +240,12 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
     workspace is sized from ``max_pages * page_size``), so it can be graph-captured.
     Decode-shaped launches (max_seqlen_q * G <= 16) run the 4-warp decode kernel with split-KV
     across CTAs. ``out``: optional contiguous ``[Tq, Hq, D]`` bf16 buffer to write (CUDA graphs,
-    poisoned-output tests); rows of tokens outside ``cu_seqlens_q[B]`` are left untouched."""
+    poisoned-output tests); rows of tokens outside ``cu_seqlens_q[B]`` are left untouched.
+    ``decode_merge``: ``"fused"`` (the split-KV merge of decode-shaped launches runs in the
+    decode launch), ``"kernel"`` (a second, merge-kernel launch) or None (``DECODE_MERGE``,
+    from ``AREAL_TIK_CUDA_DECODE_MERGE``); same bits. The fused path needs the per-device
+    counter buffer, created by the first eager (not graph-captured) attention call on the
+    device; a capture before any eager call falls back to the merge kernel."""
     name = "attention_paged"
     _check_window(window_size)
     _need_cuda(name, ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
@@ -244,7 +269,8 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
         raise ValueError(f"{name}: max_seqlen_q must be >= 0")
     return extension().attention_paged_fwd(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
                                            cu_seqlens_q.contiguous(), seqlens_k.contiguous(), int(max_seqlen_q),
-                                           _scale(scale, q.shape[-1]), _mode(mode), out=out)
+                                           _scale(scale, q.shape[-1]), _mode(mode), out=out,
+                                           decode_merge=_decode_merge(decode_merge))
 
 
 def kv_cache_write_cuda(k, v, k_cache, v_cache, slot_mapping):

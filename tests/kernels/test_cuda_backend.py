@@ -7,7 +7,12 @@ GPU tests (``-m gpu``, run by ``bash bench/gpu_check.sh tests``):
   boundaries, page sizes 16..256, GQA group 1..8, D 64/128; float64 bound; outputs
   poisoned before every call; cache slots outside the sequences poisoned with NaN.
   Decode-shaped launches (max_seqlen_q * G <= 16) run the single 4-warp decode kernel; also
-  checked at batch 1/5/17 and contexts up to 3000 and 8K against the varlen rows.
+  checked at batch 1/5/17 and contexts up to 3000 and 8K against the varlen rows. Its
+  split-KV merge in the same launch (default) equals the two-launch merge kernel bit for bit
+  (batches 1/5/17, contexts across 256-position chunk ends, wide block tables, multi-query
+  tails), the counters are zero after every launch, CUDA-graph replays with fresh inputs and
+  lengths give the eager bits, the fused launch is one kernel and no memset, and a launch
+  captured before the counter buffer is large enough falls back to the merge kernel.
 - kv_cache_write exactness and -1 skipping; RMSNorm row-subset invariance, strided input,
   float64 bound; RoPE bits equal to the unfused fp32 PyTorch expression, float64 bound;
   backward passes against float64 autograd.
@@ -189,7 +194,7 @@ def _regimes(lens, Hq, Hkv, D, page_size, seed):
     owner = torch.repeat_interleave(torch.arange(B), torch.tensor(lens))
     pos = torch.cat([torch.arange(L) for L in lens])
 
-    def decode(perm, mode="auto"):
+    def decode(perm, mode="auto", merge=None):
         res = poison_(torch.empty_like(q))
         for part in (perm[: len(perm) // 3], perm[len(perm) // 3:]):
             if len(part) == 0:
@@ -199,8 +204,8 @@ def _regimes(lens, Hq, Hkv, D, page_size, seed):
             bts = bt[owner[pidx].to(dev)].contiguous()
             sk = (pos[pidx] + 1).to(torch.int32).to(dev)
             cq = torch.arange(len(part) + 1, dtype=torch.int32, device=dev)
-            o = _written(lambda o: cu.attention_paged_cuda(qd, kc, vc, bts, cq, sk, 1, mode=mode, out=o),
-                         qd.shape, qd.dtype)
+            o = _written(lambda o: cu.attention_paged_cuda(qd, kc, vc, bts, cq, sk, 1, mode=mode, out=o,
+                                                           decode_merge=merge), qd.shape, qd.dtype)
             res[pidx.to(dev)] = o
         return res
 
@@ -208,6 +213,8 @@ def _regimes(lens, Hq, Hkv, D, page_size, seed):
     outs["R4[auto]"] = decode(ident)
     outs["R4[shuffled]"] = decode(torch.randperm(T, generator=gen).tolist())
     outs["R4[fold]"] = decode(ident, "fold")
+    outs["R4[merge-kernel]"] = decode(ident, "split", merge="kernel")
+    outs["R4[merge-fused]"] = decode(ident, "split", merge="fused")
     ref = attention_reference(q, k, v, cus)
     return outs, ref, starts
 
@@ -302,6 +309,251 @@ def test_attention_decode_batches_match_varlen(hq, hkv, D, ps, seed_rng):
             o = _written(lambda o: cu.attention_paged_cuda(*args, mode=mode, out=o), args[0].shape, args[0].dtype)
             rep = compare_bits(full[idx], o, name=f"decode==varlen B={B} {mode}")
             assert rep, rep
+
+
+def _seq_data(lens, hq, hkv, D, g):
+    ks = [torch.randn(L, hkv, D, generator=g).bfloat16().cuda() for L in lens]
+    vs = [torch.randn(L, hkv, D, generator=g).bfloat16().cuda() for L in lens]
+    qs = [torch.randn(L, hq, D, generator=g).bfloat16().cuda() for L in lens]
+    return qs, ks, vs
+
+
+def _varlen_rows(cu, qs, ks, vs):
+    return [cu.attention_varlen_cuda(qs[i], ks[i], vs[i],
+                                     torch.tensor([0, qs[i].shape[0]], dtype=torch.int32, device="cuda"),
+                                     qs[i].shape[0]) for i in range(len(qs))]
+
+
+def _counters_zero(cu):
+    c = cu.extension().decode_counters(torch.cuda.current_device())
+    assert c is not None, "no fused-decode counter buffer was created"
+    nz = int((c != 0).sum())
+    assert nz == 0, f"{nz} fused-decode counters left non-zero"
+    return c
+
+
+def _both_merges(cu, args, mode="auto"):
+    """(fused, merge-kernel) outputs of one paged launch, each into a NaN-poisoned buffer."""
+    shape, dtype = args[0].shape, args[0].dtype
+    a = _written(lambda o: cu.attention_paged_cuda(*args, mode=mode, out=o, decode_merge="fused"), shape, dtype)
+    b = _written(lambda o: cu.attention_paged_cuda(*args, mode=mode, out=o, decode_merge="kernel"), shape, dtype)
+    return a, b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,D,ps", [(32, 8, 128, 64), (16, 2, 64, 16), (8, 8, 128, 256), (64, 8, 128, 32)])
+def test_decode_fused_merge_equals_merge_kernel(hq, hkv, D, ps, seed_rng):
+    """One query per sequence: the one-launch merge equals the decode + merge-kernel pair and
+    the varlen rows, bit for bit, at batch 1/5/17, contexts around chunk ends (255..258,
+    511..513), 1000, 3000 and random, with the exact and with a wider block table (more
+    grid chunks than any sequence uses), in auto and split mode; counters zero afterwards."""
+    cu = _ops()
+    g = torch.Generator().manual_seed(seed_rng)
+    lens = [1, 2, 255, 256, 257, 258, 511, 512, 513, 1000, 3000] + \
+        [int(x) for x in torch.randint(1, 4000, (6,), generator=g)]
+    qs, ks, vs = _seq_data(lens, hq, hkv, D, g)
+    kc, vc, bt = _build_cache(ks, vs, ps, g)
+    full = torch.stack([r[-1] for r in _varlen_rows(cu, qs, ks, vs)])
+    qd = torch.stack([qq[-1] for qq in qs])
+    sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    wide = torch.cat([bt, torch.full((bt.shape[0], 37), -1, dtype=torch.int32, device="cuda")], 1)
+    for B in (1, 5, len(lens)):
+        idx = torch.randperm(len(lens), generator=g)[:B].cuda()
+        cq = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+        for table in (bt, wide):
+            args = (qd[idx].contiguous(), kc, vc, table[idx].contiguous(), cq, sk[idx].contiguous(), 1)
+            for mode in ("auto", "split"):
+                a, b = _both_merges(cu, args, mode)
+                rep = compare_bits(b, a, name=f"fused==merge-kernel B={B} width={table.shape[1]} {mode}")
+                assert rep, rep
+                rep = compare_bits(full[idx], a, name=f"fused==varlen B={B} width={table.shape[1]} {mode}")
+                assert rep, rep
+                _counters_zero(cu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,D,ps", [(8, 2, 128, 64), (16, 8, 64, 32), (4, 4, 128, 16)])
+def test_decode_fused_merge_multi_query_tails(hq, hkv, D, ps, seed_rng):
+    """Decode-shaped launches with several queries per sequence (n_i * G <= 16: speculative /
+    short chunked-prefill tails), whose 16-row tile spans positions on both sides of a chunk
+    end: fused == merge kernel == varlen rows."""
+    cu = _ops()
+    G = hq // hkv
+    nmax = 16 // G
+    g = torch.Generator().manual_seed(seed_rng)
+    lens = [nmax, 256, 257, 258, 256 + nmax - 1, 512 + nmax // 2, 1000, 2999] + \
+        [int(x) for x in torch.randint(nmax, 3000, (5,), generator=g)]
+    qs, ks, vs = _seq_data(lens, hq, hkv, D, g)
+    kc, vc, bt = _build_cache(ks, vs, ps, g)
+    rows = _varlen_rows(cu, qs, ks, vs)
+    nq = [int(x) for x in torch.randint(1, nmax + 1, (len(lens),), generator=g)]
+    nq[0] = nmax
+    qd = torch.cat([qs[i][-nq[i]:] for i in range(len(lens))])
+    expect = torch.cat([rows[i][-nq[i]:] for i in range(len(lens))])
+    cq = torch.tensor([0] + torch.tensor(nq).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    args = (qd, kc, vc, bt, cq, sk, max(nq))
+    for mode in ("auto", "split"):
+        a, b = _both_merges(cu, args, mode)
+        rep = compare_bits(b, a, name=f"multi-query fused==merge-kernel {mode} nq={nq}")
+        assert rep, rep
+        rep = compare_bits(expect, a, name=f"multi-query fused==varlen {mode} nq={nq}")
+        assert rep, rep
+    _counters_zero(cu)
+
+
+@pytest.mark.gpu
+def test_decode_fused_merge_graph_replay_and_repeats(seed_rng):
+    """The counter reset: 20 eager fused launches give one set of bits; a CUDA graph of the
+    fused decode replayed 8 times with fresh queries and fresh context lengths (so a tile's
+    chunk count changes between replays, 1 chunk .. 12) into a NaN-poisoned output equals the
+    eager merge-kernel launch on the same inputs each time; counters zero after each."""
+    cu = _ops()
+    g = torch.Generator().manual_seed(seed_rng)
+    hq, hkv, D, ps, B, L = 32, 8, 128, 64, 5, 3000
+    qs, ks, vs = _seq_data([L] * B, hq, hkv, D, g)
+    kc, vc, bt = _build_cache(ks, vs, ps, g)
+    q = torch.randn(B, hq, D, generator=g).bfloat16().cuda()
+    sk = torch.tensor([257, 1, 3000, 256, 1000], dtype=torch.int32, device="cuda")
+    cq = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    out = torch.empty(B, hq, D, dtype=torch.bfloat16, device="cuda")
+
+    def run(merge="fused", o=out):
+        return cu.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, out=o, decode_merge=merge)
+
+    first = _written(lambda o: run("fused", o), out.shape, out.dtype).clone()
+    for _ in range(20):
+        poison_(out)
+        run()
+        rep = compare_bits(first, out, name="repeated fused launch")
+        assert rep, rep
+    _counters_zero(cu)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    lens_seq = [[1, 2, 3, 4, 5], [255, 256, 257, 258, 3000], [3000, 2999, 1024, 1025, 767],
+                [17, 3000, 257, 1, 512], [256] * 5, [2048, 2049, 2050, 2051, 2052], [3000] * 5, [1, 1, 1, 1, 300]]
+    for r, lens in enumerate(lens_seq):
+        q.copy_(torch.randn(B, hq, D, generator=g).bfloat16())
+        sk.copy_(torch.tensor(lens, dtype=torch.int32))
+        poison_(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.clone()
+        _counters_zero(cu)
+        expect = _written(lambda o: run("kernel", o), out.shape, out.dtype)
+        rep = compare_bits(expect, got, name=f"graph replay {r} lens={lens}")
+        assert rep, rep
+        assert not torch.isnan(got.float()).any(), f"replay {r}: unwritten (NaN-poisoned) output"
+        full = torch.stack([cu.attention_varlen_cuda(qq[:n], kk[:n], vv[:n],
+                                                     torch.tensor([0, n], dtype=torch.int32, device="cuda"), n)[-1]
+                            for qq, kk, vv, n in zip([q[i:i + 1].expand(L, hq, D) for i in range(B)], ks, vs, lens)])
+        rep = compare_bits(full, got, name=f"graph replay {r} == varlen rows")
+        assert rep, rep
+
+
+def _gpu_kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+def test_decode_fused_merge_is_one_launch(seed_rng):
+    """The default decode launch with several chunks per sequence is one kernel (no merge
+    kernel, no memset); decode_merge="kernel" is the decode kernel + the merge kernel."""
+    cu = _ops()
+    g = torch.Generator().manual_seed(seed_rng)
+    qs, ks, vs = _seq_data([1000, 3000], 32, 8, 128, g)
+    kc, vc, bt = _build_cache(ks, vs, 64, g)
+    q = torch.stack([qq[-1] for qq in qs])
+    args = (q, kc, vc, bt, torch.arange(3, dtype=torch.int32, device="cuda"),
+            torch.tensor([1000, 3000], dtype=torch.int32, device="cuda"), 1)
+    out = torch.empty_like(q)
+    cu.attention_paged_cuda(*args, out=out)  # counters exist before profiling
+    fused = _gpu_kernel_names(lambda: cu.attention_paged_cuda(*args, out=out, decode_merge="fused"))
+    two = _gpu_kernel_names(lambda: cu.attention_paged_cuda(*args, out=out, decode_merge="kernel"))
+    if not fused or not two:
+        pytest.skip(f"the profiler recorded no GPU activity (fused={fused}, kernel={two})")
+    assert len(fused) == 1 and "attn_decode_kernel" in fused[0], fused
+    assert len(two) == 2 and any("attn_decode_merge_kernel" in n for n in two), two
+
+
+@pytest.mark.gpu
+def test_decode_fused_counter_growth_and_capture_fallback(seed_rng):
+    """More tiles than counters: an eager launch grows the buffer (the old one is kept alive);
+    a launch captured while the buffer is too small takes the merge-kernel path inside the
+    graph (no allocation during capture) and still gives the eager bits; counters stay zero."""
+    cu = _ops()
+    ext = cu.extension()
+    g = torch.Generator().manual_seed(seed_rng)
+    hq = hkv = 16
+    D, ps, L = 64, 256, 300
+    (q1,), (k1,), (v1,) = _seq_data([L], hq, hkv, D, g)
+    kc, vc, bt1 = _build_cache([k1], [v1], ps, g)
+    cu.attention_paged_cuda(q1[-1:], kc, vc, bt1, torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+                            torch.tensor([L], dtype=torch.int32, device="cuda"), 1)
+    cap0 = ext.decode_counters(torch.cuda.current_device()).numel()
+
+    def batch(B):  # B sequences sharing the same pages, own queries and lengths
+        q = torch.randn(B, hq, D, generator=g).bfloat16().cuda()
+        sk = torch.randint(1, L + 1, (B,), generator=g).to(torch.int32).cuda()
+        return (q, kc, vc, bt1.expand(B, -1).contiguous(), torch.arange(B + 1, dtype=torch.int32, device="cuda"),
+                sk, 1)
+
+    B1 = cap0 // hkv + 3  # needs more counters than exist: eager growth
+    args = batch(B1)
+    a, b = _both_merges(cu, args)
+    rep = compare_bits(b, a, name="fused==merge-kernel after growth")
+    assert rep, rep
+    cap1 = _counters_zero(cu).numel()
+    assert cap1 >= B1 * hkv > cap0
+    B2 = cap1 // hkv + 3  # too many for the buffer while capturing: merge-kernel fallback
+    args = batch(B2)
+    # eager reference first (decode_merge="kernel" never touches the counters; also loads the
+    # merge kernel before the capture)
+    expect = _written(lambda o: cu.attention_paged_cuda(*args, out=o, decode_merge="kernel"),
+                      args[0].shape, args[0].dtype)
+    assert ext.decode_counters(torch.cuda.current_device()).numel() == cap1
+    out = torch.empty_like(args[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cu.attention_paged_cuda(*args, out=out)
+    assert ext.decode_counters(torch.cuda.current_device()).numel() == cap1, "allocated during capture"
+    poison_(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    rep = compare_bits(expect, out, name="captured fallback == eager merge kernel")
+    assert rep, rep
+    a, _ = _both_merges(cu, args)  # eager again: grows, fused, same bits
+    rep = compare_bits(expect, a, name="fused after second growth")
+    assert rep, rep
+    _counters_zero(cu)
+
+
+def test_decode_merge_argument_cpu():
+    """decode_merge: "fused" / "kernel" / None (module default from AREAL_TIK_CUDA_DECODE_MERGE,
+    "fused" unless set); anything else is refused before any CUDA call. The binding takes it."""
+    import inspect
+    cu = _ops()
+    assert cu.DECODE_MERGE == os.environ.get("AREAL_TIK_CUDA_DECODE_MERGE", "fused")
+    assert inspect.signature(cu.attention_paged_cuda).parameters["decode_merge"].default is None
+    assert cu._decode_merge("fused") == 0 and cu._decode_merge("kernel") == 1
+    with pytest.raises(ValueError, match="decode_merge"):
+        cu._decode_merge("both")
+    b = open(os.path.join(ROOT, "csrc", "tik_bindings.cpp")).read()
+    assert 'py::arg("decode_merge") = 0' in b and "p.counters = counters.data_ptr<int>()" in b
+    a = open(os.path.join(ROOT, "csrc", "tik_attention.cu")).read()
+    assert "attn_decode_kernel<D, true, true>" in a and "atomicExch(ctr, 0)" in a
 
 
 def test_single_decode_path_cpu():
