@@ -6,11 +6,15 @@ Writes DIR/bench_cuda.json and prints a table. Cells (DESIGN.md section 6 / issu
 prefill batch 1, 32 q heads / 8 kv heads, d=128, causal, L in 1K/4K/8K/16K (attention_varlen
 for cuda/triton, SDPA with enable_gqa); decode batch {1,4,8,16} x context {128,1K,4K,8K}
 (attention_paged, page size 64, one query per sequence; SDPA on contiguous K/V; cuda decode
-is the single 4-warp decode kernel). Decode is timed inside a CUDA graph for every provider
+is the single 4-warp decode kernel, its split-KV merge in the same launch by default; the
+two-launch merge-kernel path is timed too as cuda_2launch_*, with a bits-equal check).
+Decode is timed inside a CUDA graph for every provider
 (as the engine runs it; eager if capture fails, marked). Reports ms, speed-up vs SDPA,
 TFLOP/s (prefill) and GB/s of KV read vs 4.1 TB/s (decode). Also: extension build/load
 time (prebuilt or JIT), the ptxas resource report of every csrc/*.cu for this GPU, and
-registers/spills per attention kernel.
+registers/spills per attention kernel. ``decode_wide_table``: ctx 128 / 1K decode with a block
+table 8K positions wide (as an engine sized for 8K contexts passes it: 32 grid chunks, most
+of them idle), fused vs two-launch merge.
 """
 from __future__ import annotations
 
@@ -100,6 +104,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "prefill": [], "decode": [], "notes": []}
+    res["cuda_decode_merge"] = os.environ.get("AREAL_TIK_CUDA_DECODE_MERGE", "fused")
     cc = torch.cuda.get_device_capability()
     arch = f"{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")
 
@@ -199,6 +204,11 @@ def main(argv=None):
                 row["cuda_max_abs_diff_vs_sdpa"] = float((cf().float() - ref.float()).abs().max())
                 fn, how = _graphed(cf)
                 row["cuda_ms"], row["cuda_timing"] = _median_ms(fn), how
+                c2 = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="kernel")  # noqa: E731
+                row["cuda_fused_bits_equal_2launch"] = bool(torch.equal(cf(), c2()))
+                fn, how = _graphed(c2)
+                row["cuda_2launch_ms"], row["cuda_2launch_timing"] = _median_ms(fn), how
+                row["cuda_speedup_vs_2launch"] = round(row["cuda_2launch_ms"] / row["cuda_ms"], 3)
                 if tri_paged is not None:
                     try:
                         tf = lambda: tri_paged(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
@@ -218,9 +228,40 @@ def main(argv=None):
             res["decode"].append(row)
             print(f"decode B={B:2d} ctx={ctx:5d}: sdpa {row['sdpa_ms'] * 1e3:7.1f} us  cuda {row['cuda_ms'] * 1e3:7.1f} us "
                   f"({row['cuda_speedup_vs_sdpa']}x, {row['cuda_GBps']} GB/s)  "
+                  f"2-launch {row['cuda_2launch_ms'] * 1e3:7.1f} us (bits equal: {row['cuda_fused_bits_equal_2launch']})  "
                   f"floor {row['floor_us_at_4.1TBps']:6.2f} us  "
                   f"triton {row.get('triton_ms', float('nan')) * 1e3:7.1f} us  [{row['cuda_timing'][:5]}]")
             del kc, vc, kk, vv
+            torch.cuda.empty_cache()
+
+    # ---- decode, wide block table (engine-shaped: table sized for 8K contexts) -------------
+    res["decode_wide_table"] = []
+    wide_pages = 8192 // PAGE
+    for B in (1, 16):
+        for ctx in (128, 1024):
+            npg = -(-ctx // PAGE)
+            kc = torch.randn(B * npg, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            bt = torch.full((B, wide_pages), -1, dtype=torch.int32, device=dev)
+            bt[:, :npg] = torch.randperm(B * npg, device=dev, dtype=torch.int64).to(torch.int32).view(B, npg)
+            q = torch.randn(B, HQ, D, device=dev, dtype=torch.bfloat16)
+            cq = torch.arange(B + 1, dtype=torch.int32, device=dev)
+            sk = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+            row = {"batch": B, "ctx": ctx, "table_positions": wide_pages * PAGE}
+            with torch.no_grad():
+                cf = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="fused")  # noqa: E731
+                c2 = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="kernel")  # noqa: E731
+                row["bits_equal"] = bool(torch.equal(cf(), c2()))
+                fn, how = _graphed(cf)
+                row["cuda_fused_ms"], row["cuda_fused_timing"] = _median_ms(fn), how
+                fn, how = _graphed(c2)
+                row["cuda_2launch_ms"], row["cuda_2launch_timing"] = _median_ms(fn), how
+            row["fused_speedup"] = round(row["cuda_2launch_ms"] / row["cuda_fused_ms"], 3)
+            res["decode_wide_table"].append(row)
+            print(f"decode wide table B={B:2d} ctx={ctx:5d}: fused {row['cuda_fused_ms'] * 1e3:7.1f} us  "
+                  f"2-launch {row['cuda_2launch_ms'] * 1e3:7.1f} us  ({row['fused_speedup']}x, bits equal: "
+                  f"{row['bits_equal']})")
+            del kc, vc
             torch.cuda.empty_cache()
 
     json.dump(res, open(os.path.join(args.out, "bench_cuda.json"), "w"), indent=1)
