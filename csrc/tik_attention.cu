@@ -452,7 +452,11 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 // ---------------------------------------------------------------------------------------
 constexpr int DEC_WARPS = 4;
 constexpr int DEC_STAGES = 3;
-constexpr int DEC_FUSED_PF = 16;  // chunk partials in flight per thread in the fused merge
+// chunk partials in flight per thread in the fused merge: 16 at D = 128 (the kernel's
+// occupancy is bound by shared memory there, 2 CTAs/SM, so the registers are free), 8 at
+// D = 64 (keeps the kernel at 96 registers, i.e. 4 CTAs/SM as the two-launch path). The
+// prefetch depth changes only when loads are issued, not the fold order or its operations.
+// (Set in decode_merge_tile as DEC_FUSED_PF.)
 
 // Fused decode merge, run by the one CTA that drew a tile's last ticket: every valid row of
 // the tile (rows row0 .. row0 + nrows - 1 of sequence b / KV head hk) is folded over its
@@ -463,6 +467,7 @@ template <int D>
 __device__ __forceinline__ void decode_merge_tile(const TikAttnParams& p, int row0, int nrows, int G, int q0,
                                                   int pos_off, int hk, int maxc) {
   constexpr int Q4 = D / 4;
+  constexpr int DEC_FUSED_PF = D >= 128 ? 16 : 8;
   bf16* out = static_cast<bf16*>(p.out);
   for (int it = threadIdx.x; it < nrows * Q4; it += DEC_WARPS * 32) {
     const int r = row0 + it / Q4, dq = it % Q4;
