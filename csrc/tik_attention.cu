@@ -23,7 +23,9 @@
 //   * Two kernels walk the rows: attn_kernel (4 warps, 16 rows each, 64 rows per CTA;
 //     + attn_merge_kernel in SPLIT mode) for launches with max_seqlen_q * G > 16, and
 //     attn_decode_kernel (4 warps sharing 16 rows, each computing a quarter of the head
-//     dim; + attn_decode_merge_kernel) for decode-shaped launches (max_seqlen_q * G <= 16).
+//     dim; SPLIT mode merges in the same launch, by the last chunk CTA of each tile, or,
+//     without a counter buffer, in attn_decode_merge_kernel: same operations) for
+//     decode-shaped launches (max_seqlen_q * G <= 16).
 //     The decode kernel repeats attn_kernel's per-row arithmetic op for op (see its
 //     comment), so which kernel ran never changes a row's bits.
 //   * K/V positions at or beyond the sequence's KV length are zero-filled (never read),
