@@ -464,7 +464,8 @@ def _gpu_kernel_names(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [n for n in names if "sync" not in n.lower()]  # CUDA sync activities are not launches
 
 
 @pytest.mark.gpu
@@ -482,9 +483,9 @@ def test_decode_fused_merge_is_one_launch(seed_rng):
     cu.attention_paged_cuda(*args, out=out)  # counters exist before profiling
     fused = _gpu_kernel_names(lambda: cu.attention_paged_cuda(*args, out=out, decode_merge="fused"))
     two = _gpu_kernel_names(lambda: cu.attention_paged_cuda(*args, out=out, decode_merge="kernel"))
-    if not fused or not two:
-        pytest.skip(f"the profiler recorded no GPU activity (fused={fused}, kernel={two})")
-    assert len(fused) == 1 and "attn_decode_kernel" in fused[0], fused
+    if not any("attn" in n for n in fused) or not any("attn" in n for n in two):
+        pytest.skip(f"the profiler recorded no attention kernels (fused={fused}, kernel={two})")
+    assert len(fused) == 1 and "attn_decode_kernel" in fused[0], fused  # one kernel, no memset/merge
     assert len(two) == 2 and any("attn_decode_merge_kernel" in n for n in two), two
 
 
