@@ -442,7 +442,7 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 //       merge_coeffs from the empty state (M = -inf, L = 0, O = 0) then O / L, i.e. the merge
 //       kernel's arithmetic for one partial (and FOLD mode's at the end of chunk 0);
 //     - otherwise every participating chunk CTA stores its partials as in the two-launch
-//       path, then __threadfence + barrier + one atomicAdd on the tile's counter; the CTA
+//       path, then a barrier, one thread's __threadfence and one atomicAdd on the tile's counter; the CTA
 //       that draws the last ticket resets the counter to 0 (so the next launch, e.g. a
 //       CUDA-graph replay, starts from 0 without a memset) and merges each of the tile's rows
 //       over chunks 0..nc-1 ascending with merge_coeffs / merge_val, then O / L rounded once
@@ -822,9 +822,13 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
     }
     if constexpr (FUSED) {
       __shared__ int s_last;
-      __threadfence();  // this thread's partials are visible device-wide before the ticket
+      // Release: the barrier orders every thread's partial stores before thread 0's fence,
+      // which makes them visible device-wide before the ticket (the pattern of cooperative
+      // groups' grid sync: bar.sync, then one thread's fence + atomic). One fence per CTA
+      // instead of one per thread.
       __syncthreads();
       if (threadIdx.x == 0) {
+        __threadfence();
         int* ctr = p.counters + ((int64_t)b * gridDim.y + hk) * (int64_t)(gridDim.x / maxc) + tile;
         const int ticket = atomicAdd(ctr, 1);
         const int last = ticket == nct - 1;
