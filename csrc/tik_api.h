@@ -57,7 +57,8 @@ int tik_attention(const TikAttnParams* p, cudaStream_t stream);
 // 1 when this launch reads ws_nc (it must then be zeroed, [Tq*Hq] int); 0 otherwise
 // (decode-shaped launches: their merge derives each row's chunk count itself).
 int tik_attention_needs_ws_nc(const TikAttnParams* p);
-// Counters a fused decode launch with these parameters uses (batch * Hkv * 16-row tiles).
+// Counters a fused decode launch with these parameters uses (batch * Hkv * 16-row tiles);
+// 0 for any other launch (not decode-shaped, or not SPLIT mode): it uses none.
 int64_t tik_attention_decode_counters_needed(const TikAttnParams* p);
 // Decode-shaped launches (max_seqlen_q * Hq/Hkv <= 16) always run the 4-warp decode kernel
 // (formerly "variant 2"; the 1-warp variant 1 and the variant switch are gone). Exported by

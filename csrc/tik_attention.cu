@@ -953,15 +953,16 @@ extern "C" {
 
 int tik_attention_max_chunks(const TikAttnParams* p) { return tik_attn::max_chunks_of(*p); }
 
-int64_t tik_attention_decode_counters_needed(const TikAttnParams* p) {
-  return tik_attn::decode_counters_needed(*p);
-}
-
 static bool tik_small(const TikAttnParams* p) { return (int64_t)p->max_seqlen_q * (p->Hq / p->Hkv) <= 16; }
 
 int tik_attention_resolve_mode(const TikAttnParams* p) {
   if (p->mode == TIK_ATTN_FOLD || p->mode == TIK_ATTN_SPLIT_MODE) return p->mode;
   return (tik_small(p) && tik_attention_max_chunks(p) > 1) ? TIK_ATTN_SPLIT_MODE : TIK_ATTN_FOLD;
+}
+
+int64_t tik_attention_decode_counters_needed(const TikAttnParams* p) {
+  if (tik_attention_resolve_mode(p) != TIK_ATTN_SPLIT_MODE || !tik_small(p)) return 0;  // no fused merge
+  return tik_attn::decode_counters_needed(*p);
 }
 
 int tik_attention_needs_ws_nc(const TikAttnParams* p) {

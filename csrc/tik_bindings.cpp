@@ -166,12 +166,12 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(decode_merge == 0 || decode_merge == 1, "attention: decode_merge must be 0 (fused) or 1 (kernel)");
   at::Tensor counters;
   if (decode_merge == 0) {
-    // Decode-shaped SPLIT launches merge in the decode launch itself. Any other eager launch
-    // only makes sure the buffer exists (minimum size), so a graph captured later finds it.
-    const bool fused_decode = tik_attention_resolve_mode(&p) == TIK_ATTN_SPLIT_MODE &&
-                              (int64_t)p.max_seqlen_q * (p.Hq / p.Hkv) <= 16;
-    counters = decode_counters_for(q, fused_decode ? tik_attention_decode_counters_needed(&p) : 0, st);
-    if (fused_decode && counters.defined()) {
+    // Decode-shaped SPLIT launches merge in the decode launch itself (they need counters).
+    // Any other eager launch (needs none) only makes sure the buffer exists (minimum size),
+    // so a graph captured later finds it.
+    const int64_t need = tik_attention_decode_counters_needed(&p);
+    counters = decode_counters_for(q, need, st);
+    if (need > 0 && counters.defined()) {
       p.counters = counters.data_ptr<int>();
       p.counters_cap = counters.numel();
     }
