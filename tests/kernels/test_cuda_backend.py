@@ -283,6 +283,22 @@ def test_attention_long_context_decode_matches_prefill(seed_rng):
     assert check_accuracy(full[-64:], ref, 1e-2)
 
 
+def _seq_data(lens, hq, hkv, D, g):
+    """Per-sequence K, V, Q (drawn in that order from g), bf16 on the GPU."""
+    ks = [torch.randn(L, hkv, D, generator=g).bfloat16().cuda() for L in lens]
+    vs = [torch.randn(L, hkv, D, generator=g).bfloat16().cuda() for L in lens]
+    qs = [torch.randn(L, hq, D, generator=g).bfloat16().cuda() for L in lens]
+    return qs, ks, vs
+
+
+def _varlen_rows(cu, qs, ks, vs):
+    """Each sequence's attention on its own through the varlen (training) path: the rows every
+    paged regime must equal."""
+    return [cu.attention_varlen_cuda(qs[i], ks[i], vs[i],
+                                     torch.tensor([0, qs[i].shape[0]], dtype=torch.int32, device="cuda"),
+                                     qs[i].shape[0]) for i in range(len(qs))]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv,D,ps", [(32, 8, 128, 64), (16, 2, 64, 16), (7, 7, 128, 256)])
 def test_attention_decode_batches_match_varlen(hq, hkv, D, ps, seed_rng):
@@ -292,15 +308,11 @@ def test_attention_decode_batches_match_varlen(hq, hkv, D, ps, seed_rng):
     cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
     lens = [1, 63, 64, 65, 255, 256, 257, 700, 1024, 3000] + [int(x) for x in torch.randint(1, 3000, (7,), generator=g)]
-    ks = [torch.randn(L, hkv, D, generator=g).bfloat16().cuda() for L in lens]
-    vs = [torch.randn(L, hkv, D, generator=g).bfloat16().cuda() for L in lens]
-    qs = [torch.randn(L, hq, D, generator=g).bfloat16().cuda() for L in lens]
+    qs, ks, vs = _seq_data(lens, hq, hkv, D, g)
     kc, vc, bt = _build_cache(ks, vs, ps, g)
     qd = torch.stack([qq[-1] for qq in qs])
     sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    full = torch.stack([cu.attention_varlen_cuda(qs[i], ks[i], vs[i],
-                                                 torch.tensor([0, L], dtype=torch.int32, device="cuda"), L)[-1]
-                        for i, L in enumerate(lens)])
+    full = torch.stack([r[-1] for r in _varlen_rows(cu, qs, ks, vs)])
     for B in (1, 5, len(lens)):
         idx = torch.randperm(len(lens), generator=g)[:B].cuda()
         cq = torch.arange(B + 1, dtype=torch.int32, device="cuda")
@@ -309,19 +321,6 @@ def test_attention_decode_batches_match_varlen(hq, hkv, D, ps, seed_rng):
             o = _written(lambda o: cu.attention_paged_cuda(*args, mode=mode, out=o), args[0].shape, args[0].dtype)
             rep = compare_bits(full[idx], o, name=f"decode==varlen B={B} {mode}")
             assert rep, rep
-
-
-def _seq_data(lens, hq, hkv, D, g):
-    ks = [torch.randn(L, hkv, D, generator=g).bfloat16().cuda() for L in lens]
-    vs = [torch.randn(L, hkv, D, generator=g).bfloat16().cuda() for L in lens]
-    qs = [torch.randn(L, hq, D, generator=g).bfloat16().cuda() for L in lens]
-    return qs, ks, vs
-
-
-def _varlen_rows(cu, qs, ks, vs):
-    return [cu.attention_varlen_cuda(qs[i], ks[i], vs[i],
-                                     torch.tensor([0, qs[i].shape[0]], dtype=torch.int32, device="cuda"),
-                                     qs[i].shape[0]) for i in range(len(qs))]
 
 
 def _counters_zero(cu):
