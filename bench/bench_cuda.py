@@ -119,6 +119,8 @@ def main(argv=None):
         from areal_tik.kernels import cuda_ops
         mod = cuda_ops.extension()
         res["cuda_decode_merge"] = cuda_ops.DECODE_MERGE  # the default the "cuda" timings ran
+        res["cuda_prefill_kernel"] = cuda_ops.PREFILL_KERNEL
+        res["wgmma_prefill_available"] = bool(mod.wgmma_prefill_available())
         res["build"] = {"ok": True, "prebuilt": prebuilt, "seconds": round(time.time() - t0, 1),
                         "module": getattr(mod, "__file__", str(mod))}
     except Exception as e:
@@ -159,21 +161,26 @@ def main(argv=None):
             cf = lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L)  # noqa: E731
             row["cuda_ms"] = _median_ms(cf)
             row["cuda_max_abs_diff_vs_sdpa"] = float((cf().float() - ref.float()).abs().max())
+            # the mma.sync prefill kernel side by side (auto runs the wgmma kernel on sm_90a)
+            cm = lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L, prefill_kernel="mma")  # noqa: E731
+            row["cuda_mma_ms"] = _median_ms(cm)
+            row["cuda_bits_equal_mma"] = bool(torch.equal(cf(), cm()))
             if tri_varlen is not None:
                 try:
                     tf = lambda: tri_varlen(q, k, v, cu, L)  # noqa: E731
                     row["triton_ms"] = _median_ms(tf)
                 except Exception as e:
                     row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for p in ("sdpa", "cuda", "triton"):
+        for p in ("sdpa", "cuda", "cuda_mma", "triton"):
             if f"{p}_ms" in row:
                 row[f"{p}_tflops"] = round(flops / (row[f"{p}_ms"] * 1e-3) / 1e12, 1)
         row["cuda_speedup_vs_sdpa"] = round(row["sdpa_ms"] / row["cuda_ms"], 3)
+        row["cuda_speedup_vs_mma"] = round(row["cuda_mma_ms"] / row["cuda_ms"], 3)
         if "triton_ms" in row:
             row["cuda_speedup_vs_triton"] = round(row["triton_ms"] / row["cuda_ms"], 3)
         res["prefill"].append(row)
         print(f"prefill L={L:6d}: sdpa {row['sdpa_ms']:.3f} ms  cuda {row['cuda_ms']:.3f} ms "
-              f"({row['cuda_speedup_vs_sdpa']}x, {row['cuda_tflops']} TF/s)  triton {row.get('triton_ms', float('nan')):.3f} ms")
+              f"({row['cuda_speedup_vs_sdpa']}x, {row['cuda_tflops']} TF/s; mma.sync {row['cuda_mma_ms']:.3f} ms, bits equal {row['cuda_bits_equal_mma']})  triton {row.get('triton_ms', float('nan')):.3f} ms")
         del q, k, v, qs, ks, vs
         torch.cuda.empty_cache()
 
@@ -216,7 +223,7 @@ def main(argv=None):
                         row["triton_ms"], row["triton_timing"] = _median_ms(fn), how
                     except Exception as e:
                         row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            for p in ("sdpa", "cuda", "triton"):
+            for p in ("sdpa", "cuda", "cuda_mma", "triton"):
                 if f"{p}_ms" in row:
                     gbs = kv_bytes / (row[f"{p}_ms"] * 1e-3) / 1e9
                     row[f"{p}_GBps"] = round(gbs, 1)

@@ -47,7 +47,14 @@ typedef struct {
   // Fused launches sharing one buffer must not run concurrently (e.g. on two streams).
   int* counters;
   int64_t counters_cap;      // number of ints at counters
+  // Kernel for FOLD-mode launches that are not decode-shaped: AUTO = the sm_90a warpgroup-MMA
+  // kernel when the device and the build have it and D = 128, else the mma.sync kernel; MMA
+  // forces the mma.sync kernel; WGMMA forces the wgmma kernel (cudaErrorNotSupported where it
+  // cannot run). Same bits by design; the GPU tests compare them.
+  int prefill_kernel;
 } TikAttnParams;
+
+enum TikAttnPrefillKernel { TIK_ATTN_PREFILL_AUTO = 0, TIK_ATTN_PREFILL_MMA = 1, TIK_ATTN_PREFILL_WGMMA = 2 };
 
 // Which mode AUTO resolves to for these parameters (1 = fold, 2 = split).
 int tik_attention_resolve_mode(const TikAttnParams* p);
@@ -66,6 +73,11 @@ int64_t tik_attention_decode_counters_needed(const TikAttnParams* p);
 // build). 3: SPLIT-mode decode merges in the decode launch itself (p.counters), the separate
 // merge kernel stays selectable (binding argument decode_merge=1).
 #define TIK_ATTN_DECODE_PATH 3
+// Prefill kernels the build knows (TikAttnParams::prefill_kernel); exported as PREFILL_KERNELS so
+// cuda_ops can reject a stale build that lacks the field.
+#define TIK_ATTN_PREFILL_KERNELS 2
+// 1 when the current device runs the sm_90a wgmma prefill kernel (cc 9.0 and an sm_90a build).
+int tik_attention_wgmma_available(void);
 
 // Resource usage of every attention kernel instantiation, one line each, into buf.
 int tik_attention_describe(char* buf, int buflen);

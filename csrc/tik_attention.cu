@@ -416,8 +416,53 @@ cudaError_t launch(const TikAttnParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+}  // namespace tik_attn
+
+#include "tik_attention_wgmma.cuh"
+
+namespace tik_attn {
+
+// Whether the current device runs attn_kernel_wgmma: compute capability 9.0 and the module
+// holds the sm_90a body (binaryVersion 90; an sm_80-only build has no wgmma code). Per device.
+bool wgmma_prefill_available() {
+  static int cached[64];  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return false;
+  if (dev < 64 && cached[dev]) return cached[dev] == 1;
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  cudaFuncAttributes a;
+  const bool ok = major == 9 && minor == 0 && cudaFuncGetAttributes(&a, attn_kernel_wgmma<128>) == cudaSuccess &&
+                  a.binaryVersion == 90;
+  if (dev < 64) cached[dev] = ok ? 1 : 2;
+  return ok;
+}
+
+cudaError_t launch_wgmma(const TikAttnParams& p, cudaStream_t stream) {
+  const int G = p.Hq / p.Hkv;
+  const int64_t rows = (int64_t)p.max_seqlen_q * G;
+  const int64_t gx = (rows + WG_ROWS - 1) / WG_ROWS;
+  if (gx <= 0) return cudaSuccess;
+  if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
+  constexpr int SMEM = wg_smem_bytes();
+  auto kern = attn_kernel_wgmma<128>;
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+  if (err != cudaSuccess) return err;
+  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), WG_THREADS, SMEM, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Whether a FOLD-mode, not decode-shaped launch runs attn_kernel_wgmma (see TikAttnParams::prefill_kernel).
+bool use_wgmma(const TikAttnParams& p, int mode) {
+  if (p.prefill_kernel == TIK_ATTN_PREFILL_MMA) return false;
+  return mode == TIK_ATTN_FOLD && p.D == 128 && wgmma_prefill_available();
+}
+
 template <int D>
 cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
+  if (D == 128 && use_wgmma(p, mode)) return launch_wgmma(p, stream);
+  if (p.prefill_kernel == TIK_ATTN_PREFILL_WGMMA) return cudaErrorNotSupported;
   return mode == TIK_ATTN_SPLIT_MODE ? launch<D, 4, true>(p, stream) : launch<D, 4, false>(p, stream);
 }
 
@@ -953,6 +998,8 @@ extern "C" {
 
 int tik_attention_max_chunks(const TikAttnParams* p) { return tik_attn::max_chunks_of(*p); }
 
+int tik_attention_wgmma_available(void) { return tik_attn::wgmma_prefill_available() ? 1 : 0; }
+
 static bool tik_small(const TikAttnParams* p) { return (int64_t)p->max_seqlen_q * (p->Hq / p->Hkv) <= 16; }
 
 int tik_attention_resolve_mode(const TikAttnParams* p) {
@@ -980,6 +1027,8 @@ int tik_attention(const TikAttnParams* p, cudaStream_t stream) {
   const int mode = tik_attention_resolve_mode(p);
   if (mode == TIK_ATTN_SPLIT_MODE &&
       (p->ws_acc == nullptr || p->ws_ml == nullptr || (tik_attention_needs_ws_nc(p) && p->ws_nc == nullptr)))
+    return (int)cudaErrorInvalidValue;
+  if (p->prefill_kernel < TIK_ATTN_PREFILL_AUTO || p->prefill_kernel > TIK_ATTN_PREFILL_WGMMA)
     return (int)cudaErrorInvalidValue;
   if (tik_small(p)) {  // decode-shaped launch (same bits as attn_kernel)
     const bool sp = mode == TIK_ATTN_SPLIT_MODE;
@@ -1012,6 +1061,7 @@ int tik_attention_describe(char* buf, int buflen) {
                decode_smem_bytes<128>());
   describe_one(buf, buflen, used, "attn_decode_merge<D64>", attn_decode_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_decode_merge<D128>", attn_decode_merge_kernel<128>, 0);
+  describe_one(buf, buflen, used, "attn_wgmma<D128,2warpgroups,fold>", attn_kernel_wgmma<128>, wg_smem_bytes());
   describe_one(buf, buflen, used, "attn_merge<D64>", attn_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_merge<D128>", attn_merge_kernel<128>, 0);
   return used;

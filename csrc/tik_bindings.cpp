@@ -92,7 +92,8 @@ at::Tensor decode_counters_for(const at::Tensor& like, int64_t need, cudaStream_
 at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cu_seqlens_q, const c10::optional<at::Tensor>& seqlens_k,
                             const c10::optional<at::Tensor>& block_table, int64_t max_seqlen_q, double scale,
-                            int64_t mode, const c10::optional<at::Tensor>& out_opt, int64_t decode_merge) {
+                            int64_t mode, const c10::optional<at::Tensor>& out_opt, int64_t decode_merge,
+                            int64_t prefill_kernel) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   check_dev(k, q, "k");
   check_dev(v, q, "v");
@@ -145,6 +146,8 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(p.Hkv > 0 && p.Hq % p.Hkv == 0, "Hq (", p.Hq, ") must be a multiple of Hkv (", p.Hkv, ")");
   p.scale_log2 = (float)(scale * 1.4426950408889634);
   p.mode = (int)mode;
+  TORCH_CHECK(prefill_kernel >= 0 && prefill_kernel <= 2, "attention: prefill_kernel must be 0 (auto), 1 (mma) or 2 (wgmma)");
+  p.prefill_kernel = (int)prefill_kernel;
   at::cuda::CUDAGuard guard(q.device());
   auto out = out_or_new(out_opt, q, q.sizes(), "attention");
   p.out = out.data_ptr();
@@ -182,16 +185,17 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
 
 at::Tensor attention_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale, int64_t mode,
-                                const c10::optional<at::Tensor>& out) {
-  return attention_common(q, k, v, cu_seqlens, c10::nullopt, c10::nullopt, max_seqlen, scale, mode, out, 0);
+                                const c10::optional<at::Tensor>& out, int64_t prefill_kernel) {
+  return attention_common(q, k, v, cu_seqlens, c10::nullopt, c10::nullopt, max_seqlen, scale, mode, out, 0,
+                          prefill_kernel);
 }
 
 at::Tensor attention_paged_fwd(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                                const at::Tensor& seqlens_k, int64_t max_seqlen_q, double scale, int64_t mode,
-                               const c10::optional<at::Tensor>& out, int64_t decode_merge) {
+                               const c10::optional<at::Tensor>& out, int64_t decode_merge, int64_t prefill_kernel) {
   return attention_common(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q, scale, mode,
-                          out, decode_merge);
+                          out, decode_merge, prefill_kernel);
 }
 
 // The device's fused-decode counter buffer (undefined before the first attention call on it);
@@ -284,11 +288,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "areal-tik CUDA kernels (csrc/)";
   m.def("attention_varlen_fwd", &attention_varlen_fwd, "causal varlen attention forward (bf16)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("mode"),
-        py::arg("out") = py::none());
+        py::arg("out") = py::none(), py::arg("prefill_kernel") = 0);
   m.def("attention_paged_fwd", &attention_paged_fwd, "causal attention over a paged KV cache (bf16)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("cu_seqlens_q"), py::arg("seqlens_k"),
         py::arg("max_seqlen_q"), py::arg("scale"), py::arg("mode"), py::arg("out") = py::none(),
-        py::arg("decode_merge") = 0);
+        py::arg("decode_merge") = 0, py::arg("prefill_kernel") = 0);
   m.def("decode_counters", &decode_counters, "the device's fused-decode counter buffer (tests)",
         py::arg("device_index"));
   m.def("rms_norm_fwd", &rms_norm_fwd, "RMSNorm forward, HF rounding points", py::arg("x"), py::arg("w"),
@@ -300,4 +304,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("BLOCK_N") = TIK_ATTN_BLOCK_N;
   m.attr("SPLIT") = TIK_ATTN_SPLIT;
   m.attr("DECODE_PATH") = TIK_ATTN_DECODE_PATH;
+  m.attr("PREFILL_KERNELS") = TIK_ATTN_PREFILL_KERNELS;
+  m.def("wgmma_prefill_available", []() { return tik_attention_wgmma_available() != 0; },
+        "whether the current device runs the sm_90a wgmma prefill kernel (prefill_kernel auto picks it)");
 }

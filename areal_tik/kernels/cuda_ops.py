@@ -64,7 +64,8 @@ __all__ = [
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CUDA_SOURCES = tuple(os.path.join(_ROOT, "csrc", f) for f in
-                     ("tik_api.h", "tik_attention.cu", "tik_elementwise.cu", "tik_bindings.cpp"))
+                     ("tik_api.h", "tik_attention.cu", "tik_attention_wgmma.cuh", "tik_elementwise.cu",
+                      "tik_bindings.cpp"))
 
 BLOCK_N = 64      # must equal TIK_ATTN_BLOCK_N in csrc/tik_api.h
 SPLIT = 256       # must equal TIK_ATTN_SPLIT
@@ -75,11 +76,19 @@ _DECODE_MERGES = {"fused": 0, "kernel": 1}
 # Default split-KV merge of decode-shaped launches ("fused": in the decode launch; "kernel":
 # the separate merge kernel). Read once at import; same bits either way.
 DECODE_MERGE = os.environ.get("AREAL_TIK_CUDA_DECODE_MERGE", "fused")
+PREFILL_KERNELS = 2  # must equal TIK_ATTN_PREFILL_KERNELS (the build knows prefill_kernel)
+_PREFILL = {"auto": 0, "mma": 1, "wgmma": 2}
+# Kernel of FOLD-mode launches that are not decode-shaped ("auto": the sm_90a wgmma kernel where
+# the GPU and the build have it and D = 128, else mma.sync; "mma"/"wgmma" force one). Read once at
+# import; the GPU tests check both give the same bits.
+PREFILL_KERNEL = os.environ.get("AREAL_TIK_CUDA_PREFILL", "auto")
 LOG2E = 1.4426950408889634
 
 META = {"cuda.attn.BLOCK_N": BLOCK_N, "cuda.attn.SPLIT": SPLIT, "cuda.attn.mma": "m16n8k16 bf16->f32",
         "cuda.attn.exp": "ex2.approx.ftz", "cuda.rms_norm": "warp/row, lane-strided 8-groups, xor tree",
         "cuda.rope": "fp32 mul/add rn",
+        "cuda.attn.prefill": f"{PREFILL_KERNEL}: sm_90a and D=128 -> wgmma m64n64k16/m64n128k16 (2 warpgroups, "
+                             "128 rows per CTA), else mma.sync m16n8k16",
         "cuda.attn.decode": "max_seqlen_q*G<=16: one 4-warp CTA per 16 rows, warps split the head dim "
                             "(P V, D/4 columns each); split-KV: one CTA per 256-position chunk, merged ascending "
                             "(in the launch by the tile's last CTA, or by a merge kernel: same operations)"}
@@ -97,6 +106,10 @@ def extension():
                            f"(DECODE_PATH={getattr(mod, 'DECODE_PATH', None)}, expected {DECODE_PATH}: it predates "
                            "the current decode path, e.g. the removed 1-warp decode or the decode without the "
                            "fused merge): rebuild it (pip install -e . to rebuild areal_tik._C, or delete the stale "
+                           "areal_tik/_C*.so to use the JIT build)")
+    if getattr(mod, "PREFILL_KERNELS", None) != PREFILL_KERNELS:
+        raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} predates the prefill_kernel "
+                           "selector (wgmma prefill): rebuild it (pip install -e ., or delete the stale "
                            "areal_tik/_C*.so to use the JIT build)")
     return mod
 
@@ -154,6 +167,14 @@ def _mode(mode):
     return _MODES[mode]
 
 
+def _prefill_kernel(prefill_kernel):
+    pk = PREFILL_KERNEL if prefill_kernel is None else prefill_kernel
+    if pk not in _PREFILL:
+        raise ValueError(f"attention (cuda): prefill_kernel must be one of {sorted(_PREFILL)} (or None: "
+                         f"AREAL_TIK_CUDA_PREFILL, default 'auto'), got {pk!r}")
+    return _PREFILL[pk]
+
+
 def _decode_merge(decode_merge):
     dm = DECODE_MERGE if decode_merge is None else decode_merge
     if dm not in _DECODE_MERGES:
@@ -195,23 +216,25 @@ def _varlen_grad_reference(q, k, v, cu_seqlens, scale, dout):
 
 class _VarlenCudaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, mode):
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, mode, pk):
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.scale = scale
-        return extension().attention_varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), scale, mode)
+        return extension().attention_varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), scale, mode, prefill_kernel=pk)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, cu = ctx.saved_tensors
         dq, dk, dv = _varlen_grad_reference(q, k, v, cu, ctx.scale, dout)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None, mode="auto", out=None):
+def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None, mode="auto", out=None,
+                          prefill_kernel=None):
     """R1 packed causal GQA attention (CUDA). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` bf16,
     ``cu_seqlens`` int32 ``[B+1]`` (covering all T tokens), ``max_seqlen`` host int >= the
     longest segment. Returns ``[T, Hq, D]`` bf16, bitwise equal to :func:`attention_paged_cuda`
-    for the same positions (module docstring). Autograd: recompute-based float32 backward."""
+    for the same positions (module docstring). Autograd: recompute-based float32 backward.
+    ``prefill_kernel``: ``"auto"``, ``"mma"``, ``"wgmma"`` or None (``PREFILL_KERNEL``); same bits."""
     name = "attention_varlen"
     _check_window(window_size)
     _need_cuda(name, ("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens))
@@ -223,14 +246,15 @@ def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_si
         raise ValueError(f"{name}: max_seqlen must be >= 0")
     sc = _scale(scale, q.shape[-1])
     md = _mode(mode)
+    pk = _prefill_kernel(prefill_kernel)
     q, k, v, cu = q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _VarlenCudaFunction.apply(q, k, v, cu, int(max_seqlen), sc, md)
-    return extension().attention_varlen_fwd(q, k, v, cu, int(max_seqlen), sc, md, out=out)
+        return _VarlenCudaFunction.apply(q, k, v, cu, int(max_seqlen), sc, md, pk)
+    return extension().attention_varlen_fwd(q, k, v, cu, int(max_seqlen), sc, md, out=out, prefill_kernel=pk)
 
 
 def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, scale=None,
-                         window_size=None, mode="auto", out=None, decode_merge=None):
+                         window_size=None, mode="auto", out=None, decode_merge=None, prefill_kernel=None):
     """R2 prefill / R3 chunked prefill / R4 decode over the paged KV cache (CUDA).
 
     q ``[Tq, Hq, D]`` bf16; caches ``[num_pages, page_size, Hkv, D]`` bf16 contiguous
@@ -245,7 +269,8 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
     decode launch), ``"kernel"`` (a second, merge-kernel launch) or None (``DECODE_MERGE``,
     from ``AREAL_TIK_CUDA_DECODE_MERGE``); same bits. The fused path needs the per-device
     counter buffer, created by the first eager (not graph-captured) attention call on the
-    device; a capture before any eager call falls back to the merge kernel."""
+    device; a capture before any eager call falls back to the merge kernel. ``prefill_kernel``: as
+    :func:`attention_varlen_cuda` (launches that are not decode-shaped)."""
     name = "attention_paged"
     _check_window(window_size)
     _need_cuda(name, ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
@@ -270,7 +295,8 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
     return extension().attention_paged_fwd(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
                                            cu_seqlens_q.contiguous(), seqlens_k.contiguous(), int(max_seqlen_q),
                                            _scale(scale, q.shape[-1]), _mode(mode), out=out,
-                                           decode_merge=_decode_merge(decode_merge))
+                                           decode_merge=_decode_merge(decode_merge),
+                                           prefill_kernel=_prefill_kernel(prefill_kernel))
 
 
 def kv_cache_write_cuda(k, v, k_cache, v_cache, slot_mapping):

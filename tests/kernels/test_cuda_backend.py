@@ -135,6 +135,9 @@ def _regimes(lens, Hq, Hkv, D, page_size, seed):
     for mode in ("auto", "fold", "split"):
         outs[f"R1[{mode}]"] = _written(
             lambda o: cu.attention_varlen_cuda(q, k, v, cus, maxlen, mode=mode, out=o), q.shape, q.dtype)
+    # R1 / R2 on the mma.sync prefill kernel (auto / fold run the sm_90a wgmma kernel at D = 128 on H100/H200)
+    outs["R1[mma]"] = _written(lambda o: cu.attention_varlen_cuda(q, k, v, cus, maxlen, out=o, prefill_kernel="mma"),
+                               q.shape, q.dtype)
     # R1: another packing (reversed order) plus a padding segment, mapped back
     order = list(range(B))[::-1]
     pad = int(torch.randint(1, 70, (1,), generator=gen))
@@ -157,6 +160,10 @@ def _regimes(lens, Hq, Hkv, D, page_size, seed):
     for mode in ("auto", "fold", "split"):
         outs[f"R2[{mode}]"] = _written(
             lambda o: cu.attention_paged_cuda(q, kc, vc, bt, cus, seqk, maxlen, mode=mode, out=o), q.shape, q.dtype)
+
+    outs["R2[mma]"] = _written(
+        lambda o: cu.attention_paged_cuda(q, kc, vc, bt, cus, seqk, maxlen, out=o, prefill_kernel="mma"),
+        q.shape, q.dtype)
 
     # R3: chunked prefill, random cuts (incl. 1-token and block-aligned chunks), rounds batch the
     # r-th chunk of every sequence together
@@ -590,9 +597,109 @@ def test_stale_extension_rejected_cpu(monkeypatch):
     monkeypatch.setattr(cuda_ext, "load", lambda: stale)
     with pytest.raises(RuntimeError, match="rebuild"):
         cu.extension()
-    fresh = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_PATH=cu.DECODE_PATH)
+    no_pk = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_PATH=cu.DECODE_PATH, __file__="old.so")
+    monkeypatch.setattr(cuda_ext, "load", lambda: no_pk)
+    with pytest.raises(RuntimeError, match="prefill_kernel"):  # built before the wgmma prefill selector
+        cu.extension()
+    fresh = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_PATH=cu.DECODE_PATH,
+                                  PREFILL_KERNELS=cu.PREFILL_KERNELS)
     monkeypatch.setattr(cuda_ext, "load", lambda: fresh)
     assert cu.extension() is fresh
+
+
+def test_prefill_kernel_argument_cpu():
+    """prefill_kernel: "auto" / "mma" / "wgmma" / None (module default from AREAL_TIK_CUDA_PREFILL,
+    "auto" unless set); anything else is refused before any CUDA call; csrc and the binding agree."""
+    import inspect
+    cu = _ops()
+    assert cu.PREFILL_KERNEL == os.environ.get("AREAL_TIK_CUDA_PREFILL", "auto")
+    for fn in (cu.attention_varlen_cuda, cu.attention_paged_cuda):
+        assert inspect.signature(fn).parameters["prefill_kernel"].default is None
+    assert (cu._prefill_kernel("auto"), cu._prefill_kernel("mma"), cu._prefill_kernel("wgmma")) == (0, 1, 2)
+    with pytest.raises(ValueError, match="prefill_kernel"):
+        cu._prefill_kernel("cutlass")
+    api = open(os.path.join(ROOT, "csrc", "tik_api.h")).read()
+    assert f"#define TIK_ATTN_PREFILL_KERNELS {cu.PREFILL_KERNELS}\n" in api
+    assert "TIK_ATTN_PREFILL_AUTO = 0, TIK_ATTN_PREFILL_MMA = 1, TIK_ATTN_PREFILL_WGMMA = 2" in api
+    b = open(os.path.join(ROOT, "csrc", "tik_bindings.cpp")).read()
+    assert b.count('py::arg("prefill_kernel") = 0') == 2 and "p.prefill_kernel = (int)prefill_kernel;" in b
+    assert "cuda.attn.prefill" in cu.META
+
+
+def _wgmma_or_skip(cu):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma prefill kernel is sm_90a only")
+    assert cu.extension().wgmma_prefill_available(), "sm_90 device but the build has no sm_90a wgmma kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,ps", [(32, 8, 64), (14, 2, 16), (8, 8, 256)])
+def test_wgmma_prefill_equals_mma_sync(hq, hkv, ps, seed_rng):
+    """On sm_90a the wgmma prefill kernel (auto's choice at D = 128) equals the mma.sync kernel bit
+    for bit: varlen packs of random lengths (one past 4K: 17 split chunks, FOLD merges), paged
+    prefill and a chunked-prefill round over the same cache; outputs NaN-poisoned first; a
+    forced wgmma launch where it cannot run (D = 64) is refused."""
+    cu = _ops()
+    _wgmma_or_skip(cu)
+    g = torch.Generator().manual_seed(seed_rng)
+    lens = [4096 + int(torch.randint(1, 200, (1,), generator=g)), 1, 64, 65] + \
+           [int(x) for x in torch.randint(2, 1500, (4,), generator=g)]
+    qs, ks, vs = _seq_data(lens, hq, hkv, 128, g)
+    q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+    cus = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    mx = max(lens)
+    outs = {pk: _written(lambda o: cu.attention_varlen_cuda(q, k, v, cus, mx, out=o, prefill_kernel=pk),
+                         q.shape, q.dtype) for pk in ("mma", "wgmma", "auto")}
+    for pk in ("wgmma", "auto"):
+        rep = compare_bits(outs["mma"], outs[pk], name=f"varlen mma=={pk}")
+        assert rep, rep
+    ref = attention_reference(q[:lens[0]], k[:lens[0]], v[:lens[0]], cus[:2].cpu())
+    assert check_accuracy(outs["wgmma"][:lens[0]], ref, 1e-2)
+    kc, vc, bt = _build_cache(ks, vs, ps, g)
+    sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    paged = {pk: _written(lambda o: cu.attention_paged_cuda(q, kc, vc, bt, cus, sk, mx, out=o, prefill_kernel=pk),
+                          q.shape, q.dtype) for pk in ("mma", "wgmma")}
+    for pk, o in paged.items():
+        rep = compare_bits(outs["mma"], o, name=f"varlen==paged[{pk}]")
+        assert rep, rep
+    # chunked prefill: the last 100 (or fewer) queries of every sequence against the full cache
+    tail = [min(100, L) for L in lens]
+    qt = torch.cat([qq[-n:] for qq, n in zip(qs, tail)])
+    ct = torch.tensor([0] + torch.tensor(tail).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    want = torch.cat([outs["mma"][int(cus[i + 1]) - n:int(cus[i + 1])] for i, n in enumerate(tail)])
+    for pk in ("mma", "wgmma"):
+        o = _written(lambda o: cu.attention_paged_cuda(qt, kc, vc, bt, ct, sk, max(tail), out=o, prefill_kernel=pk),
+                     qt.shape, qt.dtype)
+        rep = compare_bits(want, o, name=f"chunked[{pk}]")
+        assert rep, rep
+    q64 = torch.randn(300, 4, 64, device="cuda").bfloat16()
+    k64 = torch.randn(300, 2, 64, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match="not supported"):
+        cu.attention_varlen_cuda(q64, k64, k64, torch.tensor([0, 300], dtype=torch.int32, device="cuda"), 300,
+                                 prefill_kernel="wgmma")
+
+
+@pytest.mark.gpu
+def test_wgmma_prefill_bench_shape_matches_decode(seed_rng):
+    """The bench's prefill shape (32 q / 8 kv heads, D 128, 8K + 5 tokens): wgmma varlen == mma.sync
+    varlen, and decode rows (the mma.sync decode kernel) at chunk-boundary positions equal it."""
+    cu = _ops()
+    _wgmma_or_skip(cu)
+    g = torch.Generator().manual_seed(seed_rng)
+    L, Hq, Hkv, D = 8192 + 5, 32, 8, 128
+    (q,), (k,), (v,) = _seq_data([L], Hq, Hkv, D, g)
+    cus = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+    a = _written(lambda o: cu.attention_varlen_cuda(q, k, v, cus, L, out=o, prefill_kernel="wgmma"), q.shape, q.dtype)
+    b = _written(lambda o: cu.attention_varlen_cuda(q, k, v, cus, L, out=o, prefill_kernel="mma"), q.shape, q.dtype)
+    rep = compare_bits(b, a, name="wgmma==mma @8K")
+    assert rep, rep
+    kc, vc, bt = _build_cache([k], [v], 64, g)
+    sel = torch.tensor([0, 63, 64, 255, 256, 4095, 4096, 8191, L - 1])
+    o = cu.attention_paged_cuda(q[sel.cuda()], kc, vc, bt[[0] * len(sel)].contiguous(),
+                                torch.arange(len(sel) + 1, dtype=torch.int32, device="cuda"),
+                                (sel + 1).to(torch.int32).cuda(), 1)
+    rep = compare_bits(a[sel.cuda()], o, name="decode==wgmma varlen")
+    assert rep, rep
 
 
 @pytest.mark.gpu

@@ -1,0 +1,306 @@
+// areal-tik sm_90a prefill attention: the attn_kernel arithmetic on warpgroup MMAs (wgmma).
+//
+// Included by tik_attention.cu (needs its helpers: ex2, pack_bf16, merge_coeffs, merge_val,
+// cp_async16, BN, SPLIT, BPC). Serves FOLD-mode launches of attention_varlen / attention_paged
+// that are not decode-shaped (max_seqlen_q * G > 16), D = 128, on sm_90a; every other launch
+// keeps attn_kernel (mma.sync). What it guarantees and why:
+//   * rows = (query token, query head) as in attn_kernel; a CTA is 2 warpgroups x 64 rows (128
+//     rows of one KV head's GQA group), warp w of the CTA holds rows 16w..16w+15 in the
+//     m16n8k16 fragment layout (the wgmma m64 accumulator and register-A layouts are, per warp,
+//     those of mma.sync m16n8k16), so every per-row scalar operation below is attn_kernel's,
+//     op for op: same KV blocks of BN positions ascending, same explicitly rounded online
+//     softmax, same P rounding to bf16, same FOLD merge at each SPLIT-chunk end.
+//   * S = Q K^T chains the D/16 k-steps ascending on one zero-initialised accumulator and
+//     acc += P V chains the BN/16 k-steps ascending, exactly attn_kernel's MMA chains, but as
+//     wgmma.m64n64k16 (Q from registers, K from shared memory) and wgmma.m64n128k16 (P from
+//     registers, V from shared memory, transposed B). Whether a Hopper warpgroup MMA k-step
+//     rounds like an mma.sync k-step is a hardware fact this code does not assume: the GPU
+//     tests compare this kernel with attn_kernel (mode="split" / prefill_kernel="mma") and
+//     with the decode kernel bit for bit.
+//   * K/V blocks land in shared memory through cp.async (zero-filled beyond the KV length, as
+//     attn_kernel), each 64 x 128 block as two 64-column halves in the 128-byte swizzled
+//     layout wgmma descriptors read (row r's 16-byte chunk c at chunk c ^ (r & 7)); a 3-stage
+//     ring, one barrier per block; a proxy fence orders the cp.async writes before wgmma reads.
+//   * A warpgroup whose 64 rows all lie before a block skips it (attn_kernel skips per warp; a
+//     fully masked block is an exact no-op on a row's state either way).
+// Resource use: 256 threads, one CTA per SM (accumulator 64 + merged O 64 + S 32 + Q 32
+// registers per thread).
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TIK_SM90A_DEVICE 1
+#endif
+
+namespace tik_attn {
+
+constexpr int WG_ROWS = 128;      // 2 warpgroups x 64 rows
+constexpr int WG_THREADS = 256;
+constexpr int WG_STAGES = 3;
+constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block (8 KB)
+constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block
+constexpr int wg_smem_bytes() { return WG_STAGES * 2 * WG_TILE_BYTES + 1024; }  // + alignment slack
+
+// Shared-memory matrix descriptor, 128-byte swizzle (address, LBO, SBO in bytes).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+         (1ull << 62);
+}
+
+#ifdef TIK_SM90A_DEVICE
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// D[64 x 64] += A[64 x 16] (registers, bf16) * B[16 x 64] (shared memory, descriptor, K-major).
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+
+// D[64 x 128] += A[64 x 16] (registers, bf16) * B[16 x 128] (shared memory, descriptor, N-major: transposed).
+__device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+#endif  // TIK_SM90A_DEVICE
+
+template <int D>
+__global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttnParams p) {
+#ifdef TIK_SM90A_DEVICE
+  static_assert(D == 128, "the wgmma prefill kernel is written for D = 128");
+  constexpr int NT = BN / 8;   // n-tiles of S
+  constexpr int KC = D / 16;   // k-steps of Q K^T
+  constexpr int DT = D / 8;    // n-tiles of O
+  constexpr int SEGS = D / 8;  // 16-byte segments per K/V row
+  static_assert(BN == 64, "S = m64n64 per warpgroup");
+
+  extern __shared__ __align__(16) unsigned char wg_smem_raw[];  // aligned up to 1024 below (swizzle atoms)
+  const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(wg_smem_raw) + 1023u) & ~1023u;
+
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const int G = p.Hq / p.Hkv;
+  const int tile = gridDim.x - 1 - blockIdx.x;  // longest causal walks first
+  const int q0 = p.cu_seqlens_q[b];
+  const int nq = p.cu_seqlens_q[b + 1] - q0;
+  const int kv_len = p.paged ? p.seqlens_k[b] : nq;
+  const int rows_total = nq * G;
+  const int row0 = tile * WG_ROWS;
+  if (row0 >= rows_total) return;
+  const int pos_off = kv_len - nq;
+  const int last_row = min(rows_total, row0 + WG_ROWS) - 1;
+  const int tile_max_pos = pos_off + last_row / G;
+  if (tile_max_pos < 0) return;  // kv_len < n_q: invalid input, nothing defined to compute
+  const int nblk = tile_max_pos / BN + 1;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wg0 = row0 + (warp >> 2) * 64;  // first row of this warpgroup
+  const int wg_max_pos = wg0 < rows_total ? pos_off + (min(rows_total, wg0 + 64) - 1) / G : -1;
+  const int wrow0 = row0 + warp * 16;
+
+  int rpos[2], rlast[2];
+  bool rvalid[2];
+  int64_t rowid[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = wrow0 + g + 8 * i;
+    const int j = r / G;
+    rvalid[i] = r < rows_total && pos_off + j >= 0;
+    rpos[i] = rvalid[i] ? pos_off + j : -1;
+    rlast[i] = rvalid[i] ? rpos[i] / SPLIT : -1;
+    rowid[i] = (int64_t)(q0 + j) * p.Hq + (int64_t)hk * G + r % G;
+  }
+
+  uint32_t qa[KC][4];
+  {
+    const uint32_t* qp0 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(p.q) + (rvalid[0] ? rowid[0] : 0) * D);
+    const uint32_t* qp1 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(p.q) + (rvalid[1] ? rowid[1] : 0) * D);
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+      qa[kc][0] = rvalid[0] ? qp0[kc * 8 + t] : 0u;
+      qa[kc][1] = rvalid[1] ? qp1[kc * 8 + t] : 0u;
+      qa[kc][2] = rvalid[0] ? qp0[kc * 8 + 4 + t] : 0u;
+      qa[kc][3] = rvalid[1] ? qp1[kc * 8 + 4 + t] : 0u;
+    }
+  }
+
+  float acc[DT * 4], O[DT * 4];
+  float m[2], l[2], M[2], L[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    m[i] = -CUDART_INF_F;
+    l[i] = 0.f;
+    M[i] = -CUDART_INF_F;
+    L[i] = 0.f;
+  }
+#pragma unroll
+  for (int x = 0; x < DT * 4; ++x) {
+    acc[x] = 0.f;
+    O[x] = 0.f;
+  }
+
+  const bf16* kg0 = static_cast<const bf16*>(p.k);
+  const bf16* vg0 = static_cast<const bf16*>(p.v);
+  const int64_t kv_base = p.paged ? 0 : (int64_t)q0;
+
+  auto load_tile = [&](int j, int stage) {
+    const uint32_t ks = sbase + (uint32_t)(stage * 2 * WG_TILE_BYTES);
+#pragma unroll
+    for (int u = 0; u < BN * SEGS / WG_THREADS; ++u) {
+      const int i = threadIdx.x + u * WG_THREADS;
+      const int r = i / SEGS, s = i % SEGS;
+      const int pos = j * BN + r;
+      const bool ok = pos < kv_len;
+      int64_t off = 0;
+      if (ok) {
+        int64_t slot;
+        if (p.paged) {
+          const int page = p.block_table[(int64_t)b * p.max_pages + pos / p.page_size];
+          slot = (int64_t)page * p.page_size + pos % p.page_size;
+        } else {
+          slot = kv_base + pos;
+        }
+        off = (slot * p.Hkv + hk) * D + s * 8;
+      }
+      const uint32_t so = (uint32_t)((s >> 3) * WG_HALF_BYTES + r * 128 + (((s & 7) ^ (r & 7)) << 4));
+      cp_async16(ks + so, kg0 + off, ok ? 16 : 0);
+      cp_async16(ks + WG_TILE_BYTES + so, vg0 + off, ok ? 16 : 0);
+    }
+  };
+
+  const float sl2 = p.scale_log2;
+#pragma unroll
+  for (int st = 0; st < WG_STAGES - 1; ++st) {
+    if (st < nblk) load_tile(st, st);
+    cp_async_commit();
+  }
+  for (int j = 0; j < nblk; ++j) {
+    cp_async_wait<WG_STAGES - 2>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    {
+      const int jn = j + WG_STAGES - 1;  // refills the stage block j - 1 used (all its wgmmas done)
+      if (jn < nblk) load_tile(jn, jn % WG_STAGES);
+      cp_async_commit();
+    }
+    if (wg_max_pos >= j * BN) {  // warpgroup-uniform
+      const uint32_t ks = sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES);
+      const uint32_t vs = ks + WG_TILE_BYTES;
+      float s[NT * 4];
+#pragma unroll
+      for (int x = 0; x < NT * 4; ++x) s[x] = 0.f;
+      reg_fence(s);
+      wg_fence();
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc)  // B = K^T: K-major, k-step kc = 32 bytes into half kc / 4
+        wgmma_m64n64k16_rs(s, qa[kc], wg_desc(ks + (kc >> 2) * WG_HALF_BYTES + (kc & 3) * 32, 16, 1024));
+      wg_commit();
+      wg_wait0();
+      reg_fence(s);
+
+      float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * BN + nt * 8 + 2 * t + (e & 1);
+          const int i = e >> 1;
+          const float v = (col <= rpos[i]) ? __fmul_rn(s[nt * 4 + e], sl2) : -CUDART_INF_F;
+          s[nt * 4 + e] = v;
+          mx[i] = fmaxf(mx[i], v);
+        }
+      float alpha[2], muse[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float mn = fmaxf(m[i], mx[i]);
+        muse[i] = (mn == -CUDART_INF_F) ? 0.f : mn;
+        alpha[i] = ex2(__fsub_rn(m[i], muse[i]));
+        m[i] = mn;
+      }
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pe = ex2(__fsub_rn(s[nt * 4 + e], muse[e >> 1]));
+          s[nt * 4 + e] = pe;
+          rs[e >> 1] = __fadd_rn(rs[e >> 1], pe);
+        }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));
+        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));
+        l[i] = __fadd_rn(__fmul_rn(l[i], alpha[i]), rs[i]);
+      }
+#pragma unroll
+      for (int x = 0; x < DT * 4; ++x) acc[x] = __fmul_rn(acc[x], alpha[(x >> 1) & 1]);
+      uint32_t pa[BN / 16][4];
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) {
+        pa[kc][0] = pack_bf16(s[(2 * kc) * 4 + 0], s[(2 * kc) * 4 + 1]);
+        pa[kc][1] = pack_bf16(s[(2 * kc) * 4 + 2], s[(2 * kc) * 4 + 3]);
+        pa[kc][2] = pack_bf16(s[(2 * kc + 1) * 4 + 0], s[(2 * kc + 1) * 4 + 1]);
+        pa[kc][3] = pack_bf16(s[(2 * kc + 1) * 4 + 2], s[(2 * kc + 1) * 4 + 3]);
+      }
+      reg_fence(acc);
+      wg_fence();
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc)  // B = V: N-major (transposed), 16 rows = 2 KB per k-step
+        wgmma_m64n128k16_rs_tb(acc, pa[kc], wg_desc(vs + kc * 16 * 128, WG_HALF_BYTES, 1024));
+      wg_commit();
+      wg_wait0();
+      reg_fence(acc);
+    }
+
+    if ((j + 1) % BPC == 0 || j == nblk - 1) {  // end of split chunk c: merge it, start fresh
+      const int c = j / BPC;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (c <= rlast[i]) {
+          float ca, cb;
+          merge_coeffs(M[i], L[i], m[i], l[i], ca, cb);
+#pragma unroll
+          for (int dt = 0; dt < DT; ++dt) {
+            O[dt * 4 + 2 * i] = merge_val(O[dt * 4 + 2 * i], acc[dt * 4 + 2 * i], ca, cb);
+            O[dt * 4 + 2 * i + 1] = merge_val(O[dt * 4 + 2 * i + 1], acc[dt * 4 + 2 * i + 1], ca, cb);
+          }
+        }
+        m[i] = -CUDART_INF_F;
+        l[i] = 0.f;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          acc[dt * 4 + 2 * i] = 0.f;
+          acc[dt * 4 + 2 * i + 1] = 0.f;
+        }
+      }
+    }
+  }
+
+  bf16* out = static_cast<bf16*>(p.out);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (!rvalid[i]) continue;
+    uint32_t* orow = reinterpret_cast<uint32_t*>(out + rowid[i] * D);
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+      orow[dt * 4 + t] = pack_bf16(__fdiv_rn(O[dt * 4 + 2 * i], L[i]), __fdiv_rn(O[dt * 4 + 2 * i + 1], L[i]));
+  }
+#endif  // TIK_SM90A_DEVICE
+}
+
+}  // namespace tik_attn
