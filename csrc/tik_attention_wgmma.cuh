@@ -34,10 +34,12 @@ namespace tik_attn {
 
 constexpr int WG_ROWS = 128;      // 2 warpgroups x 64 rows
 constexpr int WG_THREADS = 256;
-constexpr int WG_STAGES = 3;
-constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block (8 KB)
-constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block
-constexpr int wg_smem_bytes() { return WG_STAGES * 2 * WG_TILE_BYTES + 1024; }  // + alignment slack
+constexpr int WG_STAGES = 4;      // K/V ring: block j computes while j + 1, j + 2 land and j - 1's V is read
+constexpr int WG_PREFETCH = 2;    // blocks loaded ahead
+constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
+constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
+constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
+constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 1024; }  // + alignment slack
 
 // Shared-memory matrix descriptor, 128-byte swizzle (address, LBO, SBO in bytes).
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
@@ -49,6 +51,7 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void reg_fence(float (&r)[N]) {
 #pragma unroll
@@ -76,6 +79,16 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uin
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
+// D[64 x 64] += A[64 x 16] * B[16 x 64], both from shared memory (descriptors, K-major).
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "n"(1));
+}
 #endif  // TIK_SM90A_DEVICE
 
 template <int D>
@@ -85,11 +98,12 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
   constexpr int NT = BN / 8;   // n-tiles of S
   constexpr int KC = D / 16;   // k-steps of Q K^T
   constexpr int DT = D / 8;    // n-tiles of O
-  constexpr int SEGS = D / 8;  // 16-byte segments per K/V row
+  constexpr int SEGS = D / 8;  // 16-byte segments per K/V/Q row
   static_assert(BN == 64, "S = m64n64 per warpgroup");
 
   extern __shared__ __align__(16) unsigned char wg_smem_raw[];  // aligned up to 1024 below (swizzle atoms)
-  const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(wg_smem_raw) + 1023u) & ~1023u;
+  const uint32_t qbase = ((uint32_t)__cvta_generic_to_shared(wg_smem_raw) + 1023u) & ~1023u;
+  const uint32_t sbase = qbase + WG_Q_BYTES;
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const int G = p.Hq / p.Hkv;
@@ -107,8 +121,13 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
   const int nblk = tile_max_pos / BN + 1;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int wg0 = row0 + (warp >> 2) * 64;  // first row of this warpgroup
+  const int wgi = warp >> 2;
+  const int wg0 = row0 + wgi * 64;  // first row of this warpgroup
   const int wg_max_pos = wg0 < rows_total ? pos_off + (min(rows_total, wg0 + 64) - 1) / G : -1;
+  // This warpgroup's blocks are 0 .. nbw-1 (a row never sees a block past its position; attn_kernel
+  // walks the CTA's blocks but a block past all of a warp's rows is skipped, and the chunk merges
+  // it would run there find every row's state unchanged or the row past its last chunk).
+  const int nbw = wg_max_pos >= 0 ? wg_max_pos / BN + 1 : 0;
   const int wrow0 = row0 + warp * 16;
 
   int rpos[2], rlast[2];
@@ -124,33 +143,42 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
     rowid[i] = (int64_t)(q0 + j) * p.Hq + (int64_t)hk * G + r % G;
   }
 
-  uint32_t qa[KC][4];
+  // Q rows of the CTA -> shared memory (A operand of S = Q K^T, K-major 128-byte swizzle),
+  // zero for rows past the sequence or before position 0.
   {
-    const uint32_t* qp0 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(p.q) + (rvalid[0] ? rowid[0] : 0) * D);
-    const uint32_t* qp1 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(p.q) + (rvalid[1] ? rowid[1] : 0) * D);
+    const bf16* qg = static_cast<const bf16*>(p.q);
 #pragma unroll
-    for (int kc = 0; kc < KC; ++kc) {
-      qa[kc][0] = rvalid[0] ? qp0[kc * 8 + t] : 0u;
-      qa[kc][1] = rvalid[1] ? qp1[kc * 8 + t] : 0u;
-      qa[kc][2] = rvalid[0] ? qp0[kc * 8 + 4 + t] : 0u;
-      qa[kc][3] = rvalid[1] ? qp1[kc * 8 + 4 + t] : 0u;
+    for (int u = 0; u < WG_ROWS * SEGS / WG_THREADS; ++u) {
+      const int i = threadIdx.x + u * WG_THREADS;
+      const int r = i / SEGS, sg = i % SEGS;
+      const int rg = row0 + r, j = rg / G;
+      const bool ok = rg < rows_total && pos_off + j >= 0;
+      const int64_t rid = (int64_t)(q0 + j) * p.Hq + (int64_t)hk * G + rg % G;
+      const int rr = r & 63;
+      const uint32_t so = (uint32_t)((r >> 6) * WG_TILE_BYTES + (sg >> 3) * WG_HALF_BYTES + rr * 128 +
+                                     (((sg & 7) ^ (rr & 7)) << 4));
+      cp_async16(qbase + so, qg + (ok ? rid * D + sg * 8 : 0), ok ? 16 : 0);
     }
   }
 
   float acc[DT * 4], O[DT * 4];
-  float m[2], l[2], M[2], L[2];
+  float m[2], l[2], M[2], L[2], mo[2], lo[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     m[i] = -CUDART_INF_F;
     l[i] = 0.f;
     M[i] = -CUDART_INF_F;
     L[i] = 0.f;
+    mo[i] = -CUDART_INF_F;
+    lo[i] = 0.f;
   }
 #pragma unroll
   for (int x = 0; x < DT * 4; ++x) {
     acc[x] = 0.f;
     O[x] = 0.f;
   }
+  uint32_t pa[BN / 16][4];
+  int merge_c = -1;  // chunk whose (mo, lo, acc) await their FOLD merge once the pending P V lands
 
   const bf16* kg0 = static_cast<const bf16*>(p.k);
   const bf16* vg0 = static_cast<const bf16*>(p.v);
@@ -161,7 +189,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
 #pragma unroll
     for (int u = 0; u < BN * SEGS / WG_THREADS; ++u) {
       const int i = threadIdx.x + u * WG_THREADS;
-      const int r = i / SEGS, s = i % SEGS;
+      const int r = i / SEGS, sg = i % SEGS;
       const int pos = j * BN + r;
       const bool ok = pos < kv_len;
       int64_t off = 0;
@@ -173,123 +201,169 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
         } else {
           slot = kv_base + pos;
         }
-        off = (slot * p.Hkv + hk) * D + s * 8;
+        off = (slot * p.Hkv + hk) * D + sg * 8;
       }
-      const uint32_t so = (uint32_t)((s >> 3) * WG_HALF_BYTES + r * 128 + (((s & 7) ^ (r & 7)) << 4));
+      const uint32_t so = (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
       cp_async16(ks + so, kg0 + off, ok ? 16 : 0);
       cp_async16(ks + WG_TILE_BYTES + so, vg0 + off, ok ? 16 : 0);
     }
   };
+  auto stage_addr = [&](int j) { return sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES); };
 
   const float sl2 = p.scale_log2;
+  const uint32_t qwg = qbase + (uint32_t)(wgi * WG_TILE_BYTES);
 #pragma unroll
-  for (int st = 0; st < WG_STAGES - 1; ++st) {
+  for (int st = 0; st < WG_PREFETCH; ++st) {  // group 0 also carries the Q rows
     if (st < nblk) load_tile(st, st);
     cp_async_commit();
   }
-  for (int j = 0; j < nblk; ++j) {
-    cp_async_wait<WG_STAGES - 2>();
+  // Software pipeline per warpgroup (the FA3 intra-warpgroup overlap): step j issues
+  // S_j = Q K_j and then acc += P_{j-1} V_{j-1}, waits for S_j only, runs block j's softmax
+  // while P V runs, then waits for P V. Every row still sees attn_kernel's sequence: acc is
+  // scaled by alpha_{j-1} before P_{j-1} V_{j-1} accumulates, and by alpha_j after; a chunk
+  // ending at block j - 1 merges (with its saved m, l) after its last P V lands. The steps are
+  // peeled (first S, steady S + P V, last P V) so no wgmma sits in a conditional path (ptxas
+  // would serialize them).
+  auto sync_and_load = [&](int j) {  // CTA-wide: block j landed; refill the stage block j - 2 used
+    if (j >= nblk) return;
+    cp_async_wait<WG_PREFETCH - 1>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
-    {
-      const int jn = j + WG_STAGES - 1;  // refills the stage block j - 1 used (all its wgmmas done)
-      if (jn < nblk) load_tile(jn, jn % WG_STAGES);
-      cp_async_commit();
+    const int jn = j + WG_PREFETCH;
+    if (jn < nblk) load_tile(jn, jn % WG_STAGES);
+    cp_async_commit();
+  };
+  float s[NT * 4];
+  auto issue_s = [&](int j) {
+    const uint32_t ks = stage_addr(j);
+#pragma unroll
+    for (int x = 0; x < NT * 4; ++x) s[x] = 0.f;
+    reg_fence(s);
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc)  // A = Q, B = K^T: both K-major, k-step kc = 32 bytes into half kc / 4
+      wgmma_m64n64k16_ss(s, wg_desc(qwg + (kc >> 2) * WG_HALF_BYTES + (kc & 3) * 32, 16, 1024),
+                         wg_desc(ks + (kc >> 2) * WG_HALF_BYTES + (kc & 3) * 32, 16, 1024));
+    wg_commit();
+  };
+  auto issue_pv = [&](int j) {
+    const uint32_t vs = stage_addr(j) + WG_TILE_BYTES;
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc)  // B = V: N-major (transposed), 16 rows = 2 KB per k-step
+      wgmma_m64n128k16_rs_tb(acc, pa[kc], wg_desc(vs + kc * 16 * 128, WG_HALF_BYTES, 1024));
+    wg_commit();
+  };
+  float alpha[2];
+  auto softmax = [&](int j) {  // attn_kernel's per-row operations on S_j; updates m, l, alpha, s := P
+    float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = j * BN + nt * 8 + 2 * t + (e & 1);
+        const int i = e >> 1;
+        const float v = (col <= rpos[i]) ? __fmul_rn(s[nt * 4 + e], sl2) : -CUDART_INF_F;
+        s[nt * 4 + e] = v;
+        mx[i] = fmaxf(mx[i], v);
+      }
+    float muse[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      const float mn = fmaxf(m[i], mx[i]);
+      muse[i] = (mn == -CUDART_INF_F) ? 0.f : mn;
+      alpha[i] = ex2(__fsub_rn(m[i], muse[i]));
+      m[i] = mn;
     }
-    if (wg_max_pos >= j * BN) {  // warpgroup-uniform
-      const uint32_t ks = sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES);
-      const uint32_t vs = ks + WG_TILE_BYTES;
-      float s[NT * 4];
+    float rs[2] = {0.f, 0.f};
 #pragma unroll
-      for (int x = 0; x < NT * 4; ++x) s[x] = 0.f;
-      reg_fence(s);
-      wg_fence();
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int kc = 0; kc < KC; ++kc)  // B = K^T: K-major, k-step kc = 32 bytes into half kc / 4
-        wgmma_m64n64k16_rs(s, qa[kc], wg_desc(ks + (kc >> 2) * WG_HALF_BYTES + (kc & 3) * 32, 16, 1024));
-      wg_commit();
-      wg_wait0();
-      reg_fence(s);
-
-      float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = j * BN + nt * 8 + 2 * t + (e & 1);
-          const int i = e >> 1;
-          const float v = (col <= rpos[i]) ? __fmul_rn(s[nt * 4 + e], sl2) : -CUDART_INF_F;
-          s[nt * 4 + e] = v;
-          mx[i] = fmaxf(mx[i], v);
-        }
-      float alpha[2], muse[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        const float mn = fmaxf(m[i], mx[i]);
-        muse[i] = (mn == -CUDART_INF_F) ? 0.f : mn;
-        alpha[i] = ex2(__fsub_rn(m[i], muse[i]));
-        m[i] = mn;
-      }
-      float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pe = ex2(__fsub_rn(s[nt * 4 + e], muse[e >> 1]));
-          s[nt * 4 + e] = pe;
-          rs[e >> 1] = __fadd_rn(rs[e >> 1], pe);
-        }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));
-        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));
-        l[i] = __fadd_rn(__fmul_rn(l[i], alpha[i]), rs[i]);
+      for (int e = 0; e < 4; ++e) {
+        const float pe = ex2(__fsub_rn(s[nt * 4 + e], muse[e >> 1]));
+        s[nt * 4 + e] = pe;
+        rs[e >> 1] = __fadd_rn(rs[e >> 1], pe);
       }
 #pragma unroll
-      for (int x = 0; x < DT * 4; ++x) acc[x] = __fmul_rn(acc[x], alpha[(x >> 1) & 1]);
-      uint32_t pa[BN / 16][4];
-#pragma unroll
-      for (int kc = 0; kc < BN / 16; ++kc) {
-        pa[kc][0] = pack_bf16(s[(2 * kc) * 4 + 0], s[(2 * kc) * 4 + 1]);
-        pa[kc][1] = pack_bf16(s[(2 * kc) * 4 + 2], s[(2 * kc) * 4 + 3]);
-        pa[kc][2] = pack_bf16(s[(2 * kc + 1) * 4 + 0], s[(2 * kc + 1) * 4 + 1]);
-        pa[kc][3] = pack_bf16(s[(2 * kc + 1) * 4 + 2], s[(2 * kc + 1) * 4 + 3]);
-      }
-      reg_fence(acc);
-      wg_fence();
-#pragma unroll
-      for (int kc = 0; kc < BN / 16; ++kc)  // B = V: N-major (transposed), 16 rows = 2 KB per k-step
-        wgmma_m64n128k16_rs_tb(acc, pa[kc], wg_desc(vs + kc * 16 * 128, WG_HALF_BYTES, 1024));
-      wg_commit();
-      wg_wait0();
-      reg_fence(acc);
+    for (int i = 0; i < 2; ++i) {
+      rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));
+      rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));
+      l[i] = __fadd_rn(__fmul_rn(l[i], alpha[i]), rs[i]);
     }
-
-    if ((j + 1) % BPC == 0 || j == nblk - 1) {  // end of split chunk c: merge it, start fresh
-      const int c = j / BPC;
+  };
+  auto merge_pending = [&]() {  // after the P V of the chunk's last block landed
+    if (merge_c < 0) return;
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        if (c <= rlast[i]) {
-          float ca, cb;
-          merge_coeffs(M[i], L[i], m[i], l[i], ca, cb);
-#pragma unroll
-          for (int dt = 0; dt < DT; ++dt) {
-            O[dt * 4 + 2 * i] = merge_val(O[dt * 4 + 2 * i], acc[dt * 4 + 2 * i], ca, cb);
-            O[dt * 4 + 2 * i + 1] = merge_val(O[dt * 4 + 2 * i + 1], acc[dt * 4 + 2 * i + 1], ca, cb);
-          }
-        }
-        m[i] = -CUDART_INF_F;
-        l[i] = 0.f;
+    for (int i = 0; i < 2; ++i) {
+      if (merge_c <= rlast[i]) {
+        float ca, cb;
+        merge_coeffs(M[i], L[i], mo[i], lo[i], ca, cb);
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
-          acc[dt * 4 + 2 * i] = 0.f;
-          acc[dt * 4 + 2 * i + 1] = 0.f;
+          O[dt * 4 + 2 * i] = merge_val(O[dt * 4 + 2 * i], acc[dt * 4 + 2 * i], ca, cb);
+          O[dt * 4 + 2 * i + 1] = merge_val(O[dt * 4 + 2 * i + 1], acc[dt * 4 + 2 * i + 1], ca, cb);
         }
       }
     }
+#pragma unroll
+    for (int x = 0; x < DT * 4; ++x) acc[x] = 0.f;
+    merge_c = -1;
+  };
+  auto scale_pack_close = [&](int j) {  // acc *= alpha_j; P_j -> bf16 A fragments; chunk end?
+#pragma unroll
+    for (int x = 0; x < DT * 4; ++x) acc[x] = __fmul_rn(acc[x], alpha[(x >> 1) & 1]);
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      pa[kc][0] = pack_bf16(s[(2 * kc) * 4 + 0], s[(2 * kc) * 4 + 1]);
+      pa[kc][1] = pack_bf16(s[(2 * kc) * 4 + 2], s[(2 * kc) * 4 + 3]);
+      pa[kc][2] = pack_bf16(s[(2 * kc + 1) * 4 + 0], s[(2 * kc + 1) * 4 + 1]);
+      pa[kc][3] = pack_bf16(s[(2 * kc + 1) * 4 + 2], s[(2 * kc + 1) * 4 + 3]);
+    }
+    if ((j + 1) % BPC == 0 || j == nbw - 1) {  // block j ends split chunk j / BPC for this warpgroup
+      merge_c = j / BPC;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mo[i] = m[i];
+        lo[i] = l[i];
+        m[i] = -CUDART_INF_F;
+        l[i] = 0.f;
+      }
+    }
+  };
+
+  int j = 0;
+  if (nbw > 0) {
+    sync_and_load(0);
+    wg_fence();
+    issue_s(0);
+    wg_wait0();
+    reg_fence(s);
+    softmax(0);
+    scale_pack_close(0);
+    for (j = 1; j < nbw; ++j) {
+      sync_and_load(j);
+      reg_fence(acc);
+      wg_fence();
+      issue_s(j);
+      issue_pv(j - 1);
+      wg_wait1();
+      reg_fence(s);
+      softmax(j);
+      wg_wait0();
+      reg_fence(acc);
+      merge_pending();
+      scale_pack_close(j);
+    }
+    sync_and_load(nbw);
+    reg_fence(acc);
+    wg_fence();
+    issue_pv(nbw - 1);
+    wg_wait0();
+    reg_fence(acc);
+    merge_pending();
+    j = nbw + 1;
   }
+  for (; j < nblk; ++j) sync_and_load(j);  // keep the CTA's barriers while the other warpgroup walks on
 
   bf16* out = static_cast<bf16*>(p.out);
 #pragma unroll
