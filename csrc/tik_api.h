@@ -52,6 +52,9 @@ typedef struct {
   // forces the mma.sync kernel; WGMMA forces the wgmma kernel (cudaErrorNotSupported where it
   // cannot run). Same bits by design; the GPU tests compare them.
   int prefill_kernel;
+  // Rows of k / v as the wgmma kernel's TMA descriptors see them: varlen, tokens (k.shape[0]);
+  // paged, cache slots (num_pages * page_size). 0 (unknown) keeps launches on the mma.sync kernel.
+  int64_t kv_rows;
 } TikAttnParams;
 
 enum TikAttnPrefillKernel { TIK_ATTN_PREFILL_AUTO = 0, TIK_ATTN_PREFILL_MMA = 1, TIK_ATTN_PREFILL_WGMMA = 2 };

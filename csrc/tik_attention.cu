@@ -32,6 +32,7 @@
 //     causal-masked scores are -inf, so cache garbage never reaches a result.
 #include "tik_api.h"
 
+#include <cuda.h>  // CUtensorMap (types only; the encoder comes from the runtime's driver entry point)
 #include <cuda_bf16.h>
 #include <math_constants.h>
 #include <stdint.h>
@@ -422,8 +423,26 @@ cudaError_t launch(const TikAttnParams& p, cudaStream_t stream) {
 
 namespace tik_attn {
 
-// Whether the current device runs attn_kernel_wgmma: compute capability 9.0 and the module
-// holds the sm_90a body (binaryVersion 90; an sm_80-only build has no wgmma code). Per device.
+// Whether the current device runs attn_kernel_wgmma: compute capability 9.0, the module holds the
+// sm_90a body (binaryVersion 90; an sm_80-only build has no wgmma code) and the driver has the
+// TMA descriptor encoder. Per device.
+typedef CUresult (*TensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                         const cuuint64_t*, const cuuint32_t*, const cuuint32_t*,
+                                         CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                         CUtensorMapFloatOOBfill);
+
+TensorMapEncodeTiled tensor_map_encoder() {
+  static TensorMapEncodeTiled fn = []() -> TensorMapEncodeTiled {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return reinterpret_cast<TensorMapEncodeTiled>(f);
+  }();
+  return fn;
+}
+
 bool wgmma_prefill_available() {
   static int cached[64];  // 0 unknown, 1 yes, 2 no
   int dev = 0;
@@ -434,22 +453,43 @@ bool wgmma_prefill_available() {
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
   cudaFuncAttributes a;
   const bool ok = major == 9 && minor == 0 && cudaFuncGetAttributes(&a, attn_kernel_wgmma<128>) == cudaSuccess &&
-                  a.binaryVersion == 90;
+                  a.binaryVersion == 90 && tensor_map_encoder() != nullptr;
   if (dev < 64) cached[dev] = ok ? 1 : 2;
   return ok;
 }
 
+// TMA descriptor of a K or V tensor viewed as [rows][Hkv][D] bf16 (rows = tokens or cache slots):
+// boxes of 64 columns x 1 head x box_rows rows, 128-byte swizzle. False if the encoder refuses
+// (e.g. a base address that is not 16-byte aligned).
+bool make_kv_map(CUtensorMap* map, const void* base, int64_t rows, int hkv, int box_rows) {
+  TensorMapEncodeTiled enc = tensor_map_encoder();
+  if (enc == nullptr || rows <= 0 || rows > 0x7fffffffLL) return false;  // coordinates are int32
+  const cuuint64_t dims[3] = {128, (cuuint64_t)hkv, (cuuint64_t)rows};
+  const cuuint64_t strides[2] = {128 * 2, (cuuint64_t)hkv * 128 * 2};
+  const cuuint32_t box[3] = {64, 1, (cuuint32_t)box_rows};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, estr,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// cudaErrorNotSupported when no TMA descriptor can be made (the caller then runs attn_kernel).
 cudaError_t launch_wgmma(const TikAttnParams& p, cudaStream_t stream) {
   const int G = p.Hq / p.Hkv;
   const int64_t rows = (int64_t)p.max_seqlen_q * G;
   const int64_t gx = (rows + WG_ROWS - 1) / WG_ROWS;
   if (gx <= 0) return cudaSuccess;
   if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
+  const int box_rows = p.paged ? (p.page_size < BN ? p.page_size : BN) : BN;
+  if (BN % box_rows != 0) return cudaErrorNotSupported;
+  CUtensorMap mk, mv;
+  if (!make_kv_map(&mk, p.k, p.kv_rows, p.Hkv, box_rows) || !make_kv_map(&mv, p.v, p.kv_rows, p.Hkv, box_rows))
+    return cudaErrorNotSupported;
   constexpr int SMEM = wg_smem_bytes();
   auto kern = attn_kernel_wgmma<128>;
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
   if (err != cudaSuccess) return err;
-  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), WG_THREADS, SMEM, stream>>>(p);
+  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), WG_THREADS, SMEM, stream>>>(p, mk, mv, box_rows);
   return cudaGetLastError();
 }
 
@@ -461,7 +501,10 @@ bool use_wgmma(const TikAttnParams& p, int mode) {
 
 template <int D>
 cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
-  if (D == 128 && use_wgmma(p, mode)) return launch_wgmma(p, stream);
+  if (D == 128 && use_wgmma(p, mode)) {
+    const cudaError_t err = launch_wgmma(p, stream);
+    if (err != cudaErrorNotSupported || p.prefill_kernel == TIK_ATTN_PREFILL_WGMMA) return err;
+  }  // no TMA descriptor for these tensors: the mma.sync kernel (same bits)
   if (p.prefill_kernel == TIK_ATTN_PREFILL_WGMMA) return cudaErrorNotSupported;
   return mode == TIK_ATTN_SPLIT_MODE ? launch<D, 4, true>(p, stream) : launch<D, 4, false>(p, stream);
 }
@@ -1061,7 +1104,7 @@ int tik_attention_describe(char* buf, int buflen) {
                decode_smem_bytes<128>());
   describe_one(buf, buflen, used, "attn_decode_merge<D64>", attn_decode_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_decode_merge<D128>", attn_decode_merge_kernel<128>, 0);
-  describe_one(buf, buflen, used, "attn_wgmma<D128,2warpgroups,fold>", attn_kernel_wgmma<128>, wg_smem_bytes());
+  describe_one(buf, buflen, used, "attn_wgmma<D128,2warpgroups,fold,tma>", attn_kernel_wgmma<128>, wg_smem_bytes());
   describe_one(buf, buflen, used, "attn_merge<D64>", attn_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_merge<D128>", attn_merge_kernel<128>, 0);
   return used;

@@ -39,7 +39,7 @@ constexpr int WG_PREFETCH = 2;    // blocks loaded ahead
 constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
 constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
-constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 1024; }  // + alignment slack
+constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 64 + 1024; }  // + barriers, alignment
 
 // Shared-memory matrix descriptor, 128-byte swizzle (address, LBO, SBO in bytes).
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
@@ -58,17 +58,6 @@ __device__ __forceinline__ void reg_fence(float (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-// D[64 x 64] += A[64 x 16] (registers, bf16) * B[16 x 64] (shared memory, descriptor, K-major).
-__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
-}
-
 // D[64 x 128] += A[64 x 16] (registers, bf16) * B[16 x 128] (shared memory, descriptor, N-major: transposed).
 __device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
@@ -79,20 +68,50 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uin
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
-// D[64 x 64] += A[64 x 16] * B[16 x 64], both from shared memory (descriptors, K-major).
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+// D[64 x 64] = A[64 x 16] * B[16 x 64], both from shared memory (descriptors, K-major) + (scale_d ? D : 0).
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "%32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "n"(1));
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// One 3-d TMA box (D-columns c0.., head c1, rows c2..) -> shared memory, completion on bar.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
 }
 #endif  // TIK_SM90A_DEVICE
 
 template <int D>
-__global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttnParams p) {
+__global__ void __launch_bounds__(WG_THREADS, 1)
+    attn_kernel_wgmma(const TikAttnParams p, const __grid_constant__ CUtensorMap tm_k,
+                      const __grid_constant__ CUtensorMap tm_v, int box_rows) {
 #ifdef TIK_SM90A_DEVICE
   static_assert(D == 128, "the wgmma prefill kernel is written for D = 128");
   constexpr int NT = BN / 8;   // n-tiles of S
@@ -104,6 +123,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
   extern __shared__ __align__(16) unsigned char wg_smem_raw[];  // aligned up to 1024 below (swizzle atoms)
   const uint32_t qbase = ((uint32_t)__cvta_generic_to_shared(wg_smem_raw) + 1023u) & ~1023u;
   const uint32_t sbase = qbase + WG_Q_BYTES;
+  const uint32_t bars = sbase + WG_STAGES * 2 * WG_TILE_BYTES;  // WG_STAGES mbarriers ("block landed")
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const int G = p.Hq / p.Hkv;
@@ -143,8 +163,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
     rowid[i] = (int64_t)(q0 + j) * p.Hq + (int64_t)hk * G + r % G;
   }
 
-  // Q rows of the CTA -> shared memory (A operand of S = Q K^T, K-major 128-byte swizzle),
-  // zero for rows past the sequence or before position 0.
+  // Q: the CTA's rows in shared memory (A operand of S = Q K^T, K-major 128-byte swizzle), zero for
+  // rows past the sequence or before position 0; cp.async, waited for before block 0.
   {
     const bf16* qg = static_cast<const bf16*>(p.q);
 #pragma unroll
@@ -159,7 +179,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
                                      (((sg & 7) ^ (rr & 7)) << 4));
       cp_async16(qbase + so, qg + (ok ? rid * D + sg * 8 : 0), ok ? 16 : 0);
     }
+    cp_async_commit();
   }
+  const uint32_t qwg = qbase + (uint32_t)(wgi * WG_TILE_BYTES);
+  const int rpos_min = min(rpos[0], rpos[1]);  // blocks ending at or before it need no causal mask
 
   float acc[DT * 4], O[DT * 4];
   float m[2], l[2], M[2], L[2], mo[2], lo[2];
@@ -180,43 +203,51 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
   uint32_t pa[BN / 16][4];
   int merge_c = -1;  // chunk whose (mo, lo, acc) await their FOLD merge once the pending P V lands
 
-  const bf16* kg0 = static_cast<const bf16*>(p.k);
-  const bf16* vg0 = static_cast<const bf16*>(p.v);
+  // K/V block j -> stage j % WG_STAGES by TMA (one thread): per 64-column half, boxes of box_rows
+  // rows (64, or the page size when pages are smaller) in the 128-byte swizzle wgmma reads.
+  // Boxes starting at or past kv_len are not loaded (their block-table entries may be garbage);
+  // V rows at or past kv_len are zeroed after the block lands (see sync_block), as attn_kernel's
+  // zero-fill: a masked score's P is exactly 0 and 0 * V must not meet a NaN in the cache.
   const int64_t kv_base = p.paged ? 0 : (int64_t)q0;
-
-  auto load_tile = [&](int j, int stage) {
+  auto load_tile = [&](int j, int stage) {  // thread 0 only
     const uint32_t ks = sbase + (uint32_t)(stage * 2 * WG_TILE_BYTES);
-#pragma unroll
-    for (int u = 0; u < BN * SEGS / WG_THREADS; ++u) {
-      const int i = threadIdx.x + u * WG_THREADS;
-      const int r = i / SEGS, sg = i % SEGS;
-      const int pos = j * BN + r;
-      const bool ok = pos < kv_len;
-      int64_t off = 0;
-      if (ok) {
-        int64_t slot;
-        if (p.paged) {
-          const int page = p.block_table[(int64_t)b * p.max_pages + pos / p.page_size];
-          slot = (int64_t)page * p.page_size + pos % p.page_size;
-        } else {
-          slot = kv_base + pos;
-        }
-        off = (slot * p.Hkv + hk) * D + sg * 8;
+    const uint32_t bar = bars + 8 * stage;
+    const int nbox = BN / box_rows;
+    int nload = 0;
+    for (int u = 0; u < nbox; ++u) nload += (j * BN + u * box_rows < kv_len);
+    mbar_expect_tx(bar, (uint32_t)(nload * box_rows * 128 * 4));
+    for (int u = 0; u < nbox; ++u) {
+      const int pos = j * BN + u * box_rows;
+      if (pos >= kv_len) break;
+      int64_t slot;
+      if (p.paged) {
+        const int page = p.block_table[(int64_t)b * p.max_pages + pos / p.page_size];
+        slot = (int64_t)page * p.page_size + pos % p.page_size;
+      } else {
+        slot = kv_base + pos;
       }
-      const uint32_t so = (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
-      cp_async16(ks + so, kg0 + off, ok ? 16 : 0);
-      cp_async16(ks + WG_TILE_BYTES + so, vg0 + off, ok ? 16 : 0);
+      const uint32_t ro = (uint32_t)(u * box_rows * 128);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tma_load_3d(ks + h * WG_HALF_BYTES + ro, &tm_k, h * 64, hk, (int)slot, bar);
+        tma_load_3d(ks + WG_TILE_BYTES + h * WG_HALF_BYTES + ro, &tm_v, h * 64, hk, (int)slot, bar);
+      }
     }
   };
+  const int tail_blk = (kv_len % BN) ? kv_len / BN : -1;  // the block holding kv_len, if not aligned
   auto stage_addr = [&](int j) { return sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES); };
 
   const float sl2 = p.scale_log2;
-  const uint32_t qwg = qbase + (uint32_t)(wgi * WG_TILE_BYTES);
+  if (threadIdx.x == 0) {
 #pragma unroll
-  for (int st = 0; st < WG_PREFETCH; ++st) {  // group 0 also carries the Q rows
-    if (st < nblk) load_tile(st, st);
-    cp_async_commit();
+    for (int st = 0; st < WG_STAGES; ++st) mbar_init(bars + 8 * st, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  cp_async_wait<0>();  // this thread's Q segments
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();  // barriers initialised, Q in shared memory for every thread
+  if (threadIdx.x == 0)
+    for (int st = 0; st < WG_PREFETCH && st < nblk; ++st) load_tile(st, st);
   // Software pipeline per warpgroup (the FA3 intra-warpgroup overlap): step j issues
   // S_j = Q K_j and then acc += P_{j-1} V_{j-1}, waits for S_j only, runs block j's softmax
   // while P V runs, then waits for P V. Every row still sees attn_kernel's sequence: acc is
@@ -224,25 +255,40 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
   // ending at block j - 1 merges (with its saved m, l) after its last P V lands. The steps are
   // peeled (first S, steady S + P V, last P V) so no wgmma sits in a conditional path (ptxas
   // would serialize them).
-  auto sync_and_load = [&](int j) {  // CTA-wide: block j landed; refill the stage block j - 2 used
-    if (j >= nblk) return;
-    cp_async_wait<WG_PREFETCH - 1>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  // CTA-wide, once per j = 0 .. nblk: wait until block j landed, then a barrier (every wgmma
+  // reading block j - 2's stage is done, so refill may overwrite it); the tail block's V rows
+  // past kv_len are zeroed here and fenced for wgmma, and are read (P V) only after the next
+  // barrier (j + 1, which for the last block is the extra one at j = nblk).
+  auto sync_block = [&](int j) {
+    if (j >= nblk) {
+      if (tail_blk == nblk - 1) __syncthreads();
+      return;
+    }
+    mbar_wait(bars + 8 * (j % WG_STAGES), (uint32_t)((j / WG_STAGES) & 1));
     __syncthreads();
+    if (j == tail_blk) {
+      const uint32_t vs = sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES) + WG_TILE_BYTES;
+      const int r0 = kv_len - j * BN;
+      for (int i = threadIdx.x; i < (BN - r0) * SEGS; i += WG_THREADS) {
+        const int r = r0 + i / SEGS, sg = i % SEGS;
+        const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+  };
+  auto refill = [&](int j) {
     const int jn = j + WG_PREFETCH;
-    if (jn < nblk) load_tile(jn, jn % WG_STAGES);
-    cp_async_commit();
+    if (threadIdx.x == 0 && j < nblk && jn < nblk) load_tile(jn, jn % WG_STAGES);
   };
   float s[NT * 4];
-  auto issue_s = [&](int j) {
+  auto issue_s = [&](int j) {  // S_j = Q K_j^T; the first k-step ignores the old accumulator (zero start)
     const uint32_t ks = stage_addr(j);
 #pragma unroll
-    for (int x = 0; x < NT * 4; ++x) s[x] = 0.f;
-    reg_fence(s);
-#pragma unroll
-    for (int kc = 0; kc < KC; ++kc)  // A = Q, B = K^T: both K-major, k-step kc = 32 bytes into half kc / 4
+    for (int kc = 0; kc < KC; ++kc) {  // B = K^T: K-major, k-step kc = 32 bytes into half kc / 4
       wgmma_m64n64k16_ss(s, wg_desc(qwg + (kc >> 2) * WG_HALF_BYTES + (kc & 3) * 32, 16, 1024),
-                         wg_desc(ks + (kc >> 2) * WG_HALF_BYTES + (kc & 3) * 32, 16, 1024));
+                       wg_desc(ks + (kc >> 2) * WG_HALF_BYTES + (kc & 3) * 32, 16, 1024), kc > 0);
+    }
     wg_commit();
   };
   auto issue_pv = [&](int j) {
@@ -255,16 +301,24 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
   float alpha[2];
   auto softmax = [&](int j) {  // attn_kernel's per-row operations on S_j; updates m, l, alpha, s := P
     float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+    if (j * BN + BN - 1 <= rpos_min) {  // no column of the block is past either row: the mask selects nothing
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = j * BN + nt * 8 + 2 * t + (e & 1);
-        const int i = e >> 1;
-        const float v = (col <= rpos[i]) ? __fmul_rn(s[nt * 4 + e], sl2) : -CUDART_INF_F;
-        s[nt * 4 + e] = v;
-        mx[i] = fmaxf(mx[i], v);
+      for (int x = 0; x < NT * 4; ++x) {
+        s[x] = __fmul_rn(s[x], sl2);
+        mx[(x >> 1) & 1] = fmaxf(mx[(x >> 1) & 1], s[x]);
       }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * BN + nt * 8 + 2 * t + (e & 1);
+          const int i = e >> 1;
+          const float v = (col <= rpos[i]) ? __fmul_rn(s[nt * 4 + e], sl2) : -CUDART_INF_F;
+          s[nt * 4 + e] = v;
+          mx[i] = fmaxf(mx[i], v);
+        }
+    }
     float muse[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -333,19 +387,21 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
 
   int j = 0;
   if (nbw > 0) {
-    sync_and_load(0);
+    sync_block(0);
     wg_fence();
     issue_s(0);
+    refill(0);
     wg_wait0();
     reg_fence(s);
     softmax(0);
     scale_pack_close(0);
     for (j = 1; j < nbw; ++j) {
-      sync_and_load(j);
+      sync_block(j);
       reg_fence(acc);
       wg_fence();
       issue_s(j);
       issue_pv(j - 1);
+      refill(j);  // the cp.async issue overlaps the tensor work just queued
       wg_wait1();
       reg_fence(s);
       softmax(j);
@@ -354,16 +410,20 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_kernel_wgmma(const TikAttn
       merge_pending();
       scale_pack_close(j);
     }
-    sync_and_load(nbw);
+    sync_block(nbw);
     reg_fence(acc);
     wg_fence();
     issue_pv(nbw - 1);
+    refill(nbw);
     wg_wait0();
     reg_fence(acc);
     merge_pending();
     j = nbw + 1;
   }
-  for (; j < nblk; ++j) sync_and_load(j);  // keep the CTA's barriers while the other warpgroup walks on
+  for (; j <= nblk; ++j) {  // keep the CTA's barriers and loads while the other warpgroup walks on
+    sync_block(j);
+    refill(j);
+  }
 
   bf16* out = static_cast<bf16*>(p.out);
 #pragma unroll

@@ -137,11 +137,13 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
     p.block_table = bt.data_ptr<int>();
     p.seqlens_k = sk.data_ptr<int>();
     p.max_seqlen_k = (int)std::min<int64_t>(bt.size(1) * k.size(1), INT32_MAX - 1024);
+    p.kv_rows = k.size(0) * k.size(1);
   } else {
     TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) && k.size(2) == D,
                 "k/v must be [Tq, Hkv, D] matching q");
     p.Hkv = (int)k.size(1);
     p.max_seqlen_k = (int)max_seqlen_q;
+    p.kv_rows = k.size(0);
   }
   TORCH_CHECK(p.Hkv > 0 && p.Hq % p.Hkv == 0, "Hq (", p.Hq, ") must be a multiple of Hkv (", p.Hkv, ")");
   p.scale_log2 = (float)(scale * 1.4426950408889634);
