@@ -34,11 +34,12 @@ namespace tik_attn {
 
 constexpr int WG_ROWS = 128;      // 2 warpgroups x 64 rows
 constexpr int WG_THREADS = 256;
-constexpr int WG_STAGES = 4;      // K/V ring; a stage is refilled once both warpgroups are done with it
+constexpr int WG_STAGES = 4;      // K/V ring: block j computes while j + 1, j + 2 land and j - 1's V is read
+constexpr int WG_PREFETCH = 2;    // blocks loaded ahead
 constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
 constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
-constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 64 + 1024; }  // + barriers/counters, alignment
+constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 64 + 1024; }  // + barriers, alignment
 
 // Shared-memory matrix descriptor, 128-byte swizzle (address, LBO, SBO in bytes).
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
@@ -123,8 +124,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   const uint32_t qbase = ((uint32_t)__cvta_generic_to_shared(wg_smem_raw) + 1023u) & ~1023u;
   const uint32_t sbase = qbase + WG_Q_BYTES;
   const uint32_t bars = sbase + WG_STAGES * 2 * WG_TILE_BYTES;  // WG_STAGES mbarriers ("block landed")
-  // per stage: how many warpgroups are done reading it (the last one refills it)
-  int* released = reinterpret_cast<int*>(wg_smem_raw + (bars + 8 * WG_STAGES - (uint32_t)__cvta_generic_to_shared(wg_smem_raw)));
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const int G = p.Hq / p.Hkv;
@@ -207,7 +206,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   // K/V block j -> stage j % WG_STAGES by TMA (one thread): per 64-column half, boxes of box_rows
   // rows (64, or the page size when pages are smaller) in the 128-byte swizzle wgmma reads.
   // Boxes starting at or past kv_len are not loaded (their block-table entries may be garbage);
-  // V rows at or past kv_len are zeroed after the block lands (see zero_tail), as attn_kernel's
+  // V rows at or past kv_len are zeroed after the block lands (see sync_block), as attn_kernel's
   // zero-fill: a masked score's P is exactly 0 and 0 * V must not meet a NaN in the cache.
   const int64_t kv_base = p.paged ? 0 : (int64_t)q0;
   auto load_tile = [&](int j, int stage) {  // thread 0 only
@@ -241,55 +240,47 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   const float sl2 = p.scale_log2;
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int st = 0; st < WG_STAGES; ++st) {
-      mbar_init(bars + 8 * st, 1);
-      released[st] = 0;
-    }
+    for (int st = 0; st < WG_STAGES; ++st) mbar_init(bars + 8 * st, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   cp_async_wait<0>();  // this thread's Q segments
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();  // barriers initialised, Q in shared memory for every thread (the only CTA-wide barrier)
+  __syncthreads();  // barriers initialised, Q in shared memory for every thread
   if (threadIdx.x == 0)
-    for (int st = 0; st < WG_STAGES && st < nblk; ++st) load_tile(st, st);
-
-  // The two warpgroups walk their blocks independently (no CTA barrier per block, so one's softmax
-  // can overlap the other's MMAs). Block j is waited for on its stage's mbarrier; after a warpgroup's
-  // last wgmma on block j completed, one of its threads counts the stage released, and the
-  // warpgroup that releases it last (all warpgroups whose rows reach block j) loads block j + 4.
-  const int nbw_other = [&]() {
-    const int o0 = row0 + (wgi ^ 1) * 64;
-    const int mp = o0 < rows_total ? pos_off + (min(rows_total, o0 + 64) - 1) / G : -1;
-    return mp >= 0 ? mp / BN + 1 : 0;
-  }();
-  const bool leader = (threadIdx.x & 127) == 0;
-  auto wait_block = [&](int j) { mbar_wait(bars + 8 * (j % WG_STAGES), (uint32_t)((j / WG_STAGES) & 1)); };
-  auto release = [&](int j) {  // after this warpgroup's wgmmas on block j completed
-    if (!leader) return;
-    const int users = (j < nbw) + (j < nbw_other);
-    const int st = j % WG_STAGES;
-    if (atomicAdd(&released[st], 1) + 1 == users) {
-      atomicExch(&released[st], 0);
-      if (j + WG_STAGES < nblk) load_tile(j + WG_STAGES, st);
+    for (int st = 0; st < WG_PREFETCH && st < nblk; ++st) load_tile(st, st);
+  // Software pipeline per warpgroup (the FA3 intra-warpgroup overlap): step j issues
+  // S_j = Q K_j and then acc += P_{j-1} V_{j-1}, waits for S_j only, runs block j's softmax
+  // while P V runs, then waits for P V. Every row still sees attn_kernel's sequence: acc is
+  // scaled by alpha_{j-1} before P_{j-1} V_{j-1} accumulates, and by alpha_j after; a chunk
+  // ending at block j - 1 merges (with its saved m, l) after its last P V lands. The steps are
+  // peeled (first S, steady S + P V, last P V) so no wgmma sits in a conditional path (ptxas
+  // would serialize them).
+  // CTA-wide, once per j = 0 .. nblk: wait until block j landed, then a barrier (every wgmma
+  // reading block j - 2's stage is done, so refill may overwrite it); the tail block's V rows
+  // past kv_len are zeroed here and fenced for wgmma, and are read (P V) only after the next
+  // barrier (j + 1, which for the last block is the extra one at j = nblk).
+  auto sync_block = [&](int j) {
+    if (j >= nblk) {
+      if (tail_blk == nblk - 1) __syncthreads();
+      return;
+    }
+    mbar_wait(bars + 8 * (j % WG_STAGES), (uint32_t)((j / WG_STAGES) & 1));
+    __syncthreads();
+    if (j == tail_blk) {
+      const uint32_t vs = sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES) + WG_TILE_BYTES;
+      const int r0 = kv_len - j * BN;
+      for (int i = threadIdx.x; i < (BN - r0) * SEGS; i += WG_THREADS) {
+        const int r = r0 + i / SEGS, sg = i % SEGS;
+        const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
   };
-  // The tail block's V rows at or past kv_len: each warpgroup zeroes half of them once the block
-  // landed, fences them for wgmma and meets the other at a named barrier (each warpgroup exactly
-  // once: before its S on the tail block, or after its walk when its rows end earlier).
-  auto zero_tail = [&]() {
-    wait_block(tail_blk);
-    const uint32_t vs = sbase + (uint32_t)((tail_blk % WG_STAGES) * 2 * WG_TILE_BYTES) + WG_TILE_BYTES;
-    const int r0 = kv_len - tail_blk * BN;
-    for (int i = (threadIdx.x & 127) + wgi * 128; i < (BN - r0) * SEGS; i += WG_THREADS) {
-      const int r = r0 + i / SEGS, sg = i % SEGS;
-      const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
-    }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("bar.sync 1, %0;\n" ::"n"(WG_THREADS) : "memory");
+  auto refill = [&](int j) {
+    const int jn = j + WG_PREFETCH;
+    if (threadIdx.x == 0 && j < nblk && jn < nblk) load_tile(jn, jn % WG_STAGES);
   };
-  const bool has_tail = tail_blk >= 0 && tail_blk < nblk;
-
   float s[NT * 4];
   auto issue_s = [&](int j) {  // S_j = Q K_j^T; the first k-step ignores the old accumulator (zero start)
     const uint32_t ks = stage_addr(j);
@@ -394,40 +385,45 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     }
   };
 
+  int j = 0;
   if (nbw > 0) {
-    wait_block(0);
-    if (tail_blk == 0) zero_tail();
+    sync_block(0);
     wg_fence();
     issue_s(0);
+    refill(0);
     wg_wait0();
     reg_fence(s);
     softmax(0);
     scale_pack_close(0);
-    for (int j = 1; j < nbw; ++j) {
-      wait_block(j);
-      if (j == tail_blk) zero_tail();
+    for (j = 1; j < nbw; ++j) {
+      sync_block(j);
       reg_fence(acc);
       wg_fence();
       issue_s(j);
       issue_pv(j - 1);
+      refill(j);  // the cp.async issue overlaps the tensor work just queued
       wg_wait1();
       reg_fence(s);
       softmax(j);
       wg_wait0();
       reg_fence(acc);
-      release(j - 1);
       merge_pending();
       scale_pack_close(j);
     }
+    sync_block(nbw);
     reg_fence(acc);
     wg_fence();
     issue_pv(nbw - 1);
+    refill(nbw);
     wg_wait0();
     reg_fence(acc);
-    release(nbw - 1);
     merge_pending();
+    j = nbw + 1;
   }
-  if (has_tail && tail_blk >= nbw) zero_tail();  // the other warpgroup reads the tail block
+  for (; j <= nblk; ++j) {  // keep the CTA's barriers and loads while the other warpgroup walks on
+    sync_block(j);
+    refill(j);
+  }
 
   bf16* out = static_cast<bf16*>(p.out);
 #pragma unroll
