@@ -4,7 +4,8 @@
 
 Writes DIR/bench_cuda.json and prints a table. Cells (DESIGN.md section 6 / issue 9):
 prefill batch 1, 32 q heads / 8 kv heads, d=128, causal, L in 1K/4K/8K/16K (attention_varlen
-for cuda/triton, SDPA with enable_gqa); decode batch {1,4,8,16} x context {128,1K,4K,8K}
+for cuda/triton, SDPA with enable_gqa; "cuda" is the default prefill kernel, on sm_90a the wgmma
+one, and the mma.sync kernel is timed beside it as cuda_mma_*, with a bits-equal check); decode batch {1,4,8,16} x context {128,1K,4K,8K}
 (attention_paged, page size 64, one query per sequence; SDPA on contiguous K/V; cuda decode
 is the single 4-warp decode kernel, its split-KV merge in the same launch by default; the
 two-launch merge-kernel path is timed too as cuda_2launch_*, with a bits-equal check).

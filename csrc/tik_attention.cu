@@ -27,7 +27,9 @@
 //     without a counter buffer, in attn_decode_merge_kernel: same operations) for
 //     decode-shaped launches (max_seqlen_q * G <= 16).
 //     The decode kernel repeats attn_kernel's per-row arithmetic op for op (see its
-//     comment), so which kernel ran never changes a row's bits.
+//     comment), so which kernel ran never changes a row's bits. On sm_90a, FOLD-mode launches
+//     that are not decode-shaped run attn_kernel_wgmma (tik_attention_wgmma.cuh: the same
+//     per-row arithmetic on warpgroup MMAs fed by TMA; TikAttnParams::prefill_kernel selects).
 //   * K/V positions at or beyond the sequence's KV length are zero-filled (never read),
 //     causal-masked scores are -inf, so cache garbage never reaches a result.
 #include "tik_api.h"

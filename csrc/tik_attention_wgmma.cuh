@@ -1,30 +1,42 @@
-// areal-tik sm_90a prefill attention: the attn_kernel arithmetic on warpgroup MMAs (wgmma).
+// areal-tik sm_90a prefill attention: the attn_kernel arithmetic on warpgroup MMAs (wgmma) fed by TMA.
 //
 // Included by tik_attention.cu (needs its helpers: ex2, pack_bf16, merge_coeffs, merge_val,
 // cp_async16, BN, SPLIT, BPC). Serves FOLD-mode launches of attention_varlen / attention_paged
-// that are not decode-shaped (max_seqlen_q * G > 16), D = 128, on sm_90a; every other launch
-// keeps attn_kernel (mma.sync). What it guarantees and why:
+// that are not decode-shaped (max_seqlen_q * G > 16), D = 128, bf16, on sm_90a (H100/H200) when
+// TMA descriptors can be made for k/v; every other launch keeps attn_kernel (mma.sync).
+// What it guarantees and why:
 //   * rows = (query token, query head) as in attn_kernel; a CTA is 2 warpgroups x 64 rows (128
 //     rows of one KV head's GQA group), warp w of the CTA holds rows 16w..16w+15 in the
 //     m16n8k16 fragment layout (the wgmma m64 accumulator and register-A layouts are, per warp,
 //     those of mma.sync m16n8k16), so every per-row scalar operation below is attn_kernel's,
 //     op for op: same KV blocks of BN positions ascending, same explicitly rounded online
-//     softmax, same P rounding to bf16, same FOLD merge at each SPLIT-chunk end.
-//   * S = Q K^T chains the D/16 k-steps ascending on one zero-initialised accumulator and
-//     acc += P V chains the BN/16 k-steps ascending, exactly attn_kernel's MMA chains, but as
-//     wgmma.m64n64k16 (Q from registers, K from shared memory) and wgmma.m64n128k16 (P from
-//     registers, V from shared memory, transposed B). Whether a Hopper warpgroup MMA k-step
-//     rounds like an mma.sync k-step is a hardware fact this code does not assume: the GPU
-//     tests compare this kernel with attn_kernel (mode="split" / prefill_kernel="mma") and
-//     with the decode kernel bit for bit.
-//   * K/V blocks land in shared memory through cp.async (zero-filled beyond the KV length, as
-//     attn_kernel), each 64 x 128 block as two 64-column halves in the 128-byte swizzled
-//     layout wgmma descriptors read (row r's 16-byte chunk c at chunk c ^ (r & 7)); a 3-stage
-//     ring, one barrier per block; a proxy fence orders the cp.async writes before wgmma reads.
+//     softmax, same P rounding to bf16, same FOLD merge at each SPLIT-chunk end. (Two
+//     rewrites that cannot change a value: the row max is a tree, and blocks entirely at or
+//     before both of a thread's rows skip the causal select.)
+//   * S = Q K^T chains the D/16 k-steps ascending (the first k-step ignores the accumulator)
+//     and acc += P V chains the BN/16 k-steps ascending, attn_kernel's MMA chains, as
+//     wgmma.m64n64k16 (Q and K from shared memory) and wgmma.m64n128k16 (P from registers, V
+//     from shared memory, transposed B). That a Hopper warpgroup MMA k-step rounds like an
+//     mma.sync k-step is a hardware fact this code relies on without assuming it: the GPU tests
+//     compare this kernel with attn_kernel (prefill_kernel="mma", mode="split") and with the
+//     decode kernel bit for bit (H200, 2026-11-30: equal in every test and bench cell).
+//   * Pipeline: K/V blocks arrive by TMA (thread 0, one mbarrier per stage of a 4-stage ring,
+//     boxes of min(64, page size) rows, 128-byte swizzle = the layout the wgmma descriptors
+//     read), two blocks ahead; one CTA barrier per block frees the stage read two blocks ago.
+//     Per warpgroup, step j issues S_j and P_{j-1} V_{j-1}, waits for S_j only and runs block
+//     j's softmax while P V runs (FA3's intra-warpgroup overlap); acc is still scaled by
+//     alpha_{j-1} before P_{j-1} V_{j-1} lands and by alpha_j after, and a chunk merges after
+//     its last P V, so each row sees attn_kernel's sequence of operations.
+//   * V rows at or past the sequence's KV length are zeroed in shared memory after their block
+//     lands (attn_kernel zero-fills them): a masked score's P is exactly 0, and 0 * V must not
+//     meet NaN garbage of a paged cache. Boxes starting past the KV length are never loaded.
 //   * A warpgroup whose 64 rows all lie before a block skips it (attn_kernel skips per warp; a
 //     fully masked block is an exact no-op on a row's state either way).
-// Resource use: 256 threads, one CTA per SM (accumulator 64 + merged O 64 + S 32 + Q 32
-// registers per thread).
+// Resource use: 256 threads, 255 registers (accumulator 64 + merged O 64 + S 32 + P 16 per
+// thread), ~162 KB shared memory, one CTA per SM.
+// Measured (H200, 32 q / 8 kv heads, causal, bench_cuda): 1.5-1.6x the mma.sync kernel; ~0.6x
+// cuDNN SDPA. Tried and dropped: Q in registers (spills; 286 vs 303 TF/s), warpgroups walking
+// their blocks without the per-block CTA barrier (293 vs 320 TF/s).
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define TIK_SM90A_DEVICE 1
@@ -300,24 +312,31 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   };
   float alpha[2];
   auto softmax = [&](int j) {  // attn_kernel's per-row operations on S_j; updates m, l, alpha, s := P
-    float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
     if (j * BN + BN - 1 <= rpos_min) {  // no column of the block is past either row: the mask selects nothing
 #pragma unroll
-      for (int x = 0; x < NT * 4; ++x) {
-        s[x] = __fmul_rn(s[x], sl2);
-        mx[(x >> 1) & 1] = fmaxf(mx[(x >> 1) & 1], s[x]);
-      }
+      for (int x = 0; x < NT * 4; ++x) s[x] = __fmul_rn(s[x], sl2);
     } else {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = j * BN + nt * 8 + 2 * t + (e & 1);
-          const int i = e >> 1;
-          const float v = (col <= rpos[i]) ? __fmul_rn(s[nt * 4 + e], sl2) : -CUDART_INF_F;
-          s[nt * 4 + e] = v;
-          mx[i] = fmaxf(mx[i], v);
+          s[nt * 4 + e] = (col <= rpos[e >> 1]) ? __fmul_rn(s[nt * 4 + e], sl2) : -CUDART_INF_F;
         }
+    }
+    // Row max as a tree (max is exact and fmaxf ignores NaN, so any order gives attn_kernel's value;
+    // a +0/-0 tie cannot change a later result: both enter only differences and ex2).
+    float mx[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float v[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) v[nt] = fmaxf(s[nt * 4 + 2 * i], s[nt * 4 + 2 * i + 1]);
+#pragma unroll
+      for (int w = NT / 2; w >= 1; w /= 2)
+#pragma unroll
+        for (int nt = 0; nt < w; ++nt) v[nt] = fmaxf(v[nt], v[nt + w]);
+      mx[i] = v[0];
     }
     float muse[2];
 #pragma unroll

@@ -37,6 +37,13 @@ ascending order with the merge kernel's operations. ``decode_merge="kernel"`` (o
 ``AREAL_TIK_CUDA_DECODE_MERGE=kernel``) keeps the earlier decode + merge-kernel pair; both
 give the same bits (GPU tests compare them). Fused decode launches on one device must not
 run concurrently on two streams (they share the counters).
+Prefill kernel (launches that are not decode-shaped, FOLD mode): on sm_90a at D = 128 the
+default (``prefill_kernel="auto"``) is a warpgroup-MMA kernel fed by TMA (csrc/
+tik_attention_wgmma.cuh: 2 warpgroups x 64 rows per CTA, the same per-row arithmetic as the
+mma.sync kernel, so the same bits; the GPU tests and bench_cuda compare them); ``"mma"`` forces
+the mma.sync kernel, ``"wgmma"`` the warpgroup kernel (an error where it cannot run); None reads
+``PREFILL_KERNEL`` (``AREAL_TIK_CUDA_PREFILL``). Tensors without a TMA descriptor (a k/v base
+not 16-byte aligned) fall back to the mma.sync kernel under "auto".
 Accuracy: relative Frobenius error vs ``attention_reference`` (float64) < 1e-2.
 
 Backward of ``attention_varlen``: recompute-based. The saved bf16 q, k, v are cast to
@@ -87,7 +94,7 @@ LOG2E = 1.4426950408889634
 META = {"cuda.attn.BLOCK_N": BLOCK_N, "cuda.attn.SPLIT": SPLIT, "cuda.attn.mma": "m16n8k16 bf16->f32",
         "cuda.attn.exp": "ex2.approx.ftz", "cuda.rms_norm": "warp/row, lane-strided 8-groups, xor tree",
         "cuda.rope": "fp32 mul/add rn",
-        "cuda.attn.prefill": f"{PREFILL_KERNEL}: sm_90a and D=128 -> wgmma m64n64k16/m64n128k16 (2 warpgroups, "
+        "cuda.attn.prefill": f"{PREFILL_KERNEL}: sm_90a and D=128 -> wgmma m64n64k16/m64n128k16 + TMA (2 warpgroups, "
                              "128 rows per CTA), else mma.sync m16n8k16",
         "cuda.attn.decode": "max_seqlen_q*G<=16: one 4-warp CTA per 16 rows, warps split the head dim "
                             "(P V, D/4 columns each); split-KV: one CTA per 256-position chunk, merged ascending "

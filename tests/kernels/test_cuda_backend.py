@@ -13,6 +13,9 @@ GPU tests (``-m gpu``, run by ``bash bench/gpu_check.sh tests``):
   tails), the counters are zero after every launch, CUDA-graph replays with fresh inputs and
   lengths give the eager bits, the fused launch is one kernel and no memset, and a launch
   captured before the counter buffer is large enough falls back to the merge kernel.
+  On sm_90a the wgmma (TMA-fed) prefill kernel, which auto picks at D = 128, equals the
+  mma.sync prefill kernel and the decode kernel bit for bit (varlen packs past 4K, paged
+  prefill over page sizes 16/64/256, chunked prefill, the bench's 8K shape).
 - kv_cache_write exactness and -1 skipping; RMSNorm row-subset invariance, strided input,
   float64 bound; RoPE bits equal to the unfused fp32 PyTorch expression, float64 bound;
   backward passes against float64 autograd.
