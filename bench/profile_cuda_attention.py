@@ -1,0 +1,41 @@
+"""A few launches of one csrc attention kernel, for Nsight Compute (32 q / 8 kv heads, D 128, bf16).
+
+    ncu -k regex:attn_kernel_wgmma -c 1 --launch-skip 2 ... python bench/profile_cuda_attention.py prefill 4096
+    ncu -k regex:attn_decode_kernel -c 1 --launch-skip 2 ... python bench/profile_cuda_attention.py decode 16 8192
+
+prefill L: one causal sequence of L tokens through attention_varlen (the default prefill kernel);
+decode B CTX: B sequences of CTX cached positions (page size 64, shuffled pages), one query each,
+through attention_paged (the fused split-KV decode).
+"""
+import sys
+
+import torch
+
+from areal_tik.kernels import cuda_ops
+
+kind = sys.argv[1] if len(sys.argv) > 1 else "prefill"
+HQ, HKV, D = 32, 8, 128
+dev, bf = "cuda", torch.bfloat16
+if kind == "prefill":
+    L = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+    q = torch.randn(L, HQ, D, device=dev, dtype=bf)
+    k = torch.randn(L, HKV, D, device=dev, dtype=bf)
+    v = torch.randn(L, HKV, D, device=dev, dtype=bf)
+    cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
+    run = lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L)  # noqa: E731
+elif kind == "decode":
+    B = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    ctx = int(sys.argv[3]) if len(sys.argv) > 3 else 8192
+    npg = -(-ctx // 64)
+    kc = torch.randn(B * npg, 64, HKV, D, device=dev, dtype=bf)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(B * npg, device=dev).to(torch.int32).view(B, npg)
+    q = torch.randn(B, HQ, D, device=dev, dtype=bf)
+    cq = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    sk = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+    run = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
+else:
+    raise SystemExit(f"unknown kind {kind!r}: prefill | decode")
+for _ in range(3):
+    run()
+torch.cuda.synchronize()
