@@ -20,10 +20,9 @@
 //     mma.sync k-step is a hardware fact this code relies on without assuming it: the GPU tests
 //     compare this kernel with attn_kernel (prefill_kernel="mma", mode="split") and with the
 //     decode kernel bit for bit (H200, 2026-11-30: equal in every test and bench cell).
-//   * Pipeline: K/V blocks arrive by TMA (thread 0, one mbarrier per stage of the ring,
+//   * Pipeline: K/V blocks arrive by TMA (thread 0, one mbarrier per stage of a 4-stage ring,
 //     boxes of min(64, page size) rows, 128-byte swizzle = the layout the wgmma descriptors
-//     read) into a 6-stage ring, 3-4 blocks ahead; a CTA barrier every other block frees the two
-//     stages read two and three blocks ago.
+//     read), two blocks ahead; one CTA barrier per block frees the stage read two blocks ago.
 //     Per warpgroup, step j issues S_j and P_{j-1} V_{j-1}, waits for S_j only and runs block
 //     j's softmax while P V runs (FA3's intra-warpgroup overlap); acc is still scaled by
 //     alpha_{j-1} before P_{j-1} V_{j-1} lands and by alpha_j after, and a chunk merges after
@@ -34,7 +33,7 @@
 //   * A warpgroup whose 64 rows all lie before a block skips it (attn_kernel skips per warp; a
 //     fully masked block is an exact no-op on a row's state either way).
 // Resource use: 256 threads, 255 registers (accumulator 64 + merged O 64 + S 32 + P 16 per
-// thread), ~225 KB shared memory, one CTA per SM.
+// thread), ~162 KB shared memory, one CTA per SM.
 // Measured (H200, 32 q / 8 kv heads, causal, bench_cuda): 1.5-1.6x the mma.sync kernel; ~0.6x
 // cuDNN SDPA. Tried and dropped: Q in registers (spills; 286 vs 303 TF/s), warpgroups walking
 // their blocks without the per-block CTA barrier (293 vs 320 TF/s).
@@ -47,8 +46,8 @@ namespace tik_attn {
 
 constexpr int WG_ROWS = 128;      // 2 warpgroups x 64 rows
 constexpr int WG_THREADS = 256;
-constexpr int WG_STAGES = 6;      // K/V ring; CTA barrier every other block, so blocks j - 3, j - 2 are
-                                  // the ones a barrier at (even) j frees: blocks j + 3, j + 4 load into them
+constexpr int WG_STAGES = 4;      // K/V ring: block j computes while j + 1, j + 2 land and j - 1's V is read
+constexpr int WG_PREFETCH = 2;    // blocks loaded ahead
 constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
 constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
@@ -260,7 +259,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();  // barriers initialised, Q in shared memory for every thread
   if (threadIdx.x == 0)
-    for (int st = 0; st < 3 && st < nblk; ++st) load_tile(st, st);
+    for (int st = 0; st < WG_PREFETCH && st < nblk; ++st) load_tile(st, st);
   // Software pipeline per warpgroup (the FA3 intra-warpgroup overlap): step j issues
   // S_j = Q K_j and then acc += P_{j-1} V_{j-1}, waits for S_j only, runs block j's softmax
   // while P V runs, then waits for P V. Every row still sees attn_kernel's sequence: acc is
@@ -268,17 +267,17 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   // ending at block j - 1 merges (with its saved m, l) after its last P V lands. The steps are
   // peeled (first S, steady S + P V, last P V) so no wgmma sits in a conditional path (ptxas
   // would serialize them).
-  // CTA-wide, once per j = 0 .. nblk: wait until block j landed; at even j a CTA barrier (every
-  // wgmma on blocks <= j - 2 is done, so refill may overwrite the stages of j - 3 and j - 2). The
-  // tail block's V rows past kv_len are zeroed here and fenced for wgmma; they are read (P V) only
-  // after the barrier at tail + 1, forced even when odd (for the last block, the one at j = nblk).
+  // CTA-wide, once per j = 0 .. nblk: wait until block j landed, then a barrier (every wgmma
+  // reading block j - 2's stage is done, so refill may overwrite it); the tail block's V rows
+  // past kv_len are zeroed here and fenced for wgmma, and are read (P V) only after the next
+  // barrier (j + 1, which for the last block is the extra one at j = nblk).
   auto sync_block = [&](int j) {
     if (j >= nblk) {
       if (tail_blk == nblk - 1) __syncthreads();
       return;
     }
     mbar_wait(bars + 8 * (j % WG_STAGES), (uint32_t)((j / WG_STAGES) & 1));
-    if ((j & 1) == 0 || j == tail_blk + 1) __syncthreads();
+    __syncthreads();
     if (j == tail_blk) {
       const uint32_t vs = sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES) + WG_TILE_BYTES;
       const int r0 = kv_len - j * BN;
@@ -290,9 +289,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
   };
-  auto refill = [&](int j) {  // at even j (blocks 0..2 came with the prologue): blocks j + 3, j + 4
-    if (threadIdx.x != 0 || (j & 1) || j >= nblk) return;
-    for (int jn = j + 3; jn <= j + 4 && jn < nblk; ++jn) load_tile(jn, jn % WG_STAGES);
+  auto refill = [&](int j) {
+    const int jn = j + WG_PREFETCH;
+    if (threadIdx.x == 0 && j < nblk && jn < nblk) load_tile(jn, jn % WG_STAGES);
   };
   float s[NT * 4];
   auto issue_s = [&](int j) {  // S_j = Q K_j^T; the first k-step ignores the old accumulator (zero start)
