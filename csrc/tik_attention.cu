@@ -72,6 +72,13 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32
                : "memory");
 }
 
+__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr)
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async16(uint32_t saddr, const void* gptr, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(src_bytes)
                : "memory");
@@ -522,7 +529,8 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 //   * loader: 128 threads; each thread's page lookups for a tile are issued together
 //     before its cp.async (attn_kernel's loader re-reads the block table and divides by
 //     page_size behind every cp.async, serialised by the asm memory clobber).
-//   * 3-stage cp.async ring, one barrier per block.
+//   * 2-stage cp.async ring (three CTAs per SM at D = 128), one barrier per block; K fragments by
+//     ldmatrix.x4 (the values of 32-bit loads, four k-step halves per instruction).
 //   * SPLIT mode, two launches (FUSED = false; kept as the reference path, selected when no
 //     counter buffer is passed): the merge kernel prefetches the chunk partials 16 at a time
 //     and folds them in the same ascending order with the same scalar code; it derives each
@@ -543,7 +551,7 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 //       on one device must not overlap in time (one stream at a time, as the engine runs).
 // ---------------------------------------------------------------------------------------
 constexpr int DEC_WARPS = 4;
-constexpr int DEC_STAGES = 3;
+constexpr int DEC_STAGES = 2;  // 2 x 35 KB at D = 128: three CTAs per SM (three stages fit only two CTAs)
 // chunk partials in flight per thread in the fused merge: 16 at D = 128 (the kernel's
 // occupancy is bound by shared memory there, 2 CTAs/SM, so the registers are free), 8 at
 // D = 64 (keeps the kernel at 96 registers, i.e. 4 CTAs/SM as the two-launch path). The
@@ -760,21 +768,23 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
     }
 
     if (warp_max_pos >= j * BN) {
-      const bf16* Kb = Ks + buf * BN * LDS;
       const bf16* Vb = Vs + buf * BN * LDS;
       float s[NT][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+      // K fragments by ldmatrix: one x4 load gives b0/b1 of k-steps 2kp and 2kp + 1 for n-tile nt
+      // (the values attn_kernel reads with 32-bit loads); each s[nt] still chains kc ascending.
+      const uint32_t kbase = ks_s + (uint32_t)((buf * BN + (lane & 7)) * LDS * 2 + (lane >> 3) * 16);
 #pragma unroll
-      for (int kc = 0; kc < KC; ++kc) {
+      for (int kp = 0; kp < KC / 2; ++kp) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const bf16* kr = Kb + (nt * 8 + g) * LDS + kc * 16 + 2 * t;
-          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
-          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
-          mma16816(s[nt], qa[kc], b0, b1);
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(b0, b1, b2, b3, kbase + (uint32_t)((nt * 8 * LDS + kp * 32) * 2));
+          mma16816(s[nt], qa[2 * kp], b0, b1);
+          mma16816(s[nt], qa[2 * kp + 1], b2, b3);
         }
       }
       float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
