@@ -529,7 +529,8 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 //   * loader: 128 threads; each thread's page lookups for a tile are issued together
 //     before its cp.async (attn_kernel's loader re-reads the block table and divides by
 //     page_size behind every cp.async, serialised by the asm memory clobber).
-//   * 2-stage cp.async ring (three CTAs per SM at D = 128), one barrier per block; K fragments by
+//   * 3-stage cp.async ring, or 2 stages at D = 128 for grids over four CTAs per SM (three CTAs per
+//     SM then fit), one barrier per block; K fragments by
 //     ldmatrix.x4 (the values of 32-bit loads, four k-step halves per instruction).
 //   * SPLIT mode, two launches (FUSED = false; kept as the reference path, selected when no
 //     counter buffer is passed): the merge kernel prefetches the chunk partials 16 at a time
@@ -551,7 +552,11 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 //       on one device must not overlap in time (one stream at a time, as the engine runs).
 // ---------------------------------------------------------------------------------------
 constexpr int DEC_WARPS = 4;
-constexpr int DEC_STAGES = 2;  // 2 x 35 KB at D = 128: three CTAs per SM (three stages fit only two CTAs)
+// cp.async ring depth of the decode kernel (a template parameter; launch_decode picks): 3 stages
+// (more prefetch per CTA) for small grids, 2 at D = 128 when the grid exceeds four CTAs per SM
+// (2 x 35 KB: three CTAs per SM, where three stages fit two). Changes timing only, not bits.
+constexpr int DEC_STAGES_DEEP = 3;
+constexpr int DEC_STAGES_WIDE = 2;
 // chunk partials in flight per thread in the fused merge: 16 at D = 128 (the kernel's
 // occupancy is bound by shared memory there, 2 CTAs/SM, so the registers are free), 8 at
 // D = 64 (keeps the kernel at 96 registers, i.e. 4 CTAs/SM as the two-launch path). The
@@ -608,12 +613,12 @@ __device__ __forceinline__ void decode_merge_tile(const TikAttnParams& p, int ro
   }
 }
 
-template <int D>
+template <int D, int STAGES>
 constexpr int decode_smem_bytes() {
-  return DEC_STAGES * 2 * BN * (D + 8) * 2;
+  return STAGES * 2 * BN * (D + 8) * 2;
 }
 
-template <int D, bool SPLITM, bool FUSED = false>
+template <int D, bool SPLITM, bool FUSED = false, int DEC_STAGES = DEC_STAGES_DEEP>
 __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAttnParams p) {
   static_assert(SPLITM || !FUSED, "the fused merge exists only in SPLIT mode");
   constexpr int NT = BN / 8;
@@ -1006,22 +1011,17 @@ __host__ __device__ __forceinline__ int64_t decode_counters_needed(const TikAttn
   return (int64_t)p.batch * p.Hkv * ((rows + 15) / 16);
 }
 
-template <int D, bool SPLITM>
-cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
-  const int64_t rows = (int64_t)p.max_seqlen_q * (p.Hq / p.Hkv);
-  const int64_t ntiles = (rows + 15) / 16;
-  const int64_t gx = SPLITM ? ntiles * max_chunks_of(p) : ntiles;
-  if (gx <= 0) return cudaSuccess;
-  if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
-  constexpr int SMEM = decode_smem_bytes<D>();
+template <int D, bool SPLITM, int STAGES>
+cudaError_t launch_decode_stages(const TikAttnParams& p, int64_t gx, cudaStream_t stream) {
+  constexpr int SMEM = decode_smem_bytes<D, STAGES>();
   if (SPLITM && p.counters != nullptr && decode_counters_needed(p) <= p.counters_cap) {
-    auto fk = attn_decode_kernel<D, true, true>;  // one launch: merge in the last CTA of each tile
+    auto fk = attn_decode_kernel<D, true, true, STAGES>;  // one launch: merge in the last CTA of each tile
     cudaError_t e = cudaFuncSetAttribute(fk, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     if (e != cudaSuccess) return e;
     fk<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p);
     return cudaGetLastError();
   }
-  auto kern = attn_decode_kernel<D, SPLITM>;
+  auto kern = attn_decode_kernel<D, SPLITM, false, STAGES>;
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
   if (err != cudaSuccess) return err;
   kern<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p);
@@ -1029,6 +1029,31 @@ cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
   if (err != cudaSuccess || !SPLITM) return err;
   attn_decode_merge_kernel<D><<<(unsigned)p.total_q * p.Hq, D, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+int device_sm_count() {
+  static int cached[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return 0;
+  if (dev < 64 && cached[dev]) return cached[dev];
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (dev < 64) cached[dev] = n;
+  return n;
+}
+
+template <int D, bool SPLITM>
+cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
+  const int64_t rows = (int64_t)p.max_seqlen_q * (p.Hq / p.Hkv);
+  const int64_t ntiles = (rows + 15) / 16;
+  const int64_t gx = SPLITM ? ntiles * max_chunks_of(p) : ntiles;
+  if (gx <= 0) return cudaSuccess;
+  if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
+  if constexpr (D == 128) {  // H200 bench, 2 vs 3 stages: 512 CTAs 0.91-0.92x, 1024+ CTAs 1.09-1.19x
+    if (gx * p.Hkv * p.batch > 4LL * device_sm_count())
+      return launch_decode_stages<D, SPLITM, DEC_STAGES_WIDE>(p, gx, stream);
+  }
+  return launch_decode_stages<D, SPLITM, DEC_STAGES_DEEP>(p, gx, stream);
 }
 
 template <typename K>
@@ -1106,14 +1131,20 @@ int tik_attention_describe(char* buf, int buflen) {
   describe_one(buf, buflen, used, "attn<D64,4warp,split>", attn_kernel<64, 4, true>, smem_bytes<64>());
   describe_one(buf, buflen, used, "attn<D128,4warp,fold>", attn_kernel<128, 4, false>, smem_bytes<128>());
   describe_one(buf, buflen, used, "attn<D128,4warp,split>", attn_kernel<128, 4, true>, smem_bytes<128>());
-  describe_one(buf, buflen, used, "attn_decode<D64,4warp,fold>", attn_decode_kernel<64, false>, decode_smem_bytes<64>());
-  describe_one(buf, buflen, used, "attn_decode<D64,4warp,split>", attn_decode_kernel<64, true>, decode_smem_bytes<64>());
-  describe_one(buf, buflen, used, "attn_decode<D128,4warp,fold>", attn_decode_kernel<128, false>, decode_smem_bytes<128>());
-  describe_one(buf, buflen, used, "attn_decode<D128,4warp,split>", attn_decode_kernel<128, true>, decode_smem_bytes<128>());
+  describe_one(buf, buflen, used, "attn_decode<D64,4warp,fold>", attn_decode_kernel<64, false>,
+               decode_smem_bytes<64, DEC_STAGES_DEEP>());
+  describe_one(buf, buflen, used, "attn_decode<D64,4warp,split>", attn_decode_kernel<64, true>,
+               decode_smem_bytes<64, DEC_STAGES_DEEP>());
+  describe_one(buf, buflen, used, "attn_decode<D128,4warp,fold>", attn_decode_kernel<128, false>,
+               decode_smem_bytes<128, DEC_STAGES_DEEP>());
+  describe_one(buf, buflen, used, "attn_decode<D128,4warp,split>", attn_decode_kernel<128, true>,
+               decode_smem_bytes<128, DEC_STAGES_DEEP>());
   describe_one(buf, buflen, used, "attn_decode<D64,4warp,split,fused>", attn_decode_kernel<64, true, true>,
-               decode_smem_bytes<64>());
+               decode_smem_bytes<64, DEC_STAGES_DEEP>());
   describe_one(buf, buflen, used, "attn_decode<D128,4warp,split,fused>", attn_decode_kernel<128, true, true>,
-               decode_smem_bytes<128>());
+               decode_smem_bytes<128, DEC_STAGES_DEEP>());
+  describe_one(buf, buflen, used, "attn_decode<D128,4warp,split,fused,2stage>",
+               attn_decode_kernel<128, true, true, DEC_STAGES_WIDE>, decode_smem_bytes<128, DEC_STAGES_WIDE>());
   describe_one(buf, buflen, used, "attn_decode_merge<D64>", attn_decode_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_decode_merge<D128>", attn_decode_merge_kernel<128>, 0);
   describe_one(buf, buflen, used, "attn_wgmma<D128,2warpgroups,fold,tma>", attn_kernel_wgmma<128>, wg_smem_bytes());
