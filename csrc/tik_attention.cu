@@ -529,8 +529,8 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 //   * loader: 128 threads; each thread's page lookups for a tile are issued together
 //     before its cp.async (attn_kernel's loader re-reads the block table and divides by
 //     page_size behind every cp.async, serialised by the asm memory clobber).
-//   * 3-stage cp.async ring; at D = 128, 2 stages for grids over four CTAs per SM (three CTAs per
-//     SM then fit) and 4 for grids of at most one CTA per SM; one barrier per block; K fragments by
+//   * 3-stage cp.async ring, or 2 stages at D = 128 for grids over four CTAs per SM (three CTAs per
+//     SM then fit), one barrier per block; K fragments by
 //     ldmatrix.x4 (the values of 32-bit loads, four k-step halves per instruction).
 //   * SPLIT mode, two launches (FUSED = false; kept as the reference path, selected when no
 //     counter buffer is passed): the merge kernel prefetches the chunk partials 16 at a time
@@ -552,13 +552,11 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 //       on one device must not overlap in time (one stream at a time, as the engine runs).
 // ---------------------------------------------------------------------------------------
 constexpr int DEC_WARPS = 4;
-// cp.async ring depth of the decode kernel (a template parameter; launch_decode picks): at D = 128,
-// 4 stages when the grid has at most one CTA per SM (a whole 256-position chunk in flight at once),
-// 2 when it exceeds four CTAs per SM (2 x 35 KB: three CTAs per SM, where three stages fit two),
-// 3 otherwise and at D = 64. Changes timing only, not bits.
+// cp.async ring depth of the decode kernel (a template parameter; launch_decode picks): 3 stages
+// (more prefetch per CTA) for small grids, 2 at D = 128 when the grid exceeds four CTAs per SM
+// (2 x 35 KB: three CTAs per SM, where three stages fit two). Changes timing only, not bits.
 constexpr int DEC_STAGES_DEEP = 3;
 constexpr int DEC_STAGES_WIDE = 2;
-constexpr int DEC_STAGES_CHUNK = 4;
 // chunk partials in flight per thread in the fused merge: 16 at D = 128 (the kernel's
 // occupancy is bound by shared memory there, 2 CTAs/SM, so the registers are free), 8 at
 // D = 64 (keeps the kernel at 96 registers, i.e. 4 CTAs/SM as the two-launch path). The
@@ -1052,9 +1050,8 @@ cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
   if (gx <= 0) return cudaSuccess;
   if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
   if constexpr (D == 128) {  // H200 bench, 2 vs 3 stages: 512 CTAs 0.91-0.92x, 1024+ CTAs 1.09-1.19x
-    const int64_t ctas = gx * p.Hkv * p.batch, sms = device_sm_count();
-    if (ctas > 4 * sms) return launch_decode_stages<D, SPLITM, DEC_STAGES_WIDE>(p, gx, stream);
-    if (ctas <= sms) return launch_decode_stages<D, SPLITM, DEC_STAGES_CHUNK>(p, gx, stream);
+    if (gx * p.Hkv * p.batch > 4LL * device_sm_count())
+      return launch_decode_stages<D, SPLITM, DEC_STAGES_WIDE>(p, gx, stream);
   }
   return launch_decode_stages<D, SPLITM, DEC_STAGES_DEEP>(p, gx, stream);
 }
