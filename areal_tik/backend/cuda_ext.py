@@ -46,4 +46,7 @@ def status() -> tuple[bool, str]:
         mod = load()
     except Exception as e:
         return False, str(e).splitlines()[0][:200]
-    return True, f"loaded {getattr(mod, '__file__', mod)}"
+    kernel = "mma.sync"
+    if getattr(mod, "wgmma_prefill_available", None) is not None and mod.wgmma_prefill_available():
+        kernel = "wgmma + TMA (sm_90a, D=128; mma.sync otherwise)"
+    return True, f"loaded {getattr(mod, '__file__', mod)}; attention prefill kernel: {kernel}"
