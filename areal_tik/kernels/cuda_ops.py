@@ -174,20 +174,22 @@ def _mode(mode):
     return _MODES[mode]
 
 
+def _env_choice(arg, value, module_default, codes, env_var, env_default):
+    """The binding's code for ``value`` (None: the module default, read from ``env_var``)."""
+    v = module_default if value is None else value
+    if v not in codes:
+        raise ValueError(f"attention (cuda): {arg} must be one of {sorted(codes)} (or None: "
+                         f"{env_var}, default {env_default!r}), got {v!r}")
+    return codes[v]
+
+
 def _prefill_kernel(prefill_kernel):
-    pk = PREFILL_KERNEL if prefill_kernel is None else prefill_kernel
-    if pk not in _PREFILL:
-        raise ValueError(f"attention (cuda): prefill_kernel must be one of {sorted(_PREFILL)} (or None: "
-                         f"AREAL_TIK_CUDA_PREFILL, default 'auto'), got {pk!r}")
-    return _PREFILL[pk]
+    return _env_choice("prefill_kernel", prefill_kernel, PREFILL_KERNEL, _PREFILL, "AREAL_TIK_CUDA_PREFILL", "auto")
 
 
 def _decode_merge(decode_merge):
-    dm = DECODE_MERGE if decode_merge is None else decode_merge
-    if dm not in _DECODE_MERGES:
-        raise ValueError(f"attention (cuda): decode_merge must be one of {sorted(_DECODE_MERGES)} (or None: "
-                         f"AREAL_TIK_CUDA_DECODE_MERGE, default 'fused'), got {dm!r}")
-    return _DECODE_MERGES[dm]
+    return _env_choice("decode_merge", decode_merge, DECODE_MERGE, _DECODE_MERGES, "AREAL_TIK_CUDA_DECODE_MERGE",
+                       "fused")
 
 
 # ---------------------------------------------------------------------------------------
