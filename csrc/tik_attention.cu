@@ -106,6 +106,61 @@ __device__ __forceinline__ float merge_val(float O, float acc, float a, float b)
   return __fadd_rn(__fmul_rn(O, a), __fmul_rn(acc, b));
 }
 
+// The two rows a thread holds in the m16n8 layout of a 16-row group starting at row r0 (row r0 + lane/4
+// and r0 + lane/4 + 8, lane/4 passed as g): rows are (query token, query head of KV head hk's GQA
+// group), r = token * G + head. A row is valid when it is inside the sequence's n_q * G rows and its
+// absolute position pos_off + token is >= 0; rpos is that position (-1 if invalid), rlast its last
+// SPLIT chunk (-1 if invalid), rowid its index into [Tq * Hq] (computed for invalid rows too).
+__device__ __forceinline__ void thread_rows(const TikAttnParams& p, int r0, int g, int G, int rows_total,
+                                            int pos_off, int q0, int hk, int (&rpos)[2], int (&rlast)[2],
+                                            bool (&rvalid)[2], int64_t (&rowid)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = r0 + g + 8 * i;
+    const int j = r / G;
+    rvalid[i] = r < rows_total && pos_off + j >= 0;
+    rpos[i] = rvalid[i] ? pos_off + j : -1;
+    rlast[i] = rvalid[i] ? rpos[i] / SPLIT : -1;
+    rowid[i] = (int64_t)(q0 + j) * p.Hq + (int64_t)hk * G + r % G;
+  }
+}
+
+// The online-softmax step of one KV block, the per-row arithmetic every attention kernel here
+// shares (so one definition fixes the bits): s holds the block's scaled, masked scores in the
+// m16n8 accumulator layout (NT n-tiles of 4: element e of tile nt belongs to row e >> 1), mx this
+// thread's row maxima over them. Completes the row max over the quad (xor 1, 2), updates m, sets
+// alpha = ex2(m_old - m_new), replaces s by P = ex2(s - m) and adds the row sum (thread order nt
+// then e, then xor 1, 2) to l scaled by alpha.
+template <int NT>
+__device__ __forceinline__ void softmax_block(float* s, float (&mx)[2], float (&m)[2], float (&l)[2],
+                                              float (&alpha)[2]) {
+  float muse[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    const float mn = fmaxf(m[i], mx[i]);
+    muse[i] = (mn == -CUDART_INF_F) ? 0.f : mn;
+    alpha[i] = ex2(__fsub_rn(m[i], muse[i]));
+    m[i] = mn;
+  }
+  float rs[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float pe = ex2(__fsub_rn(s[nt * 4 + e], muse[e >> 1]));
+      s[nt * 4 + e] = pe;
+      rs[e >> 1] = __fadd_rn(rs[e >> 1], pe);
+    }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));
+    rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));
+    l[i] = __fadd_rn(__fmul_rn(l[i], alpha[i]), rs[i]);
+  }
+}
+
 __host__ __device__ __forceinline__ int max_chunks_of(const TikAttnParams& p) {
   return (p.max_seqlen_k + SPLIT - 1) / SPLIT;
 }
@@ -164,15 +219,7 @@ __global__ void __launch_bounds__(WARPS * 32) attn_kernel(const TikAttnParams p)
   int rpos[2], rlast[2];
   bool rvalid[2];
   int64_t rowid[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = wrow0 + g + 8 * i;
-    const int j = r / G;
-    rvalid[i] = r < rows_total && pos_off + j >= 0;
-    rpos[i] = rvalid[i] ? pos_off + j : -1;
-    rlast[i] = rvalid[i] ? rpos[i] / SPLIT : -1;
-    rowid[i] = (int64_t)(q0 + j) * p.Hq + (int64_t)hk * G + r % G;
-  }
+  thread_rows(p, wrow0, g, G, rows_total, pos_off, q0, hk, rpos, rlast, rvalid, rowid);
 
   // Q fragments (A operand, row-major 16 x D), zero for invalid rows.
   uint32_t qa[KC][4];
@@ -283,31 +330,8 @@ __global__ void __launch_bounds__(WARPS * 32) attn_kernel(const TikAttnParams p)
           s[nt][e] = v;
           mx[i] = fmaxf(mx[i], v);
         }
-      float alpha[2], muse[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        const float mn = fmaxf(m[i], mx[i]);
-        muse[i] = (mn == -CUDART_INF_F) ? 0.f : mn;
-        alpha[i] = ex2(__fsub_rn(m[i], muse[i]));
-        m[i] = mn;
-      }
-      float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pe = ex2(__fsub_rn(s[nt][e], muse[e >> 1]));
-          s[nt][e] = pe;
-          rs[e >> 1] = __fadd_rn(rs[e >> 1], pe);
-        }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));
-        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));
-        l[i] = __fadd_rn(__fmul_rn(l[i], alpha[i]), rs[i]);
-      }
+      float alpha[2];
+      softmax_block<NT>(&s[0][0], mx, m, l, alpha);
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
@@ -452,19 +476,29 @@ TensorMapEncodeTiled tensor_map_encoder() {
   return fn;
 }
 
+// A non-zero per-device property of the current device, computed once per device (compute(dev)
+// must return non-zero); 0 when there is no current device.
+template <typename F>
+int per_device_cached(int (&cache)[64], F compute) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return 0;
+  if (dev >= 64) return compute(dev);
+  if (cache[dev] == 0) cache[dev] = compute(dev);
+  return cache[dev];
+}
+
 bool wgmma_prefill_available() {
   static int cached[64];  // 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return false;
-  if (dev < 64 && cached[dev]) return cached[dev] == 1;
-  int major = 0, minor = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  cudaFuncAttributes a;
-  const bool ok = major == 9 && minor == 0 && cudaFuncGetAttributes(&a, attn_kernel_wgmma<128>) == cudaSuccess &&
-                  a.binaryVersion == 90 && tensor_map_encoder() != nullptr;
-  if (dev < 64) cached[dev] = ok ? 1 : 2;
-  return ok;
+  return per_device_cached(cached, [](int dev) {
+           int major = 0, minor = 0;
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+           cudaFuncAttributes a;
+           const bool ok = major == 9 && minor == 0 &&
+                           cudaFuncGetAttributes(&a, attn_kernel_wgmma<128>) == cudaSuccess &&
+                           a.binaryVersion == 90 && tensor_map_encoder() != nullptr;
+           return ok ? 1 : 2;
+         }) == 1;
 }
 
 // TMA descriptor of a K or V tensor viewed as [rows][Hkv][D] bf16 (rows = tokens or cache slots):
@@ -674,15 +708,7 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
   int rpos[2], rlast[2];
   bool rvalid[2];
   int64_t rowid[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = wrow0 + g + 8 * i;
-    const int j = r / G;
-    rvalid[i] = r < rows_total && pos_off + j >= 0;
-    rpos[i] = rvalid[i] ? pos_off + j : -1;
-    rlast[i] = rvalid[i] ? rpos[i] / SPLIT : -1;
-    rowid[i] = (int64_t)(q0 + j) * p.Hq + (int64_t)hk * G + r % G;
-  }
+  thread_rows(p, wrow0, g, G, rows_total, pos_off, q0, hk, rpos, rlast, rvalid, rowid);
 
   uint32_t qa[KC][4];
   {
@@ -803,31 +829,8 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
           s[nt][e] = v;
           mx[i] = fmaxf(mx[i], v);
         }
-      float alpha[2], muse[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        const float mn = fmaxf(m[i], mx[i]);
-        muse[i] = (mn == -CUDART_INF_F) ? 0.f : mn;
-        alpha[i] = ex2(__fsub_rn(m[i], muse[i]));
-        m[i] = mn;
-      }
-      float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pe = ex2(__fsub_rn(s[nt][e], muse[e >> 1]));
-          s[nt][e] = pe;
-          rs[e >> 1] = __fadd_rn(rs[e >> 1], pe);
-        }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));
-        rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));
-        l[i] = __fadd_rn(__fmul_rn(l[i], alpha[i]), rs[i]);
-      }
+      float alpha[2];
+      softmax_block<NT>(&s[0][0], mx, m, l, alpha);
 #pragma unroll
       for (int dt = 0; dt < DTW; ++dt)
 #pragma unroll
@@ -1033,13 +1036,11 @@ cudaError_t launch_decode_stages(const TikAttnParams& p, int64_t gx, cudaStream_
 
 int device_sm_count() {
   static int cached[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return 0;
-  if (dev < 64 && cached[dev]) return cached[dev];
-  int n = 0;
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  if (dev < 64) cached[dev] = n;
-  return n;
+  return per_device_cached(cached, [](int dev) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n;
+  });
 }
 
 template <int D, bool SPLITM>

@@ -1,9 +1,10 @@
 // areal-tik sm_90a prefill attention: the attn_kernel arithmetic on warpgroup MMAs (wgmma) fed by TMA.
 //
-// Included by tik_attention.cu (needs its helpers: ex2, pack_bf16, merge_coeffs, merge_val,
-// cp_async16, BN, SPLIT, BPC). Serves FOLD-mode launches of attention_varlen / attention_paged
-// that are not decode-shaped (max_seqlen_q * G > 16), D = 128, bf16, on sm_90a (H100/H200) when
-// TMA descriptors can be made for k/v; every other launch keeps attn_kernel (mma.sync).
+// Included by tik_attention.cu (needs its helpers: thread_rows, softmax_block, pack_bf16,
+// merge_coeffs, merge_val, cp_async16, BN, SPLIT, BPC). Serves FOLD-mode launches of
+// attention_varlen / attention_paged that are not decode-shaped (max_seqlen_q * G > 16), D = 128,
+// bf16, on sm_90a (H100/H200) when TMA descriptors can be made for k/v; every other launch keeps
+// attn_kernel (mma.sync).
 // What it guarantees and why:
 //   * rows = (query token, query head) as in attn_kernel; a CTA is 2 warpgroups x 64 rows (128
 //     rows of one KV head's GQA group), warp w of the CTA holds rows 16w..16w+15 in the
@@ -165,15 +166,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   int rpos[2], rlast[2];
   bool rvalid[2];
   int64_t rowid[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = wrow0 + g + 8 * i;
-    const int j = r / G;
-    rvalid[i] = r < rows_total && pos_off + j >= 0;
-    rpos[i] = rvalid[i] ? pos_off + j : -1;
-    rlast[i] = rvalid[i] ? rpos[i] / SPLIT : -1;
-    rowid[i] = (int64_t)(q0 + j) * p.Hq + (int64_t)hk * G + r % G;
-  }
+  thread_rows(p, wrow0, g, G, rows_total, pos_off, q0, hk, rpos, rlast, rvalid, rowid);
 
   // Q: the CTA's rows in shared memory (A operand of S = Q K^T, K-major 128-byte swizzle), zero for
   // rows past the sequence or before position 0; cp.async, waited for before block 0.
@@ -338,31 +331,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
         for (int nt = 0; nt < w; ++nt) v[nt] = fmaxf(v[nt], v[nt + w]);
       mx[i] = v[0];
     }
-    float muse[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-      const float mn = fmaxf(m[i], mx[i]);
-      muse[i] = (mn == -CUDART_INF_F) ? 0.f : mn;
-      alpha[i] = ex2(__fsub_rn(m[i], muse[i]));
-      m[i] = mn;
-    }
-    float rs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pe = ex2(__fsub_rn(s[nt * 4 + e], muse[e >> 1]));
-        s[nt * 4 + e] = pe;
-        rs[e >> 1] = __fadd_rn(rs[e >> 1], pe);
-      }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));
-      rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));
-      l[i] = __fadd_rn(__fmul_rn(l[i], alpha[i]), rs[i]);
-    }
+    softmax_block<NT>(s, mx, m, l, alpha);
   };
   auto merge_pending = [&]() {  // after the P V of the chunk's last block landed
     if (merge_c < 0) return;
