@@ -39,6 +39,7 @@
 #include <math_constants.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>  // getenv
 
 namespace tik_attn {
 
@@ -532,7 +533,11 @@ cudaError_t launch_wgmma(const TikAttnParams& p, cudaStream_t stream) {
   auto kern = attn_kernel_wgmma<128>;
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
   if (err != cudaSuccess) return err;
-  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), WG_THREADS, SMEM, stream>>>(p, mk, mv, box_rows);
+  // Pingpong scheduling of the two warpgroups (on unless AREAL_TIK_CUDA_WG_PINGPONG=0): a scheduling
+  // choice that cannot change a value, kept switchable so one benchmark run can measure both.
+  const char* pp_env = getenv("AREAL_TIK_CUDA_WG_PINGPONG");
+  const int pingpong = (pp_env != nullptr && pp_env[0] == '0' && pp_env[1] == '\0') ? 0 : 1;
+  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), WG_THREADS, SMEM, stream>>>(p, mk, mv, box_rows, pingpong);
   return cudaGetLastError();
 }
 

@@ -112,6 +112,16 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   } while (!done);
 }
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Named barriers (id 0 is __syncthreads): sync waits for `count` threads, arrive only counts itself.
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 // One 3-d TMA box (D-columns c0.., head c1, rows c2..) -> shared memory, completion on bar.
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
   asm volatile(
@@ -124,7 +134,7 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 template <int D>
 __global__ void __launch_bounds__(WG_THREADS, 1)
     attn_kernel_wgmma(const TikAttnParams p, const __grid_constant__ CUtensorMap tm_k,
-                      const __grid_constant__ CUtensorMap tm_v, int box_rows) {
+                      const __grid_constant__ CUtensorMap tm_v, int box_rows, int pingpong) {
 #ifdef TIK_SM90A_DEVICE
   static_assert(D == 128, "the wgmma prefill kernel is written for D = 128");
   constexpr int NT = BN / 8;   // n-tiles of S
@@ -136,7 +146,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   extern __shared__ __align__(16) unsigned char wg_smem_raw[];  // aligned up to 1024 below (swizzle atoms)
   const uint32_t qbase = ((uint32_t)__cvta_generic_to_shared(wg_smem_raw) + 1023u) & ~1023u;
   const uint32_t sbase = qbase + WG_Q_BYTES;
-  const uint32_t bars = sbase + WG_STAGES * 2 * WG_TILE_BYTES;  // WG_STAGES mbarriers ("block landed")
+  const uint32_t bars = sbase + WG_STAGES * 2 * WG_TILE_BYTES;  // WG_STAGES mbarriers "block landed" (full)
+  const uint32_t empties = bars + 8 * WG_STAGES;                  // and WG_STAGES "block read" (empty)
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const int G = p.Hq / p.Hkv;
@@ -155,12 +166,17 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wgi = warp >> 2;
-  const int wg0 = row0 + wgi * 64;  // first row of this warpgroup
-  const int wg_max_pos = wg0 < rows_total ? pos_off + (min(rows_total, wg0 + 64) - 1) / G : -1;
-  // This warpgroup's blocks are 0 .. nbw-1 (a row never sees a block past its position; attn_kernel
+  // Warpgroup w's blocks are 0 .. nb_of(w)-1 (a row never sees a block past its position; attn_kernel
   // walks the CTA's blocks but a block past all of a warp's rows is skipped, and the chunk merges
-  // it would run there find every row's state unchanged or the row past its last chunk).
-  const int nbw = wg_max_pos >= 0 ? wg_max_pos / BN + 1 : 0;
+  // it would run there find every row's state unchanged or the row past its last chunk). Both
+  // counts are known to every thread: the pipeline's barrier counts depend on them.
+  auto nb_of = [&](int w) {
+    const int r0 = row0 + w * 64;
+    const int max_pos = r0 < rows_total ? pos_off + (min(rows_total, r0 + 64) - 1) / G : -1;
+    return max_pos >= 0 ? max_pos / BN + 1 : 0;
+  };
+  const int nb0 = nb_of(0), nb1 = nb_of(1);
+  const int nbw = wgi == 0 ? nb0 : nb1;
   const int wrow0 = row0 + warp * 16;
 
   int rpos[2], rlast[2];
@@ -211,7 +227,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   // K/V block j -> stage j % WG_STAGES by TMA (one thread): per 64-column half, boxes of box_rows
   // rows (64, or the page size when pages are smaller) in the 128-byte swizzle wgmma reads.
   // Boxes starting at or past kv_len are not loaded (their block-table entries may be garbage);
-  // V rows at or past kv_len are zeroed after the block lands (see sync_block), as attn_kernel's
+  // V rows at or past kv_len are zeroed after the block lands (see wait_block), as attn_kernel's
   // zero-fill: a masked score's P is exactly 0 and 0 * V must not meet a NaN in the cache.
   const int64_t kv_base = p.paged ? 0 : (int64_t)q0;
   auto load_tile = [&](int j, int stage) {  // thread 0 only
@@ -243,16 +259,31 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   auto stage_addr = [&](int j) { return sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES); };
 
   const float sl2 = p.scale_log2;
+  // Warps that read each block (their warpgroup walks it): the "block read" count. A warpgroup
+  // with rows walks every block but possibly the CTA's last, which is never refilled.
+  const int readers = 4 * ((nb0 > 0) + (nb1 > 0));
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int st = 0; st < WG_STAGES; ++st) mbar_init(bars + 8 * st, 1);
+    for (int st = 0; st < WG_STAGES; ++st) {
+      mbar_init(bars + 8 * st, 1);
+      mbar_init(empties + 8 * st, readers);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   cp_async_wait<0>();  // this thread's Q segments
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();  // barriers initialised, Q in shared memory for every thread
-  if (threadIdx.x == 0)
-    for (int st = 0; st < WG_PREFETCH && st < nblk; ++st) load_tile(st, st);
+  // Producer: thread 0 issues the TMA of blocks 0, 1, ... in order, block jn into stage jn % WG_STAGES
+  // once every reader released block jn - WG_STAGES there ("block read" phase jn / WG_STAGES - 1).
+  int next_load = 0;
+  auto produce = [&](int upto) {  // thread 0 only
+    for (; next_load <= upto && next_load < nblk; ++next_load) {
+      const int st = next_load % WG_STAGES;
+      if (next_load >= WG_STAGES) mbar_wait(empties + 8 * st, (uint32_t)((next_load / WG_STAGES - 1) & 1));
+      load_tile(next_load, st);
+    }
+  };
+  if (threadIdx.x == 0) produce(WG_PREFETCH - 1);
   // Software pipeline per warpgroup (the FA3 intra-warpgroup overlap): step j issues
   // S_j = Q K_j and then acc += P_{j-1} V_{j-1}, waits for S_j only, runs block j's softmax
   // while P V runs, then waits for P V. Every row still sees attn_kernel's sequence: acc is
@@ -260,32 +291,47 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   // ending at block j - 1 merges (with its saved m, l) after its last P V lands. The steps are
   // peeled (first S, steady S + P V, last P V) so no wgmma sits in a conditional path (ptxas
   // would serialize them).
-  // CTA-wide, once per j = 0 .. nblk: wait until block j landed, then a barrier (every wgmma
-  // reading block j - 2's stage is done, so refill may overwrite it); the tail block's V rows
-  // past kv_len are zeroed here and fenced for wgmma, and are read (P V) only after the next
-  // barrier (j + 1, which for the last block is the extra one at j = nblk).
-  auto sync_block = [&](int j) {
-    if (j >= nblk) {
-      if (tail_blk == nblk - 1) __syncthreads();
-      return;
-    }
+  // No CTA barrier in the walk: a warpgroup waits for block j to land ("full"), and after the
+  // P V of block j - 1 lands each of its warps releases that stage ("empty"); the producer
+  // refills a stage only when all its readers released it. The tail block's V rows past kv_len
+  // are zeroed by each warpgroup that reads them, before its first wgmma on the block (both
+  // write the same zeros; nothing refills the tail block's stage, it is the CTA's last block).
+  auto wait_block = [&](int j) {
     mbar_wait(bars + 8 * (j % WG_STAGES), (uint32_t)((j / WG_STAGES) & 1));
-    __syncthreads();
     if (j == tail_blk) {
       const uint32_t vs = sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES) + WG_TILE_BYTES;
       const int r0 = kv_len - j * BN;
-      for (int i = threadIdx.x; i < (BN - r0) * SEGS; i += WG_THREADS) {
+      for (int i = threadIdx.x & 127; i < (BN - r0) * SEGS; i += 128) {
         const int r = r0 + i / SEGS, sg = i % SEGS;
         const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      named_sync(3 + wgi, 128);  // the warpgroup's zeros are in place before its wgmma
     }
   };
-  auto refill = [&](int j) {
-    const int jn = j + WG_PREFETCH;
-    if (threadIdx.x == 0 && j < nblk && jn < nblk) load_tile(jn, jn % WG_STAGES);
+  auto release = [&](int j) {  // this warp's wgmma reads of block j are complete
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empties + 8 * (j % WG_STAGES));
   };
+  // Pingpong (FA3): the two warpgroups take turns issuing their step's wgmma, so one's softmax runs
+  // while the other's MMAs occupy the tensor cores. Warpgroup w waits on named barrier 1 + w before
+  // issuing step k and arrives on the other's after. P0, P1 = steps per warpgroup (nb + 1); the
+  // arrivals are counted so every sync has exactly one matching arrival (warpgroup 1 arrives once up
+  // front so warpgroup 0 starts): wg0 syncs at every step and arrives for wg1's step k < P1; wg1
+  // syncs at its steps k < P0 and arrives for wg0's step k + 1 < P0. That needs P0 <= P1 + 1 and
+  // both warpgroups walking (always true here: wg0's rows come first); otherwise no pingpong.
+  const int P0 = nb0 > 0 ? nb0 + 1 : 0, P1 = nb1 > 0 ? nb1 + 1 : 0;
+  const bool pp = pingpong && P0 > 0 && P1 > 0 && P0 <= P1 + 1;
+  auto turn_wait = [&](int k) {
+    if (!pp) return;
+    if (wgi == 0 || k < P0) named_sync(1 + wgi, 256);
+  };
+  auto turn_pass = [&](int k) {
+    if (!pp) return;
+    if (wgi == 0 ? k < P1 : k + 1 < P0) named_arrive(2 - wgi, 256);
+  };
+  if (pp && wgi == 1) named_arrive(1, 256);
   float s[NT * 4];
   auto issue_s = [&](int j) {  // S_j = Q K_j^T; the first k-step ignores the old accumulator (zero start)
     const uint32_t ks = stage_addr(j);
@@ -373,45 +419,48 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     }
   };
 
-  int j = 0;
   if (nbw > 0) {
-    sync_block(0);
+    wait_block(0);
+    turn_wait(0);
     wg_fence();
     issue_s(0);
-    refill(0);
+    turn_pass(0);
     wg_wait0();
     reg_fence(s);
     softmax(0);
+    if (threadIdx.x == 0) produce(WG_PREFETCH);
+    __syncwarp();
     scale_pack_close(0);
-    for (j = 1; j < nbw; ++j) {
-      sync_block(j);
+    for (int j = 1; j < nbw; ++j) {
+      wait_block(j);
+      turn_wait(j);
       reg_fence(acc);
       wg_fence();
       issue_s(j);
       issue_pv(j - 1);
-      refill(j);  // the cp.async issue overlaps the tensor work just queued
+      turn_pass(j);
       wg_wait1();
       reg_fence(s);
       softmax(j);
+      if (threadIdx.x == 0) produce(j + WG_PREFETCH);  // the other warpgroup released block j - 2 by now
+      __syncwarp();
       wg_wait0();
       reg_fence(acc);
+      release(j - 1);
       merge_pending();
       scale_pack_close(j);
     }
-    sync_block(nbw);
+    turn_wait(nbw);
     reg_fence(acc);
     wg_fence();
     issue_pv(nbw - 1);
-    refill(nbw);
+    turn_pass(nbw);
     wg_wait0();
     reg_fence(acc);
+    release(nbw - 1);
     merge_pending();
-    j = nbw + 1;
   }
-  for (; j <= nblk; ++j) {  // keep the CTA's barriers and loads while the other warpgroup walks on
-    sync_block(j);
-    refill(j);
-  }
+  if (threadIdx.x == 0) produce(nblk - 1);  // blocks only the other warpgroup walks (none when nb0 >= nblk - 1)
 
   bf16* out = static_cast<bf16*>(p.out);
 #pragma unroll
