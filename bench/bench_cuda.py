@@ -166,7 +166,8 @@ def main(argv=None):
             cm = lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L, prefill_kernel="mma")  # noqa: E731
             row["cuda_mma_ms"] = _median_ms(cm)
             row["cuda_bits_equal_mma"] = bool(torch.equal(cf(), cm()))
-            # the wgmma kernel without the pingpong turns of its two warpgroups (same bits)
+            # the wgmma kernel without the pingpong turns of its two warpgroups (same bits;
+            # bench/sweep_wgmma_prefill.py times every scheduling knob)
             os.environ["AREAL_TIK_CUDA_WG_PINGPONG"] = "0"
             try:
                 row["cuda_nopp_ms"] = _median_ms(cf)

@@ -47,12 +47,14 @@ namespace tik_attn {
 
 constexpr int WG_ROWS = 128;      // 2 warpgroups x 64 rows
 constexpr int WG_THREADS = 256;
-constexpr int WG_STAGES = 4;      // K/V ring: block j computes while j + 1, j + 2 land and j - 1's V is read
-constexpr int WG_PREFETCH = 2;    // blocks loaded ahead
+constexpr int WG_MAX_STAGES = 5;  // K/V ring depth limit (shared memory: Q + 5 x 32 KB)
+// Launch flags of attn_kernel_wgmma (scheduling only: no flag can change a value).
+constexpr int WG_PINGPONG = 1;     // the two warpgroups take turns issuing their MMAs
+constexpr int WG_EARLY_LOAD = 2;   // refill right after issuing step j's MMAs (else after its softmax)
 constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
 constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
-constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 64 + 1024; }  // + barriers, alignment
+constexpr int wg_smem_bytes(int stages) { return WG_Q_BYTES + stages * 2 * WG_TILE_BYTES + 16 * WG_MAX_STAGES + 1024; }  // + barriers, alignment
 
 // Shared-memory matrix descriptor, 128-byte swizzle (address, LBO, SBO in bytes).
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
@@ -131,10 +133,10 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 }
 #endif  // TIK_SM90A_DEVICE
 
-template <int D>
+template <int D, int STAGES>
 __global__ void __launch_bounds__(WG_THREADS, 1)
     attn_kernel_wgmma(const TikAttnParams p, const __grid_constant__ CUtensorMap tm_k,
-                      const __grid_constant__ CUtensorMap tm_v, int box_rows, int pingpong) {
+                      const __grid_constant__ CUtensorMap tm_v, int box_rows, int flags) {
 #ifdef TIK_SM90A_DEVICE
   static_assert(D == 128, "the wgmma prefill kernel is written for D = 128");
   constexpr int NT = BN / 8;   // n-tiles of S
@@ -142,12 +144,17 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   constexpr int DT = D / 8;    // n-tiles of O
   constexpr int SEGS = D / 8;  // 16-byte segments per K/V/Q row
   static_assert(BN == 64, "S = m64n64 per warpgroup");
+  static_assert(STAGES >= 4 && STAGES <= WG_MAX_STAGES, "K/V ring of 4 or 5 stages");
+  // Blocks loaded ahead: the refill of block j + prefetch reuses block j + prefetch - STAGES's stage,
+  // which the other warpgroup (at most half a step behind under pingpong) has released by then.
+  const bool early_load = (flags & WG_EARLY_LOAD) != 0;
+  const int prefetch = early_load ? STAGES - 3 : STAGES - 2;
 
   extern __shared__ __align__(16) unsigned char wg_smem_raw[];  // aligned up to 1024 below (swizzle atoms)
   const uint32_t qbase = ((uint32_t)__cvta_generic_to_shared(wg_smem_raw) + 1023u) & ~1023u;
   const uint32_t sbase = qbase + WG_Q_BYTES;
-  const uint32_t bars = sbase + WG_STAGES * 2 * WG_TILE_BYTES;  // WG_STAGES mbarriers "block landed" (full)
-  const uint32_t empties = bars + 8 * WG_STAGES;                  // and WG_STAGES "block read" (empty)
+  const uint32_t bars = sbase + STAGES * 2 * WG_TILE_BYTES;  // STAGES mbarriers "block landed" (full)
+  const uint32_t empties = bars + 8 * STAGES;                  // and STAGES "block read" (empty)
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const int G = p.Hq / p.Hkv;
@@ -224,7 +231,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   uint32_t pa[BN / 16][4];
   int merge_c = -1;  // chunk whose (mo, lo, acc) await their FOLD merge once the pending P V lands
 
-  // K/V block j -> stage j % WG_STAGES by TMA (one thread): per 64-column half, boxes of box_rows
+  // K/V block j -> stage j % STAGES by TMA (one thread): per 64-column half, boxes of box_rows
   // rows (64, or the page size when pages are smaller) in the 128-byte swizzle wgmma reads.
   // Boxes starting at or past kv_len are not loaded (their block-table entries may be garbage);
   // V rows at or past kv_len are zeroed after the block lands (see wait_block), as attn_kernel's
@@ -256,7 +263,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     }
   };
   const int tail_blk = (kv_len % BN) ? kv_len / BN : -1;  // the block holding kv_len, if not aligned
-  auto stage_addr = [&](int j) { return sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES); };
+  auto stage_addr = [&](int j) { return sbase + (uint32_t)((j % STAGES) * 2 * WG_TILE_BYTES); };
 
   const float sl2 = p.scale_log2;
   // Warps that read each block (their warpgroup walks it): the "block read" count. A warpgroup
@@ -264,7 +271,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   const int readers = 4 * ((nb0 > 0) + (nb1 > 0));
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int st = 0; st < WG_STAGES; ++st) {
+    for (int st = 0; st < STAGES; ++st) {
       mbar_init(bars + 8 * st, 1);
       mbar_init(empties + 8 * st, readers);
     }
@@ -273,17 +280,17 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   cp_async_wait<0>();  // this thread's Q segments
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();  // barriers initialised, Q in shared memory for every thread
-  // Producer: thread 0 issues the TMA of blocks 0, 1, ... in order, block jn into stage jn % WG_STAGES
-  // once every reader released block jn - WG_STAGES there ("block read" phase jn / WG_STAGES - 1).
+  // Producer: thread 0 issues the TMA of blocks 0, 1, ... in order, block jn into stage jn % STAGES
+  // once every reader released block jn - STAGES there ("block read" phase jn / STAGES - 1).
   int next_load = 0;
   auto produce = [&](int upto) {  // thread 0 only
     for (; next_load <= upto && next_load < nblk; ++next_load) {
-      const int st = next_load % WG_STAGES;
-      if (next_load >= WG_STAGES) mbar_wait(empties + 8 * st, (uint32_t)((next_load / WG_STAGES - 1) & 1));
+      const int st = next_load % STAGES;
+      if (next_load >= STAGES) mbar_wait(empties + 8 * st, (uint32_t)((next_load / STAGES - 1) & 1));
       load_tile(next_load, st);
     }
   };
-  if (threadIdx.x == 0) produce(WG_PREFETCH - 1);
+  if (threadIdx.x == 0) produce(prefetch - 1);
   // Software pipeline per warpgroup (the FA3 intra-warpgroup overlap): step j issues
   // S_j = Q K_j and then acc += P_{j-1} V_{j-1}, waits for S_j only, runs block j's softmax
   // while P V runs, then waits for P V. Every row still sees attn_kernel's sequence: acc is
@@ -297,9 +304,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   // are zeroed by each warpgroup that reads them, before its first wgmma on the block (both
   // write the same zeros; nothing refills the tail block's stage, it is the CTA's last block).
   auto wait_block = [&](int j) {
-    mbar_wait(bars + 8 * (j % WG_STAGES), (uint32_t)((j / WG_STAGES) & 1));
+    mbar_wait(bars + 8 * (j % STAGES), (uint32_t)((j / STAGES) & 1));
     if (j == tail_blk) {
-      const uint32_t vs = sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES) + WG_TILE_BYTES;
+      const uint32_t vs = sbase + (uint32_t)((j % STAGES) * 2 * WG_TILE_BYTES) + WG_TILE_BYTES;
       const int r0 = kv_len - j * BN;
       for (int i = threadIdx.x & 127; i < (BN - r0) * SEGS; i += 128) {
         const int r = r0 + i / SEGS, sg = i % SEGS;
@@ -312,7 +319,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   };
   auto release = [&](int j) {  // this warp's wgmma reads of block j are complete
     __syncwarp();
-    if (lane == 0) mbar_arrive(empties + 8 * (j % WG_STAGES));
+    if (lane == 0) mbar_arrive(empties + 8 * (j % STAGES));
   };
   // Pingpong (FA3): the two warpgroups take turns issuing their step's wgmma, so one's softmax runs
   // while the other's MMAs occupy the tensor cores. Warpgroup w waits on named barrier 1 + w before
@@ -322,7 +329,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   // syncs at its steps k < P0 and arrives for wg0's step k + 1 < P0. That needs P0 <= P1 + 1 and
   // both warpgroups walking (always true here: wg0's rows come first); otherwise no pingpong.
   const int P0 = nb0 > 0 ? nb0 + 1 : 0, P1 = nb1 > 0 ? nb1 + 1 : 0;
-  const bool pp = pingpong && P0 > 0 && P1 > 0 && P0 <= P1 + 1;
+  const bool pp = (flags & WG_PINGPONG) && P0 > 0 && P1 > 0 && P0 <= P1 + 1;
   auto turn_wait = [&](int k) {
     if (!pp) return;
     if (wgi == 0 || k < P0) named_sync(1 + wgi, 256);
@@ -428,7 +435,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     wg_wait0();
     reg_fence(s);
     softmax(0);
-    if (threadIdx.x == 0) produce(WG_PREFETCH);
+    if (threadIdx.x == 0) produce(prefetch);
     __syncwarp();
     scale_pack_close(0);
     for (int j = 1; j < nbw; ++j) {
@@ -439,11 +446,17 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       issue_s(j);
       issue_pv(j - 1);
       turn_pass(j);
+      if (early_load) {  // the TMA issue overlaps the tensor work just queued
+        if (threadIdx.x == 0) produce(j + prefetch);
+        __syncwarp();
+      }
       wg_wait1();
       reg_fence(s);
       softmax(j);
-      if (threadIdx.x == 0) produce(j + WG_PREFETCH);  // the other warpgroup released block j - 2 by now
-      __syncwarp();
+      if (!early_load) {  // the other warpgroup released block j + prefetch - STAGES by now
+        if (threadIdx.x == 0) produce(j + prefetch);
+        __syncwarp();
+      }
       wg_wait0();
       reg_fence(acc);
       release(j - 1);
