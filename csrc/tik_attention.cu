@@ -40,6 +40,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>  // getenv
+#include <type_traits>
 
 namespace tik_attn {
 

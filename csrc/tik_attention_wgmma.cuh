@@ -56,11 +56,12 @@ constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
 constexpr int wg_smem_bytes(int stages) { return WG_Q_BYTES + stages * 2 * WG_TILE_BYTES + 16 * WG_MAX_STAGES + 1024; }  // + barriers, alignment
 
-// Shared-memory matrix descriptor, 128-byte swizzle (address, LBO, SBO in bytes).
-__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
-         (1ull << 62);
-}
+// Shared-memory matrix descriptor, 128-byte swizzle: low word = address / 16 | LBO / 16 << 16, high
+// word = SBO / 16 (1024 bytes: 8 rows of 128 bytes) | the 128-byte swizzle mode. Every operand here
+// has that SBO, so only the low word varies, and an offset of k x 16 bytes adds k to it (shared
+// addresses stay below 256 KB: no carry into the LBO field).
+constexpr uint32_t WG_DESC_HI = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t wg_desc_lo(uint32_t saddr, uint32_t lbo) { return (saddr >> 4) | ((lbo >> 4) << 16); }
 
 #ifdef TIK_SM90A_DEVICE
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -74,28 +75,29 @@ __device__ __forceinline__ void reg_fence(float (&r)[N]) {
 }
 
 // D[64 x 128] += A[64 x 16] (registers, bf16) * B[16 x 128] (shared memory, descriptor, N-major: transposed).
-__device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+// Descriptors are passed as their low word (wg_desc_lo); the high word is WG_DESC_HI.
+__device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uint32_t (&a)[4], uint32_t desc_lo) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %69, 0;\nmov.b64 db, {%68, %70};\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      "{%64, %65, %66, %67}, db, p, 1, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "n"(1), "r"(WG_DESC_HI));
 }
 // D[64 x 64] = A[64 x 16] * B[16 x 64], both from shared memory (descriptors, K-major) + (scale_d ? D : 0).
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint32_t a_lo, uint32_t b_lo, int scale_d) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %34, 0;\nmov.b64 da, {%32, %35};\nmov.b64 db, {%33, %35};\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
       "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      "da, db, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
         "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+      : "r"(a_lo), "r"(b_lo), "r"(scale_d), "r"(WG_DESC_HI));
 }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -229,7 +231,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     O[x] = 0.f;
   }
   uint32_t pa[BN / 16][4];
-  int merge_c = -1;  // chunk whose (mo, lo, acc) await their FOLD merge once the pending P V lands
+  // (mo, lo) hold the row state of the chunk whose FOLD merge waits for its last P V to land.
 
   // K/V block j -> stage j % STAGES by TMA (one thread): per 64-column half, boxes of box_rows
   // rows (64, or the page size when pages are smaller) in the 128-byte swizzle wgmma reads.
@@ -340,20 +342,24 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   };
   if (pp && wgi == 1) named_arrive(1, 256);
   float s[NT * 4];
+  // Descriptor low words: Q of this warpgroup and stage 0's K and V; a k-step / stage is a constant offset.
+  const uint32_t q_lo = wg_desc_lo(qwg, 16), k0_lo = wg_desc_lo(sbase, 16),
+                 v0_lo = wg_desc_lo(sbase + WG_TILE_BYTES, WG_HALF_BYTES);
+  constexpr uint32_t STAGE_LO = 2 * WG_TILE_BYTES / 16;
   auto issue_s = [&](int j) {  // S_j = Q K_j^T; the first k-step ignores the old accumulator (zero start)
-    const uint32_t ks = stage_addr(j);
+    const uint32_t k_lo = k0_lo + (uint32_t)(j % STAGES) * STAGE_LO;
 #pragma unroll
     for (int kc = 0; kc < KC; ++kc) {  // B = K^T: K-major, k-step kc = 32 bytes into half kc / 4
-      wgmma_m64n64k16_ss(s, wg_desc(qwg + (kc >> 2) * WG_HALF_BYTES + (kc & 3) * 32, 16, 1024),
-                       wg_desc(ks + (kc >> 2) * WG_HALF_BYTES + (kc & 3) * 32, 16, 1024), kc > 0);
+      const uint32_t off = (uint32_t)((kc >> 2) * WG_HALF_BYTES + (kc & 3) * 32) / 16;
+      wgmma_m64n64k16_ss(s, q_lo + off, k_lo + off, kc > 0);
     }
     wg_commit();
   };
   auto issue_pv = [&](int j) {
-    const uint32_t vs = stage_addr(j) + WG_TILE_BYTES;
+    const uint32_t v_lo = v0_lo + (uint32_t)(j % STAGES) * STAGE_LO;
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc)  // B = V: N-major (transposed), 16 rows = 2 KB per k-step
-      wgmma_m64n128k16_rs_tb(acc, pa[kc], wg_desc(vs + kc * 16 * 128, WG_HALF_BYTES, 1024));
+      wgmma_m64n128k16_rs_tb(acc, pa[kc], v_lo + (uint32_t)(kc * 16 * 128 / 16));
     wg_commit();
   };
   float alpha[2];
@@ -386,11 +392,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     }
     softmax_block<NT>(s, mx, m, l, alpha);
   };
-  auto merge_pending = [&]() {  // after the P V of the chunk's last block landed
-    if (merge_c < 0) return;
+  auto merge_chunk = [&](int c) {  // after the P V of chunk c's last block landed
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      if (merge_c <= rlast[i]) {
+      if (c <= rlast[i]) {
         float ca, cb;
         merge_coeffs(M[i], L[i], mo[i], lo[i], ca, cb);
 #pragma unroll
@@ -402,7 +407,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     }
 #pragma unroll
     for (int x = 0; x < DT * 4; ++x) acc[x] = 0.f;
-    merge_c = -1;
   };
   auto scale_pack_close = [&](int j) {  // acc *= alpha_j; P_j -> bf16 A fragments; chunk end?
 #pragma unroll
@@ -415,7 +419,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       pa[kc][3] = pack_bf16(s[(2 * kc + 1) * 4 + 2], s[(2 * kc + 1) * 4 + 3]);
     }
     if ((j + 1) % BPC == 0 || j == nbw - 1) {  // block j ends split chunk j / BPC for this warpgroup
-      merge_c = j / BPC;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         mo[i] = m[i];
@@ -438,7 +441,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     if (threadIdx.x == 0) produce(prefetch);
     __syncwarp();
     scale_pack_close(0);
-    for (int j = 1; j < nbw; ++j) {
+    // Step j: S_j with P_{j-1} V_{j-1}. When block j - 1 ends a split chunk, that chunk's FOLD merge
+    // runs once its P V landed (MERGE). The walk is split at chunk ends so the steady loop holds no
+    // merge: a conditional merge made ptxas copy the accumulator every step.
+    auto step = [&](int j, auto merge) {
       wait_block(j);
       turn_wait(j);
       reg_fence(acc);
@@ -460,8 +466,16 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       wg_wait0();
       reg_fence(acc);
       release(j - 1);
-      merge_pending();
+      if constexpr (decltype(merge)::value) merge_chunk((j - 1) / BPC);
       scale_pack_close(j);
+    };
+    int j = 1;
+    while (true) {
+      const int last = min((j - 1) / BPC * BPC + BPC - 1, nbw - 1);  // end of block j - 1's chunk
+      for (; j <= last; ++j) step(j, std::false_type{});
+      if (j >= nbw) break;
+      step(j, std::true_type{});  // block j - 1 ended a chunk
+      ++j;
     }
     turn_wait(nbw);
     reg_fence(acc);
@@ -471,7 +485,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     wg_wait0();
     reg_fence(acc);
     release(nbw - 1);
-    merge_pending();
+    merge_chunk((nbw - 1) / BPC);
   }
   if (threadIdx.x == 0) produce(nblk - 1);  // blocks only the other warpgroup walks (none when nb0 >= nblk - 1)
 
