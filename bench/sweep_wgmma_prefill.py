@@ -3,7 +3,7 @@ causal, batch 1), against PyTorch SDPA and the mma.sync kernel in the same proce
 
     python bench/sweep_wgmma_prefill.py --out DIR [--lens 4096 8192 16384]
 
-Each variant sets AREAL_TIK_CUDA_WG_STAGES / _EARLY / _PINGPONG (scheduling only) and must give the
+Each variant sets AREAL_TIK_CUDA_WG_STAGES / _EARLY / _PINGPONG / _LOCKSTEP (scheduling only) and must give the
 mma.sync kernel's bits (torch.equal, output poisoned with NaN before each checked launch). Writes
 DIR/sweep_wgmma_prefill.json: per L, ms and TFLOP/s per variant, bits_equal, ratio to SDPA.
 """
@@ -22,10 +22,11 @@ from bench_cuda import _median_ms  # noqa: E402
 from areal_tik.kernels import cuda_ops  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-# (name, stages, early refill, pingpong)
-VARIANTS = [("s5_early_pp", 5, 1, 1), ("s5_late_pp", 5, 0, 1), ("s4_late_pp", 4, 0, 1),
-            ("s5_early_nopp", 5, 1, 0), ("s4_late_nopp", 4, 0, 0)]
-KNOBS = ("AREAL_TIK_CUDA_WG_STAGES", "AREAL_TIK_CUDA_WG_EARLY", "AREAL_TIK_CUDA_WG_PINGPONG")
+# (name, stages, early refill, pingpong, lockstep)
+VARIANTS = [("s5_early_pp", 5, 1, 1, 0), ("s5_early_nopp", 5, 1, 0, 0), ("s4_late_pp", 4, 0, 1, 0),
+            ("s4_lockstep", 4, 1, 0, 1), ("s5_lockstep", 5, 1, 0, 1)]
+KNOBS = ("AREAL_TIK_CUDA_WG_STAGES", "AREAL_TIK_CUDA_WG_EARLY", "AREAL_TIK_CUDA_WG_PINGPONG",
+         "AREAL_TIK_CUDA_WG_LOCKSTEP")
 
 
 def main(argv=None):
@@ -49,8 +50,8 @@ def main(argv=None):
                                                                                enable_gqa=True))
             ref = cuda_ops.attention_varlen_cuda(q, k, v, cu, L, prefill_kernel="mma")
             row["mma_ms"] = _median_ms(lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L, prefill_kernel="mma"))
-            for name, st, early, pp in VARIANTS:
-                os.environ.update(dict(zip(KNOBS, (str(st), str(early), str(pp)))))
+            for name, *knobs in VARIANTS:
+                os.environ.update(dict(zip(KNOBS, map(str, knobs))))
                 try:
                     out = torch.full_like(q, float("nan"))
                     cuda_ops.attention_varlen_cuda(q, k, v, cu, L, out=out, prefill_kernel="wgmma")

@@ -531,14 +531,16 @@ cudaError_t launch_wgmma(const TikAttnParams& p, cudaStream_t stream) {
   if (!make_kv_map(&mk, p.k, p.kv_rows, p.Hkv, box_rows) || !make_kv_map(&mv, p.v, p.kv_rows, p.Hkv, box_rows))
     return cudaErrorNotSupported;
   // Scheduling knobs for A/B runs (none can change a value; the GPU tests compare every setting
-  // with the mma.sync kernel): AREAL_TIK_CUDA_WG_PINGPONG=0 (no pingpong turns),
+  // with the mma.sync kernel): AREAL_TIK_CUDA_WG_PINGPONG=0 (no pingpong turns), _LOCKSTEP=1 (a
+  // barrier per step instead),
   // AREAL_TIK_CUDA_WG_STAGES=4|5 (K/V ring depth), AREAL_TIK_CUDA_WG_EARLY=0|1 (refill placement).
   auto env_int = [](const char* name, int dflt) {
     const char* e = getenv(name);
     return (e != nullptr && e[0] >= '0' && e[0] <= '9' && e[1] == '\0') ? e[0] - '0' : dflt;
   };
   const int flags = (env_int("AREAL_TIK_CUDA_WG_PINGPONG", 1) ? WG_PINGPONG : 0) |
-                    (env_int("AREAL_TIK_CUDA_WG_EARLY", 1) ? WG_EARLY_LOAD : 0);
+                    (env_int("AREAL_TIK_CUDA_WG_EARLY", 1) ? WG_EARLY_LOAD : 0) |
+                    (env_int("AREAL_TIK_CUDA_WG_LOCKSTEP", 0) ? WG_LOCKSTEP : 0);
   const int stages = env_int("AREAL_TIK_CUDA_WG_STAGES", 5) == 4 ? 4 : 5;
   auto kern = stages == 4 ? attn_kernel_wgmma<128, 4> : attn_kernel_wgmma<128, 5>;
   const int smem = wg_smem_bytes(stages);

@@ -51,6 +51,7 @@ constexpr int WG_MAX_STAGES = 5;  // K/V ring depth limit (shared memory: Q + 5 
 // Launch flags of attn_kernel_wgmma (scheduling only: no flag can change a value).
 constexpr int WG_PINGPONG = 1;     // the two warpgroups take turns issuing their MMAs
 constexpr int WG_EARLY_LOAD = 2;   // refill right after issuing step j's MMAs (else after its softmax)
+constexpr int WG_LOCKSTEP = 4;     // a 256-thread barrier before each step both warpgroups walk (no pingpong)
 constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
 constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
@@ -150,7 +151,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   // Blocks loaded ahead: the refill of block j + prefetch reuses block j + prefetch - STAGES's stage,
   // which the other warpgroup (at most half a step behind under pingpong) has released by then.
   const bool early_load = (flags & WG_EARLY_LOAD) != 0;
-  const int prefetch = early_load ? STAGES - 3 : STAGES - 2;
+  // Lockstep: every warp finished step j - 1 (released block j - 2) before step j, so even an early
+  // refill may run STAGES - 2 blocks ahead.
+  const bool lockstep = (flags & WG_LOCKSTEP) != 0;
+  const int prefetch = (early_load && !lockstep) ? STAGES - 3 : STAGES - 2;
 
   extern __shared__ __align__(16) unsigned char wg_smem_raw[];  // aligned up to 1024 below (swizzle atoms)
   const uint32_t qbase = ((uint32_t)__cvta_generic_to_shared(wg_smem_raw) + 1023u) & ~1023u;
@@ -331,8 +335,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   // syncs at its steps k < P0 and arrives for wg0's step k + 1 < P0. That needs P0 <= P1 + 1 and
   // both warpgroups walking (always true here: wg0's rows come first); otherwise no pingpong.
   const int P0 = nb0 > 0 ? nb0 + 1 : 0, P1 = nb1 > 0 ? nb1 + 1 : 0;
-  const bool pp = (flags & WG_PINGPONG) && P0 > 0 && P1 > 0 && P0 <= P1 + 1;
+  const bool pp = !lockstep && (flags & WG_PINGPONG) && P0 > 0 && P1 > 0 && P0 <= P1 + 1;
+  const int common_steps = min(nb0, nb1);
   auto turn_wait = [&](int k) {
+    if (lockstep && k < common_steps) named_sync(5, 256);
     if (!pp) return;
     if (wgi == 0 || k < P0) named_sync(1 + wgi, 256);
   };
