@@ -166,21 +166,13 @@ def main(argv=None):
             cm = lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L, prefill_kernel="mma")  # noqa: E731
             row["cuda_mma_ms"] = _median_ms(cm)
             row["cuda_bits_equal_mma"] = bool(torch.equal(cf(), cm()))
-            # the wgmma kernel without the pingpong turns of its two warpgroups (same bits;
-            # bench/sweep_wgmma_prefill.py times every scheduling knob)
-            os.environ["AREAL_TIK_CUDA_WG_PINGPONG"] = "0"
-            try:
-                row["cuda_nopp_ms"] = _median_ms(cf)
-                row["cuda_bits_equal_nopp"] = bool(torch.equal(cf(), cm()))
-            finally:
-                del os.environ["AREAL_TIK_CUDA_WG_PINGPONG"]
             if tri_varlen is not None:
                 try:
                     tf = lambda: tri_varlen(q, k, v, cu, L)  # noqa: E731
                     row["triton_ms"] = _median_ms(tf)
                 except Exception as e:
                     row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for p in ("sdpa", "cuda", "cuda_mma", "cuda_nopp", "triton"):
+        for p in ("sdpa", "cuda", "cuda_mma", "triton"):
             if f"{p}_ms" in row:
                 row[f"{p}_tflops"] = round(flops / (row[f"{p}_ms"] * 1e-3) / 1e12, 1)
         row["cuda_speedup_vs_sdpa"] = round(row["sdpa_ms"] / row["cuda_ms"], 3)
@@ -189,7 +181,7 @@ def main(argv=None):
             row["cuda_speedup_vs_triton"] = round(row["triton_ms"] / row["cuda_ms"], 3)
         res["prefill"].append(row)
         print(f"prefill L={L:6d}: sdpa {row['sdpa_ms']:.3f} ms  cuda {row['cuda_ms']:.3f} ms "
-              f"({row['cuda_speedup_vs_sdpa']}x, {row['cuda_tflops']} TF/s; mma.sync {row['cuda_mma_ms']:.3f} ms, bits equal {row['cuda_bits_equal_mma']}; no pingpong {row['cuda_nopp_ms']:.3f} ms, bits equal {row['cuda_bits_equal_nopp']})  triton {row.get('triton_ms', float('nan')):.3f} ms")
+              f"({row['cuda_speedup_vs_sdpa']}x, {row['cuda_tflops']} TF/s; mma.sync {row['cuda_mma_ms']:.3f} ms, bits equal {row['cuda_bits_equal_mma']})  triton {row.get('triton_ms', float('nan')):.3f} ms")
         del q, k, v, qs, ks, vs
         torch.cuda.empty_cache()
 
@@ -232,7 +224,7 @@ def main(argv=None):
                         row["triton_ms"], row["triton_timing"] = _median_ms(fn), how
                     except Exception as e:
                         row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            for p in ("sdpa", "cuda", "cuda_mma", "cuda_nopp", "triton"):
+            for p in ("sdpa", "cuda", "cuda_mma", "triton"):
                 if f"{p}_ms" in row:
                     gbs = kv_bytes / (row[f"{p}_ms"] * 1e-3) / 1e9
                     row[f"{p}_GBps"] = round(gbs, 1)

@@ -38,9 +38,8 @@
 #include <cuda_bf16.h>
 #include <math_constants.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>  // getenv
 #include <type_traits>
+#include <stdio.h>
 
 namespace tik_attn {
 
@@ -497,7 +496,7 @@ bool wgmma_prefill_available() {
            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
            cudaFuncAttributes a;
            const bool ok = major == 9 && minor == 0 &&
-                           cudaFuncGetAttributes(&a, attn_kernel_wgmma<128, 4>) == cudaSuccess &&
+                           cudaFuncGetAttributes(&a, attn_kernel_wgmma<128>) == cudaSuccess &&
                            a.binaryVersion == 90 && tensor_map_encoder() != nullptr;
            return ok ? 1 : 2;
          }) == 1;
@@ -530,23 +529,11 @@ cudaError_t launch_wgmma(const TikAttnParams& p, cudaStream_t stream) {
   CUtensorMap mk, mv;
   if (!make_kv_map(&mk, p.k, p.kv_rows, p.Hkv, box_rows) || !make_kv_map(&mv, p.v, p.kv_rows, p.Hkv, box_rows))
     return cudaErrorNotSupported;
-  // Scheduling knobs for A/B runs (none can change a value; the GPU tests compare every setting
-  // with the mma.sync kernel): AREAL_TIK_CUDA_WG_PINGPONG=0 (no pingpong turns), _LOCKSTEP=1 (a
-  // barrier per step instead),
-  // AREAL_TIK_CUDA_WG_STAGES=4|5 (K/V ring depth), AREAL_TIK_CUDA_WG_EARLY=0|1 (refill placement).
-  auto env_int = [](const char* name, int dflt) {
-    const char* e = getenv(name);
-    return (e != nullptr && e[0] >= '0' && e[0] <= '9' && e[1] == '\0') ? e[0] - '0' : dflt;
-  };
-  const int flags = (env_int("AREAL_TIK_CUDA_WG_PINGPONG", 1) ? WG_PINGPONG : 0) |
-                    (env_int("AREAL_TIK_CUDA_WG_EARLY", 1) ? WG_EARLY_LOAD : 0) |
-                    (env_int("AREAL_TIK_CUDA_WG_LOCKSTEP", 0) ? WG_LOCKSTEP : 0);
-  const int stages = env_int("AREAL_TIK_CUDA_WG_STAGES", 5) == 4 ? 4 : 5;
-  auto kern = stages == 4 ? attn_kernel_wgmma<128, 4> : attn_kernel_wgmma<128, 5>;
-  const int smem = wg_smem_bytes(stages);
-  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  constexpr int SMEM = wg_smem_bytes();
+  auto kern = attn_kernel_wgmma<128>;
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
   if (err != cudaSuccess) return err;
-  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), WG_THREADS, smem, stream>>>(p, mk, mv, box_rows, flags);
+  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), WG_THREADS, SMEM, stream>>>(p, mk, mv, box_rows);
   return cudaGetLastError();
 }
 
@@ -1162,8 +1149,7 @@ int tik_attention_describe(char* buf, int buflen) {
                attn_decode_kernel<128, true, true, DEC_STAGES_WIDE>, decode_smem_bytes<128, DEC_STAGES_WIDE>());
   describe_one(buf, buflen, used, "attn_decode_merge<D64>", attn_decode_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_decode_merge<D128>", attn_decode_merge_kernel<128>, 0);
-  describe_one(buf, buflen, used, "attn_wgmma<D128,2warpgroups,fold,tma,4stages>", attn_kernel_wgmma<128, 4>, wg_smem_bytes(4));
-  describe_one(buf, buflen, used, "attn_wgmma<D128,2warpgroups,fold,tma,5stages>", attn_kernel_wgmma<128, 5>, wg_smem_bytes(5));
+  describe_one(buf, buflen, used, "attn_wgmma<D128,2warpgroups,fold,tma>", attn_kernel_wgmma<128>, wg_smem_bytes());
   describe_one(buf, buflen, used, "attn_merge<D64>", attn_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_merge<D128>", attn_merge_kernel<128>, 0);
   return used;
