@@ -24,19 +24,22 @@
 //   * Pipeline: K/V blocks arrive by TMA (thread 0, one mbarrier per stage of a 4-stage ring,
 //     boxes of min(64, page size) rows, 128-byte swizzle = the layout the wgmma descriptors
 //     read), two blocks ahead; one CTA barrier per block frees the stage read two blocks ago.
-//     Per warpgroup, step j issues S_j and P_{j-1} V_{j-1}, waits for S_j only and runs block
-//     j's softmax while P V runs (FA3's intra-warpgroup overlap); acc is still scaled by
-//     alpha_{j-1} before P_{j-1} V_{j-1} lands and by alpha_j after, and a chunk merges after
-//     its last P V, so each row sees attn_kernel's sequence of operations.
+//     Per warpgroup, step j issues S_j and P_{j-1} V_{j-1} together and waits for S_j first
+//     (written as FA3's intra-warpgroup overlap; in the SASS ptxas waits for P V before block j's
+//     softmax, because P_j is packed into the registers P_{j-1} V_{j-1} reads, and pinning the
+//     softmax ahead of that wait measured 2-4% slower); acc is still scaled by alpha_{j-1} before
+//     P_{j-1} V_{j-1} lands and by alpha_j after, and a chunk merges after its last P V, so each
+//     row sees attn_kernel's sequence of operations.
 //   * V rows at or past the sequence's KV length are zeroed in shared memory after their block
 //     lands (attn_kernel zero-fills them): a masked score's P is exactly 0, and 0 * V must not
 //     meet NaN garbage of a paged cache. Boxes starting past the KV length are never loaded.
 //   * A warpgroup whose 64 rows all lie before a block skips it (attn_kernel skips per warp; a
 //     fully masked block is an exact no-op on a row's state either way).
-// Resource use: 256 threads, 255 registers (accumulator 64 + merged O 64 + S 32 + P 16 per
+// Resource use: 256 threads, 233 registers (accumulator 64 + merged O 64 + S 32 + P 16 per
 // thread), ~162 KB shared memory, one CTA per SM.
-// Measured (H200, 32 q / 8 kv heads, causal, bench_cuda): 1.5-1.6x the mma.sync kernel; ~0.6x
-// cuDNN SDPA. Tried and dropped: Q in registers (spills; 286 vs 303 TF/s), warpgroups walking
+// Measured (H200, 32 q / 8 kv heads, causal, bench_cuda, 2026-11-30): 333/356/373 TF/s at L 4K/8K/16K,
+// 1.5-1.8x the mma.sync kernel, 1.11x Triton, 0.61-0.65x cuDNN SDPA.
+// Tried and dropped: Q in registers (spills; 286 vs 303 TF/s), warpgroups walking
 // their blocks without the per-block CTA barrier (293 vs 320 TF/s), and (2026-11-30, bisect in
 // bench/results/*_wgmma-bisect) a decoupled walk with full/empty mbarriers per stage, with or without
 // FA3 pingpong turns of the warpgroups, 4 or 5 stages, early or late refill: all 7-10% slower.
@@ -262,9 +265,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   __syncthreads();  // barriers initialised, Q in shared memory for every thread
   if (threadIdx.x == 0)
     for (int st = 0; st < WG_PREFETCH && st < nblk; ++st) load_tile(st, st);
-  // Software pipeline per warpgroup (the FA3 intra-warpgroup overlap): step j issues
-  // S_j = Q K_j and then acc += P_{j-1} V_{j-1}, waits for S_j only, runs block j's softmax
-  // while P V runs, then waits for P V. Every row still sees attn_kernel's sequence: acc is
+  // Software pipeline per warpgroup (written as the FA3 intra-warpgroup overlap; see the header
+  // for what ptxas makes of it): step j issues S_j = Q K_j and then acc += P_{j-1} V_{j-1}, waits
+  // for S_j, runs block j's softmax, waits for P V. Every row still sees attn_kernel's sequence: acc is
   // scaled by alpha_{j-1} before P_{j-1} V_{j-1} accumulates, and by alpha_j after; a chunk
   // ending at block j - 1 merges (with its saved m, l) after its last P V lands. The steps are
   // peeled (first S, steady S + P V, last P V) so no wgmma sits in a conditional path (ptxas
