@@ -19,6 +19,11 @@ def run(args) -> int:
                   f"{r.get('error', '')}")
         for r in cu:
             print(f"{'ok ' if r['ok'] else 'FAIL'} nvcc {r['source']} {r.get('arch', '')} {r.get('error', '')}")
+            for name, k in sorted(r.get("kernels", {}).items()):
+                spill = k.get("spill_stores", 0) + k.get("spill_loads", 0)
+                print(f"       {k.get('regs', '?'):>4} regs{f', {spill} B spilled' if spill else ''}  {name}")
+            for w in r.get("ptxas_warnings", []):
+                print(f"       ptxas: {w}")
         print(f"{len(rows)} triton compiles, {len(cu)} nvcc compiles: {'all ok' if ok else 'FAILURES'}")
     return 0 if ok else 1
 

@@ -5,13 +5,17 @@ Kernel modules list ``COMPILE_SPECS``: dicts with ``fn`` (a ``@triton.jit`` func
 ``constexprs`` and optional ``num_warps``/``num_stages`` and ``attrs`` (ASTSource
 argument attributes, ``{(i,): [["tt.divisibility", 16]]}``, as Triton specialises at launch). Must run with
 ``TRITON_INTERPRET`` unset (the interpreter replaces jit functions); the tests call it in
-a subprocess. CUDA sources are compiled with ``nvcc -c`` for sm_80 and sm_90a.
+a subprocess. CUDA sources are compiled with ``nvcc -c`` for sm_80 and sm_90a, with ptxas's
+resource report parsed per kernel (registers, spill bytes) and its performance warnings kept (e.g.
+C7511: wgmma instructions serialized), so CI catches a kernel change that would cost speed on a GPU
+it does not have.
 """
 from __future__ import annotations
 
 import importlib
 import os
 import pkgutil
+import re
 import shutil
 import subprocess
 import tempfile
@@ -61,6 +65,31 @@ def compile_triton(archs=TRITON_ARCHS) -> list[dict]:
     return rows
 
 
+def parse_ptxas(text: str) -> tuple[dict, list[str]]:
+    """``ptxas -v`` output -> ({mangled kernel: {"regs", "spill_stores", "spill_loads", "stack"}},
+    [performance/other warnings, one line each])."""
+    kernels, cur = {}, None
+    for line in text.splitlines():
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            cur = kernels.setdefault(m.group(1), {})
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and cur is not None:
+            cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            continue
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            cur = kernels.setdefault(m.group(1), {})
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and cur is not None:
+            cur["regs"] = int(m.group(1))
+    warnings = [ln.strip() for ln in text.splitlines()
+                if "Performance Loss" in ln or re.search(r"\bwarning\b", ln, re.IGNORECASE)]
+    return kernels, warnings
+
+
 def compile_cuda(archs=NVCC_ARCHS) -> list[dict]:
     from areal_tik.backend.cuda_ext import sources
     nvcc = shutil.which("nvcc")
@@ -81,9 +110,10 @@ def compile_cuda(archs=NVCC_ARCHS) -> list[dict]:
             for a in archs:
                 t0 = time.time()
                 cmd = [nvcc, "-c", s, "-o", os.path.join(d, "x.o"), "-std=c++17", "-O3",
-                       f"-gencode=arch=compute_{a},code=sm_{a}", "--expt-relaxed-constexpr", *incs]
+                       f"-gencode=arch=compute_{a},code=sm_{a}", "--expt-relaxed-constexpr", "-Xptxas", "-v", *incs]
                 r = subprocess.run(cmd, capture_output=True, text=True)
+                kernels, warnings = parse_ptxas(r.stdout + "\n" + r.stderr)
                 rows.append({"source": os.path.basename(s), "arch": f"sm_{a}", "ok": r.returncode == 0,
-                             "seconds": round(time.time() - t0, 1),
+                             "seconds": round(time.time() - t0, 1), "kernels": kernels, "ptxas_warnings": warnings,
                              **({} if r.returncode == 0 else {"error": (r.stderr or r.stdout)[-1500:]})})
     return rows

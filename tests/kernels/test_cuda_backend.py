@@ -66,6 +66,35 @@ def test_csrc_compiles_for_sm80_and_sm90a():
             row = rows.get((src, arch))
             assert row is not None, f"{src} {arch} not compiled"
             assert row["ok"], f"{src} {arch}: {row.get('error')}"
+            # ptxas's own verdicts on speed: no serialized wgmma (C7511) or other performance warning
+            assert not [w for w in row["ptxas_warnings"] if "Performance Loss" in w], row["ptxas_warnings"]
+    # The sm_90a prefill kernel: no spills, and inside the register budget it was measured at (a
+    # change that pushes it to 255 registers or spills has cost speed every time so far).
+    wg = {n: k for n, k in rows[("tik_attention.cu", "sm_90a")]["kernels"].items() if "attn_kernel_wgmma" in n}
+    assert wg, "attn_kernel_wgmma missing from the sm_90a ptxas report"
+    for name, k in wg.items():
+        assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (name, k)
+        assert k["regs"] <= 240, (name, k)
+
+
+def test_parse_ptxas_report():
+    """The ptxas -v parser reads registers, spills and performance warnings (format of CUDA 13 ptxas)."""
+    from areal_tik.backend.compile_check import parse_ptxas
+    text = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z1fv' for 'sm_90a'
+ptxas info    : Function properties for _Z1fv
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 166 registers, used 1 barriers
+ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the wgmma pipeline in the function '_Z1gv'
+ptxas info    : Compiling entry function '_Z1gv' for 'sm_90a'
+ptxas info    : Function properties for _Z1gv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 240 registers, used 16 barriers
+"""
+    kernels, warnings = parse_ptxas(text)
+    assert kernels["_Z1fv"] == {"stack": 8, "spill_stores": 4, "spill_loads": 12, "regs": 166}
+    assert kernels["_Z1gv"] == {"stack": 0, "spill_stores": 0, "spill_loads": 0, "regs": 240}
+    assert len(warnings) == 1 and "C7511" in warnings[0]
 
 
 def test_cuda_ops_registered_with_sources():
