@@ -229,6 +229,23 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   auto load_tile = [&](int j, int stage) {  // thread 0 only
     const uint32_t ks = sbase + (uint32_t)(stage * 2 * WG_TILE_BYTES);
     const uint32_t bar = bars + 8 * stage;
+    // Fast path, one box per 64-column half (box_rows == BN: contiguous K/V, or pages of >= 64 rows;
+    // j < nblk, so the block starts before kv_len): thread 0's refill is on the critical path of the
+    // lockstep walk (every warp waits for it at the next barrier), and the general loop below cost
+    // 9-11% of the kernel's time (H200, bench/results/*_wgmma-fastload).
+    if (box_rows == BN) {
+      const int pos = j * BN;
+      const int64_t slot = p.paged ? (int64_t)p.block_table[(int64_t)b * p.max_pages + pos / p.page_size] * p.page_size +
+                                         pos % p.page_size
+                                   : kv_base + pos;
+      mbar_expect_tx(bar, (uint32_t)(BN * 128 * 4));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tma_load_3d(ks + h * WG_HALF_BYTES, &tm_k, h * 64, hk, (int)slot, bar);
+        tma_load_3d(ks + WG_TILE_BYTES + h * WG_HALF_BYTES, &tm_v, h * 64, hk, (int)slot, bar);
+      }
+      return;
+    }
     const int nbox = BN / box_rows;
     int nload = 0;
     for (int u = 0; u < nbox; ++u) nload += (j * BN + u * box_rows < kv_len);
