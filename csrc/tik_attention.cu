@@ -517,7 +517,10 @@ bool make_kv_map(CUtensorMap* map, const void* base, int64_t rows, int hkv, int 
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// cudaErrorNotSupported when no TMA descriptor can be made (the caller then runs attn_kernel).
+// cudaErrorNotSupported when no TMA descriptor can be made, or when a box of box_rows cache rows
+// could cross a page (page sizes that neither divide 64 nor are a multiple of it; the Python entry
+// points accept only powers of two 16..256, the binding itself any size): the caller then runs
+// attn_kernel, which looks up every row's page.
 cudaError_t launch_wgmma(const TikAttnParams& p, cudaStream_t stream) {
   const int G = p.Hq / p.Hkv;
   const int64_t rows = (int64_t)p.max_seqlen_q * G;
@@ -525,7 +528,7 @@ cudaError_t launch_wgmma(const TikAttnParams& p, cudaStream_t stream) {
   if (gx <= 0) return cudaSuccess;
   if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
   const int box_rows = p.paged ? (p.page_size < BN ? p.page_size : BN) : BN;
-  if (BN % box_rows != 0) return cudaErrorNotSupported;
+  if (BN % box_rows != 0 || (p.paged && p.page_size % box_rows != 0)) return cudaErrorNotSupported;
   CUtensorMap mk, mv;
   if (!make_kv_map(&mk, p.k, p.kv_rows, p.Hkv, box_rows) || !make_kv_map(&mv, p.v, p.kv_rows, p.Hkv, box_rows))
     return cudaErrorNotSupported;

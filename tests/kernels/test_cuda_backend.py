@@ -712,6 +712,34 @@ def test_wgmma_prefill_equals_mma_sync(hq, hkv, ps, seed_rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ps", [96, 80, 48])
+def test_wgmma_prefill_odd_page_size_falls_back(ps, seed_rng):
+    """A page size that neither divides 64 nor is a multiple of it (the binding accepts it; the Python
+    entry points do not): a 64-row TMA box would cross a page, so "auto" must run the mma.sync kernel
+    (rows equal the varlen rows bit for bit) and a forced wgmma launch must be refused, never read
+    the wrong page. Caches are NaN-poisoned outside the written slots."""
+    cu = _ops()
+    _wgmma_or_skip(cu)
+    g = torch.Generator().manual_seed(seed_rng)
+    lens = [300, 130, 64]
+    Hq, Hkv, D = 8, 2, 128
+    qs, ks, vs = _seq_data(lens, Hq, Hkv, D, g)
+    q = torch.cat(qs)
+    cus = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    want = torch.cat(_varlen_rows(cu, qs, ks, vs))
+    kc, vc, bt = _build_cache(ks, vs, ps, g)  # kv_cache_write takes any page size
+    sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ext = cu.extension()
+    sc = D ** -0.5
+    got = _written(lambda o: ext.attention_paged_fwd(q, kc, vc, bt, cus, sk, max(lens), sc, 0, out=o,
+                                                     decode_merge=0, prefill_kernel=0), q.shape, q.dtype)
+    rep = compare_bits(want, got, name=f"paged ps={ps} auto")
+    assert rep, rep
+    with pytest.raises(RuntimeError, match="not supported"):
+        ext.attention_paged_fwd(q, kc, vc, bt, cus, sk, max(lens), sc, 0, out=None, decode_merge=0, prefill_kernel=2)
+
+
+@pytest.mark.gpu
 def test_wgmma_prefill_bench_shape_matches_decode(seed_rng):
     """The bench's prefill shape (32 q / 8 kv heads, D 128, 8K + 5 tokens): wgmma varlen == mma.sync
     varlen, and decode rows (the mma.sync decode kernel) at chunk-boundary positions equal it."""
