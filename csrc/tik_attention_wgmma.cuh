@@ -269,7 +269,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     }
   };
   const int tail_blk = (kv_len % BN) ? kv_len / BN : -1;  // the block holding kv_len, if not aligned
-  auto stage_addr = [&](int j) { return sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES); };
 
   const float sl2 = p.scale_log2;
   if (threadIdx.x == 0) {
