@@ -106,6 +106,20 @@ __device__ __forceinline__ void merge_coeffs(float& M, float& L, float m, float 
 __device__ __forceinline__ float merge_val(float O, float acc, float a, float b) {
   return __fadd_rn(__fmul_rn(O, a), __fmul_rn(acc, b));
 }
+// FOLD merge of a finished chunk into one of a thread's two rows (i = 0, 1): (M, L) absorb the chunk's
+// (m, l) and O its acc, in the m16n8 fragment layout (elements dt * 4 + 2i and dt * 4 + 2i + 1 of
+// O and acc viewed flat), dt ascending. Used by attn_kernel, the decode kernel and the wgmma kernel.
+template <int DT>
+__device__ __forceinline__ void merge_chunk_row(float& M, float& L, float m, float l, float* O, const float* acc,
+                                                int i) {
+  float ca, cb;
+  merge_coeffs(M, L, m, l, ca, cb);
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) {
+    O[dt * 4 + 2 * i] = merge_val(O[dt * 4 + 2 * i], acc[dt * 4 + 2 * i], ca, cb);
+    O[dt * 4 + 2 * i + 1] = merge_val(O[dt * 4 + 2 * i + 1], acc[dt * 4 + 2 * i + 1], ca, cb);
+  }
+}
 
 // The two rows a thread holds in the m16n8 layout of a 16-row group starting at row r0 (row r0 + lane/4
 // and r0 + lane/4 + 8, lane/4 passed as g): rows are (query token, query head of KV head hk's GQA
@@ -363,15 +377,7 @@ __global__ void __launch_bounds__(WARPS * 32) attn_kernel(const TikAttnParams p)
         const int c = j / BPC;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          if (c <= rlast[i]) {
-            float ca, cb;
-            merge_coeffs(M[i], L[i], m[i], l[i], ca, cb);
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-              O[dt][2 * i] = merge_val(O[dt][2 * i], acc[dt][2 * i], ca, cb);
-              O[dt][2 * i + 1] = merge_val(O[dt][2 * i + 1], acc[dt][2 * i + 1], ca, cb);
-            }
-          }
+          if (c <= rlast[i]) merge_chunk_row<DT>(M[i], L[i], m[i], l[i], &O[0][0], &acc[0][0], i);
           m[i] = -CUDART_INF_F;
           l[i] = 0.f;
 #pragma unroll
@@ -865,15 +871,7 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
         const int c = j / BPC;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          if (c <= rlast[i]) {
-            float ca, cb;
-            merge_coeffs(M[i], L[i], m[i], l[i], ca, cb);
-#pragma unroll
-            for (int dt = 0; dt < DTW; ++dt) {
-              O[dt][2 * i] = merge_val(O[dt][2 * i], acc[dt][2 * i], ca, cb);
-              O[dt][2 * i + 1] = merge_val(O[dt][2 * i + 1], acc[dt][2 * i + 1], ca, cb);
-            }
-          }
+          if (c <= rlast[i]) merge_chunk_row<DTW>(M[i], L[i], m[i], l[i], &O[0][0], &acc[0][0], i);
           m[i] = -CUDART_INF_F;
           l[i] = 0.f;
 #pragma unroll

@@ -1,7 +1,7 @@
 // areal-tik sm_90a prefill attention: the attn_kernel arithmetic on warpgroup MMAs (wgmma) fed by TMA.
 //
 // Included by tik_attention.cu (needs its helpers: thread_rows, softmax_block, pack_bf16,
-// merge_coeffs, merge_val, cp_async16, BN, SPLIT, BPC). Serves FOLD-mode launches of
+// merge_chunk_row, cp_async16, BN, SPLIT, BPC). Serves FOLD-mode launches of
 // attention_varlen / attention_paged that are not decode-shaped (max_seqlen_q * G > 16), D = 128,
 // bf16, on sm_90a (H100/H200) when TMA descriptors can be made for k/v; every other launch keeps
 // attn_kernel (mma.sync).
@@ -368,15 +368,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   auto merge_chunk = [&](int c) {  // after the P V of chunk c's last block landed
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      if (c <= rlast[i]) {
-        float ca, cb;
-        merge_coeffs(M[i], L[i], mo[i], lo[i], ca, cb);
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-          O[dt * 4 + 2 * i] = merge_val(O[dt * 4 + 2 * i], acc[dt * 4 + 2 * i], ca, cb);
-          O[dt * 4 + 2 * i + 1] = merge_val(O[dt * 4 + 2 * i + 1], acc[dt * 4 + 2 * i + 1], ca, cb);
-        }
-      }
+      if (c <= rlast[i]) merge_chunk_row<DT>(M[i], L[i], mo[i], lo[i], O, acc, i);
     }
 #pragma unroll
     for (int x = 0; x < DT * 4; ++x) acc[x] = 0.f;
