@@ -70,17 +70,13 @@ def parse_ptxas(text: str) -> tuple[dict, list[str]]:
     [performance/other warnings, one line each])."""
     kernels, cur = {}, None
     for line in text.splitlines():
-        m = re.search(r"Function properties for (\S+)", line)
-        if m:
+        m = re.search(r"(?:Compiling entry function '|Function properties for )([^\s']+)", line)
+        if m:  # the kernel the following lines describe
             cur = kernels.setdefault(m.group(1), {})
             continue
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m and cur is not None:
             cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
-            continue
-        m = re.search(r"Compiling entry function '(\S+)'", line)
-        if m:
-            cur = kernels.setdefault(m.group(1), {})
             continue
         m = re.search(r"Used (\d+) registers", line)
         if m and cur is not None:
