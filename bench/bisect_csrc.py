@@ -1,0 +1,138 @@
+"""Time several csrc trees side by side in one process on one GPU (the wgmma prefill), bits checked first.
+
+    python bench/bisect_csrc.py --dir scratch/bisect --variants H B2 S2 [--ref H] --out $OUT
+
+Each variant is a directory DIR/NAME holding a full csrc copy (e.g. `git archive BRANCH csrc | tar -x -C
+DIR/NAME --strip-components=1`), built in parallel as its own torch extension (tikv_NAME, sm_90a).
+Correctness first: a varlen pack of lengths 4100/1/64/65/777/1500 (32 q / 8 kv heads, D 128) and the same
+sequences as paged prefill over NaN-poisoned caches (page sizes 16/64/128), every variant's wgmma output
+(NaN-poisoned before) torch.equal to the reference variant's mma.sync varlen output. Then prefill
+TFLOP/s at L 4K/8K/16K (batch 1, causal), two interleaved repetitions, with SDPA beside them.
+Writes OUT/bisect.json: [checks, rows...]. Exit 1 if any bit check fails.
+This is the script session 7 ran from the result folders (run_bisect.py there), made one tool.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import torch
+
+HQ, HKV, D = 32, 8, 128
+
+
+def _load(args):
+    """Build (or load the cached build of) variant NAME from DIR/NAME; returns (name, seconds, module)."""
+    vdir, name = args
+    from torch.utils.cpp_extension import load
+    bd = f"/tmp/bisect_build_{name}"
+    os.makedirs(bd, exist_ok=True)
+    srcs = sorted(glob.glob(os.path.join(vdir, name, "*.cu")) + glob.glob(os.path.join(vdir, name, "*.cpp")))
+    t = time.time()
+    mod = load(name=f"tikv_{name}", sources=srcs, build_directory=bd, extra_cflags=["-O3"], verbose=False,
+               extra_cuda_cflags=["-O3", "-DNO_FAST_MATH", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"])
+    return name, round(time.time() - t, 1), mod
+
+
+def _build_seconds(args):
+    name, sec, _ = _load(args)
+    return name, sec
+
+
+def _paged_cache(k, v, lens, cu, ps, g):
+    npg = [-(-L // ps) for L in lens]
+    num = sum(npg) + 3
+    perm = torch.randperm(num, generator=g).tolist()
+    kc = torch.full((num, ps, HKV, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    vc = torch.full_like(kc, float("nan"))
+    bt = torch.full((len(lens), max(npg) + 1), -1, dtype=torch.int32)
+    at = 0
+    for i, L in enumerate(lens):
+        pages = perm[at:at + npg[i]]
+        at += npg[i]
+        bt[i, :npg[i]] = torch.tensor(pages, dtype=torch.int32)
+        pos = torch.arange(L)
+        slot = (torch.tensor(pages)[pos // ps] * ps + pos % ps).cuda()
+        s0 = int(cu[i])
+        kc.view(-1, HKV, D)[slot] = k[s0:s0 + L]
+        vc.view(-1, HKV, D)[slot] = v[s0:s0 + L]
+    return kc, vc, bt.cuda()
+
+
+def check_bits(mods, ref_name):
+    g = torch.Generator().manual_seed(1)
+    lens = [4100, 1, 64, 65, 777, 1500]
+    T = sum(lens)
+    q, k, v = (torch.randn(T, h, D, generator=g).bfloat16().cuda() for h in (HQ, HKV, HKV))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    sc = D ** -0.5
+    ref = mods[ref_name].attention_varlen_fwd(q, k, v, cu, max(lens), sc, 0, out=None, prefill_kernel=1)
+    sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    checks = {}
+    for name, m in mods.items():
+        out = torch.full_like(q, float("nan"))
+        m.attention_varlen_fwd(q, k, v, cu, max(lens), sc, 0, out=out, prefill_kernel=2)
+        checks[f"{name}_varlen"] = bool(torch.equal(out, ref))
+        for ps in (16, 64, 128):
+            kc, vc, bt = _paged_cache(k, v, lens, cu, ps, g)
+            out = torch.full_like(q, float("nan"))
+            m.attention_paged_fwd(q, kc, vc, bt, cu, sk, max(lens), sc, 0, out=out, decode_merge=0, prefill_kernel=2)
+            checks[f"{name}_paged{ps}"] = bool(torch.equal(out, ref))
+    return checks
+
+
+def time_prefill(mods, ref_name, L):
+    from bench_cuda import _median_ms
+    q = torch.randn(L, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(L, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(L, HKV, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+    sc = D ** -0.5
+    tflop = 2.0 * L * L * D * HQ / 1e9  # causal; TFLOP/s = tflop / ms
+    ref = mods[ref_name].attention_varlen_fwd(q, k, v, cu, L, sc, 0, out=None, prefill_kernel=1)
+    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # noqa: E731
+    row = {"L": L, "sdpa": round(tflop / _median_ms(sdpa), 1)}
+    for _ in range(2):
+        for name, m in mods.items():
+            fn = lambda: m.attention_varlen_fwd(q, k, v, cu, L, sc, 0, out=None, prefill_kernel=2)  # noqa: E731
+            row[name + "_eq"] = bool(torch.equal(fn(), ref))
+            row.setdefault(name, []).append(round(tflop / _median_ms(fn), 1))
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", required=True, help="directory holding one csrc copy per variant")
+    ap.add_argument("--variants", nargs="+", required=True)
+    ap.add_argument("--ref", help="variant whose mma.sync kernel gives the reference bits (default: the first)")
+    ap.add_argument("--lens", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    ref_name = args.ref or args.variants[0]
+    if ref_name not in args.variants:
+        ap.error(f"--ref {ref_name} is not among --variants")
+    jobs = [(os.path.abspath(args.dir), v) for v in args.variants]
+    with mp.get_context("spawn").Pool(len(jobs)) as pool:  # builds in parallel; the loads below hit the cache
+        print("build seconds:", pool.map(_build_seconds, jobs), flush=True)
+    mods = {name: mod for name, _, mod in map(_load, jobs)}
+    res = [check_bits(mods, ref_name)]
+    print(res[0], flush=True)
+    for L in args.lens:
+        res.append(time_prefill(mods, ref_name, L))
+        print(res[-1], flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bisect.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    ok = all(res[0].values()) and all(r[k] for r in res[1:] for k in r if k.endswith("_eq"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())
