@@ -21,9 +21,10 @@
 //     mma.sync k-step is a hardware fact this code relies on without assuming it: the GPU tests
 //     compare this kernel with attn_kernel (prefill_kernel="mma", mode="split") and with the
 //     decode kernel bit for bit (H200, 2026-11-30: equal in every test and bench cell).
-//   * Pipeline: K/V blocks arrive by TMA (thread 0, one mbarrier per stage of a 4-stage ring,
+//   * Pipeline: K/V blocks arrive by TMA (thread 0, one mbarrier per stage of a 6-stage ring,
 //     boxes of min(64, page size) rows, 128-byte swizzle = the layout the wgmma descriptors
-//     read), two blocks ahead; one CTA barrier per block frees the stage read two blocks ago.
+//     read), 3-4 blocks ahead; a CTA barrier at every even block (and after the tail block) frees
+//     the stages of the two blocks read before the previous one, which thread 0 then refills.
 //     Per warpgroup, step j issues S_j and P_{j-1} V_{j-1} together and waits for S_j first
 //     (written as FA3's intra-warpgroup overlap; in the SASS ptxas waits for P V before block j's
 //     softmax, because P_j is packed into the registers P_{j-1} V_{j-1} reads, and pinning the
@@ -36,7 +37,7 @@
 //   * A warpgroup whose 64 rows all lie before a block skips it (attn_kernel skips per warp; a
 //     fully masked block is an exact no-op on a row's state either way).
 // Resource use: 256 threads, 232 registers (accumulator 64 + merged O 64 + S 32 + P 16 per
-// thread), ~162 KB shared memory, one CTA per SM.
+// thread), ~225 KB shared memory, one CTA per SM.
 // Measured (H200, 32 q / 8 kv heads, causal, bench_cuda, 2026-11-30): 350/388/411 TF/s at L 4K/8K/16K,
 // 1.8-2.0x the mma.sync kernel, 1.19-1.22x Triton, 0.66-0.72x cuDNN SDPA.
 // Tried and dropped: Q in registers (spills; 286 vs 303 TF/s), warpgroups walking
@@ -52,8 +53,8 @@ namespace tik_attn {
 
 constexpr int WG_ROWS = 128;      // 2 warpgroups x 64 rows
 constexpr int WG_THREADS = 256;
-constexpr int WG_STAGES = 4;      // K/V ring: block j computes while j + 1, j + 2 land and j - 1's V is read
-constexpr int WG_PREFETCH = 2;    // blocks loaded ahead
+constexpr int WG_STAGES = 6;      // K/V ring: in flight at step j: j - 1 (P V), j (S), j + 1 .. j + 4 (landing)
+constexpr int WG_PREFETCH = 3;    // blocks loaded before the walk; each even step loads two more
 constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
 constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
@@ -288,17 +289,21 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   // ending at block j - 1 merges (with its saved m, l) after its last P V lands. The steps are
   // peeled (first S, steady S + P V, last P V) so no wgmma sits in a conditional path (ptxas
   // would serialize them).
-  // CTA-wide, once per j = 0 .. nblk: wait until block j landed, then a barrier (every wgmma
-  // reading block j - 2's stage is done, so refill may overwrite it); the tail block's V rows
-  // past kv_len are zeroed here and fenced for wgmma, and are read (P V) only after the next
-  // barrier (j + 1, which for the last block is the extra one at j = nblk).
+  // CTA-wide, once per j = 0 .. nblk: wait until block j landed; at even j (and at the block after
+  // the tail block) a barrier: every wgmma reading blocks j - 3 and j - 2 is done, so refill may
+  // overwrite their stages. The tail block's V rows past kv_len are zeroed here and fenced for
+  // wgmma, and are read (P V) only after the barrier at the next block (for the last block, the
+  // extra one at j = nblk).
   auto sync_block = [&](int j) {
     if (j >= nblk) {
       if (tail_blk == nblk - 1) __syncthreads();
       return;
     }
     mbar_wait(bars + 8 * (j % WG_STAGES), (uint32_t)((j / WG_STAGES) & 1));
-    __syncthreads();
+    // The CTA barrier runs every other block (the refill of two stages needs it), and after the tail
+    // block (its zeroed V rows must be in place before any warp's P V reads them). H200, side by side
+    // with the barrier every block: +2-3% at L 4K-16K (bench/results/*_wgmma-bisect-b2-s2).
+    if ((j & 1) == 0 || j == tail_blk + 1) __syncthreads();
     if (j == tail_blk) {
       const uint32_t vs = sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES) + WG_TILE_BYTES;
       const int r0 = kv_len - j * BN;
@@ -310,9 +315,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
   };
-  auto refill = [&](int j) {
-    const int jn = j + WG_PREFETCH;
-    if (threadIdx.x == 0 && j < nblk && jn < nblk) load_tile(jn, jn % WG_STAGES);
+  auto refill = [&](int j) {  // at even j, blocks j + 3 and j + 4 into the stages of j - 3 and j - 2
+    if (threadIdx.x == 0 && (j & 1) == 0 && j < nblk) {
+      if (j + 3 < nblk) load_tile(j + 3, (j + 3) % WG_STAGES);
+      if (j + 4 < nblk) load_tile(j + 4, (j + 4) % WG_STAGES);
+    }
   };
   float s[NT * 4];
   // Descriptor low words: Q of this warpgroup and stage 0's K and V; a k-step / stage is a constant offset.
