@@ -9,6 +9,14 @@ sequences as paged prefill over NaN-poisoned caches (page sizes 16/64/128), ever
 (NaN-poisoned before) torch.equal to the reference variant's mma.sync varlen output. Then prefill
 TFLOP/s at L 4K/8K/16K (batch 1, causal), two interleaved repetitions, with SDPA beside them.
 Writes OUT/bisect.json: [checks, rows...]. Exit 1 if any bit check fails.
+
+    python bench/bisect_csrc.py --decode --dir DIR --variants H MC [--cpc 0 1 2 4] --out $OUT
+
+Decode mode: the decode kernel instead (one query per sequence, page size 64). Bits first: a ragged batch
+(KV lengths 1..8192 around chunk and block edges, NaN-poisoned caches, page sizes 16 and 64), fused and
+two-launch merge, every variant (and every --cpc value of a build that takes `decode_cpc`) torch.equal to
+the reference variant's fused output. Then CUDA-graph times per (batch, context) cell, SDPA beside them.
+Writes OUT/bisect_decode.json.
 This is the script session 7 ran from the result folders (run_bisect.py there), made one tool.
 """
 from __future__ import annotations
@@ -106,6 +114,90 @@ def time_prefill(mods, ref_name, L):
     return row
 
 
+def _decode_calls(mods, cpcs, stages=(0,)):
+    """(label, module, extra kwargs) per variant and (chunks per CTA, ring stages) the build accepts."""
+    calls = []
+    for name, m in mods.items():
+        doc = m.attention_paged_fwd.__doc__ or ""
+        for c in (cpcs if "decode_cpc" in doc else [None]):
+            for st in (stages if "decode_stages" in doc else [None]):
+                kw, label = {}, name
+                if c is not None:
+                    kw["decode_cpc"] = c
+                    label += f"_cpc{c}"
+                if st is not None and st != 0:
+                    kw["decode_stages"] = st
+                    label += f"_st{st}"
+                calls.append((label, m, kw))
+    return calls
+
+
+def _decode_inputs(lens, ps, g, poison=True):
+    B = len(lens)
+    npg = [-(-L // ps) for L in lens]
+    num = sum(npg) + 3
+    kc = torch.randn(num, ps, HKV, D, generator=g).bfloat16().cuda()
+    vc = torch.randn(num, ps, HKV, D, generator=g).bfloat16().cuda()
+    perm = torch.randperm(num, generator=g).tolist()
+    bt = torch.full((B, max(npg) + 2), -1, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(npg):
+        bt[i, :n] = torch.tensor(perm[at:at + n], dtype=torch.int32)
+        at += n
+    if poison:  # slots past each sequence's length, in its last page and the spare pages
+        for i, L in enumerate(lens):
+            last = int(bt[i, npg[i] - 1])
+            kc[last, L - (npg[i] - 1) * ps:] = float("nan")
+            vc[last, L - (npg[i] - 1) * ps:] = float("nan")
+        for pg in perm[at:]:
+            kc[pg] = float("nan")
+            vc[pg] = float("nan")
+    q = torch.randn(B, HQ, D, generator=g).bfloat16().cuda()
+    cq = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return q, kc, vc, bt.cuda(), cq, sk
+
+
+def check_decode_bits(mods, ref_name, cpcs, stages=(0,)):
+    g = torch.Generator().manual_seed(2)
+    sc = D ** -0.5
+    checks = {}
+    lens = [1, 63, 64, 65, 255, 256, 257, 511, 1000, 1024, 1025, 4100, 8192, 3]
+    for ps in (16, 64):
+        q, kc, vc, bt, cq, sk = _decode_inputs(lens, ps, g)
+        ref = mods[ref_name].attention_paged_fwd(q, kc, vc, bt, cq, sk, 1, sc, 0, out=None, decode_merge=0)
+        assert not torch.isnan(ref).any(), "reference decode output has NaN"
+        for label, m, kw in _decode_calls(mods, cpcs, stages):
+            for merge in (0, 1):
+                out = torch.full_like(q, float("nan"))
+                m.attention_paged_fwd(q, kc, vc, bt, cq, sk, 1, sc, 0, out=out, decode_merge=merge, **kw)
+                checks[f"{label}_ps{ps}_{'fused' if merge == 0 else '2launch'}"] = bool(torch.equal(out, ref))
+    return checks
+
+
+def time_decode(mods, ref_name, cpcs, B, ctx, stages=(0,)):
+    from bench_cuda import _graphed, _median_ms
+    g = torch.Generator().manual_seed(B * 100003 + ctx)
+    q, kc, vc, bt, cq, sk = _decode_inputs([ctx] * B, 64, g, poison=False)
+    sc = D ** -0.5
+    npg = -(-ctx // 64)
+    kk = kc[bt[:, :npg].long()].reshape(B, npg * 64, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
+    vv = vc[bt[:, :npg].long()].reshape(B, npg * 64, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
+    qq = q.view(B, HQ, 1, D)
+    F = torch.nn.functional
+    fn, _ = _graphed(lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True))
+    row = {"batch": B, "ctx": ctx, "sdpa_us": round(_median_ms(fn) * 1e3, 2)}
+    ref = mods[ref_name].attention_paged_fwd(q, kc, vc, bt, cq, sk, 1, sc, 0, out=None, decode_merge=0)
+    del kk, vv
+    for _ in range(2):
+        for label, m, kw in _decode_calls(mods, cpcs, stages):
+            call = lambda: m.attention_paged_fwd(q, kc, vc, bt, cq, sk, 1, sc, 0, out=None, decode_merge=0, **kw)  # noqa: E731
+            row[label + "_eq"] = bool(torch.equal(call(), ref))
+            fn, how = _graphed(call)
+            row.setdefault(label, []).append(round(_median_ms(fn) * 1e3, 2))
+    return row
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", required=True, help="directory holding one csrc copy per variant")
@@ -113,6 +205,12 @@ def main(argv=None):
     ap.add_argument("--ref", help="variant whose mma.sync kernel gives the reference bits (default: the first)")
     ap.add_argument("--lens", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--decode", action="store_true", help="bisect the decode kernel instead of the prefill")
+    ap.add_argument("--cpc", type=int, nargs="+", default=[0], help="decode_cpc values for builds that take it")
+    ap.add_argument("--stages", type=int, nargs="+", default=[0],
+                    help="decode_stages values (0 = auto, 2..4) for builds that take it")
+    ap.add_argument("--cells", default="1x128,1x1024,1x4096,4x1024,4x8192,8x4096,16x1024,16x8192,64x1024,128x512",
+                    help="decode cells BATCHxCONTEXT, comma-separated")
     args = ap.parse_args(argv)
     ref_name = args.ref or args.variants[0]
     if ref_name not in args.variants:
@@ -121,6 +219,18 @@ def main(argv=None):
     with mp.get_context("spawn").Pool(len(jobs)) as pool:  # builds in parallel; the loads below hit the cache
         print("build seconds:", pool.map(_build_seconds, jobs), flush=True)
     mods = {name: mod for name, _, mod in map(_load, jobs)}
+    if args.decode:
+        res = [check_decode_bits(mods, ref_name, args.cpc, args.stages)]
+        print(res[0], flush=True)
+        for cell in args.cells.split(","):
+            B, ctx = (int(x) for x in cell.split("x"))
+            res.append(time_decode(mods, ref_name, args.cpc, B, ctx, args.stages))
+            print(res[-1], flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bisect_decode.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        ok = all(res[0].values()) and all(r[k] for r in res[1:] for k in r if k.endswith("_eq"))
+        return 0 if ok else 1
     res = [check_bits(mods, ref_name)]
     print(res[0], flush=True)
     for L in args.lens:

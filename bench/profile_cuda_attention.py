@@ -1,11 +1,11 @@
 """A few launches of one csrc attention kernel, for Nsight Compute (32 q / 8 kv heads, D 128, bf16).
 
     ncu -k regex:attn_kernel_wgmma -c 1 --launch-skip 2 ... python bench/profile_cuda_attention.py prefill 4096
-    ncu -k regex:attn_decode_kernel -c 1 --launch-skip 2 ... python bench/profile_cuda_attention.py decode 16 8192
+    ncu -k regex:attn_decode_kernel -c 1 --launch-skip 2 ... python bench/profile_cuda_attention.py decode 16 8192 [CPC]
 
 prefill L: one causal sequence of L tokens through attention_varlen (the default prefill kernel);
 decode B CTX: B sequences of CTX cached positions (page size 64, shuffled pages), one query each,
-through attention_paged (the fused split-KV decode).
+through attention_paged (the fused split-KV decode); CPC forces the split chunks per CTA (decode_cpc).
 """
 import sys
 
@@ -33,7 +33,12 @@ elif kind == "decode":
     q = torch.randn(B, HQ, D, device=dev, dtype=bf)
     cq = torch.arange(B + 1, dtype=torch.int32, device=dev)
     sk = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-    run = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
+    if len(sys.argv) > 4:
+        cpc = int(sys.argv[4])
+        run = lambda: cuda_ops.extension().attention_paged_fwd(q, kc, vc, bt, cq, sk, 1, D ** -0.5, 0,  # noqa: E731
+                                                               decode_cpc=cpc)
+    else:
+        run = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
 else:
     raise SystemExit(f"unknown kind {kind!r}: prefill | decode")
 for _ in range(3):

@@ -38,6 +38,7 @@
 #include <cuda_bf16.h>
 #include <math_constants.h>
 #include <stdint.h>
+#include <algorithm>
 #include <type_traits>
 #include <stdio.h>
 
@@ -146,12 +147,15 @@ __device__ __forceinline__ void thread_rows(const TikAttnParams& p, int r0, int 
 // thread's row maxima over them. Completes the row max over the quad (xor 1, 2), updates m, sets
 // alpha = ex2(m_old - m_new), replaces s by P = ex2(s - m) and adds the row sum (thread order nt
 // then e, then xor 1, 2) to l scaled by alpha.
-template <int NT>
+// NR = 1: only the thread's first row (g; the decode kernel's tiles of at most 8 rows, whose second
+// rows g + 8 are all empty): the same operations on row g, none on row g + 8 (its s, m, l, alpha are
+// left as they are).
+template <int NT, int NR = 2>
 __device__ __forceinline__ void softmax_block(float* s, float (&mx)[2], float (&m)[2], float (&l)[2],
                                               float (&alpha)[2]) {
   float muse[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < NR; ++i) {
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
     const float mn = fmaxf(m[i], mx[i]);
@@ -163,13 +167,13 @@ __device__ __forceinline__ void softmax_block(float* s, float (&mx)[2], float (&
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < 2 * NR; ++e) {
       const float pe = ex2(__fsub_rn(s[nt * 4 + e], muse[e >> 1]));
       s[nt * 4 + e] = pe;
       rs[e >> 1] = __fadd_rn(rs[e >> 1], pe);
     }
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < NR; ++i) {
     rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));
     rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));
     l[i] = __fadd_rn(__fmul_rn(l[i], alpha[i]), rs[i]);
@@ -566,16 +570,23 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 // Decode path (launches with at most 16 rows per KV head, i.e. max_seqlen_q * G <= 16).
 // Same per-row arithmetic as attn_kernel, instruction for instruction on every value that
 // reaches a row's result, so the bits are those of attn_kernel:
-//   * 4 warps per CTA all hold the same 16 rows. Each computes S = Q K^T and the online
-//     softmax (m, l) for the whole block exactly as attn_kernel does (redundantly), then
-//     P V only for its quarter of the head dim (D/4 output columns; an output column's
-//     accumulator sees the same P, the same V column and the same k-step order).
-//   * loader: 128 threads; each thread's page lookups for a tile are issued together
-//     before its cp.async (attn_kernel's loader re-reads the block table and divides by
-//     page_size behind every cp.async, serialised by the asm memory clobber).
+//   * 4 warps per CTA all hold the same 16 rows. Each computes S = Q K^T for a quarter of the
+//     block's columns (each S value is attn_kernel's chain: kc ascending, same fragments), the
+//     quarters are exchanged through shared memory (4 KB, one extra barrier per block), then
+//     every warp runs the online softmax (m, l) for the whole block exactly as attn_kernel does
+//     (redundantly), and P V only for its quarter of the head dim (D/4 output columns; an
+//     output column's accumulator sees the same P, the same V column and the same k-step order).
+//     (Until 2026-11-30 session 8 every warp computed all of S: four times the MMAs and K reads.)
+//   * loader: 128 threads, cp.async; the page-table entries of the next block are loaded a block
+//     ahead (registers, not waited for), so no copy waits for its page lookup; blocks inside one
+//     page (contiguous K/V, pages of >= 64 rows) take one entry and constant row strides.
 //   * 3-stage cp.async ring, or 2 stages at D = 128 for grids over four CTAs per SM (three CTAs per
-//     SM then fit), one barrier per block; K fragments by
+//     SM then fit; decode_stages forces either), one barrier per block; K fragments by
 //     ldmatrix.x4 (the values of 32-bit loads, four k-step halves per instruction).
+//   * causal select only in blocks reaching past the tile's earliest row; tiles of at most 8 rows
+//     (HALF) skip all work on each thread's empty second row.
+//   * SPLIT mode: a CTA walks cpc consecutive chunks (decode_cpc, or decode_auto_cpc), each from a
+//     fresh state with its own stored partial, exactly as cpc CTAs of one chunk each would.
 //   * SPLIT mode, two launches (FUSED = false; kept as the reference path, selected when no
 //     counter buffer is passed): the merge kernel prefetches the chunk partials 16 at a time
 //     and folds them in the same ascending order with the same scalar code; it derives each
@@ -601,10 +612,9 @@ constexpr int DEC_WARPS = 4;
 // (2 x 35 KB: three CTAs per SM, where three stages fit two). Changes timing only, not bits.
 constexpr int DEC_STAGES_DEEP = 3;
 constexpr int DEC_STAGES_WIDE = 2;
-// chunk partials in flight per thread in the fused merge: 16 at D = 128 (the kernel's
-// occupancy is bound by shared memory there, 2 CTAs/SM, so the registers are free), 8 at
-// D = 64 (keeps the kernel at 96 registers, i.e. 4 CTAs/SM as the two-launch path). The
-// prefetch depth changes only when loads are issued, not the fold order or its operations.
+// chunk partials in flight per thread in the fused merge: 8 (session 8: 16 at D = 128 spilled once
+// the S exchange and the per-chunk partial stores joined the kernel under its 3-CTAs-per-SM register
+// bound). The prefetch depth changes only when loads are issued, not the fold order or its operations.
 // (Set in decode_merge_tile as DEC_FUSED_PF.)
 
 // Fused decode merge, run by the one CTA that drew a tile's last ticket: every valid row of
@@ -616,7 +626,7 @@ template <int D>
 __device__ __forceinline__ void decode_merge_tile(const TikAttnParams& p, int row0, int nrows, int G, int q0,
                                                   int pos_off, int hk, int maxc) {
   constexpr int Q4 = D / 4;
-  constexpr int DEC_FUSED_PF = D >= 128 ? 16 : 8;
+  constexpr int DEC_FUSED_PF = 8;
   bf16* out = static_cast<bf16*>(p.out);
   for (int it = threadIdx.x; it < nrows * Q4; it += DEC_WARPS * 32) {
     const int r = row0 + it / Q4, dq = it % Q4;
@@ -659,16 +669,25 @@ __device__ __forceinline__ void decode_merge_tile(const TikAttnParams& p, int ro
 
 template <int D, int STAGES>
 constexpr int decode_smem_bytes() {
-  return STAGES * 2 * BN * (D + 8) * 2;
+  return STAGES * 2 * BN * (D + 8) * 2 + BN * 16 * 4;  // K/V ring + the S exchange (16 rows x BN fp32)
 }
 
-template <int D, bool SPLITM, bool FUSED = false, int DEC_STAGES = DEC_STAGES_DEEP>
-__global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAttnParams p) {
+// Split chunks per decode CTA in SPLIT mode (p.decode_cpc, or picked from the grid), and the CTAs per 16-row tile.
+__host__ __device__ __forceinline__ int decode_ctas_per_tile(int maxc, int cpc) { return (maxc + cpc - 1) / cpc; }
+
+// HALF: launches of at most 8 rows per KV head (max_seqlen_q * G <= 8: one-query decode with up to 8
+// query heads per KV head), so a thread's second row (g + 8) is always empty; the kernel then skips
+// every operation on it (softmax, alpha scaling, the exchange of its scores), leaving row g's operations
+// as they are.
+template <int D, bool SPLITM, bool FUSED = false, int DEC_STAGES = DEC_STAGES_DEEP, bool HALF = false>
+__global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const TikAttnParams p, int cpc) {
   static_assert(SPLITM || !FUSED, "the fused merge exists only in SPLIT mode");
+  constexpr int NR = HALF ? 1 : 2;  // rows per thread that can hold a query
   constexpr int NT = BN / 8;
   constexpr int KC = D / 16;
   constexpr int DT = D / 8;
   constexpr int DTW = DT / DEC_WARPS;  // output n-tiles per warp
+  constexpr int NTW = NT / DEC_WARPS;  // S n-tiles per warp
   constexpr int NPW = DTW / 2;         // 16-column V k-step pairs per warp
   constexpr int LDS = D + 8;
   constexpr int NTH = DEC_WARPS * 32;
@@ -676,21 +695,28 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
   constexpr int PER_T = BN * SEGS / NTH;  // 16-byte segments per thread per tile
   constexpr int RSTEP = NTH / SEGS;       // row step between a thread's segments
   static_assert(DTW % 2 == 0 && DTW >= 2, "head dim split needs an even number of n-tiles per warp");
+  static_assert(NT % DEC_WARPS == 0, "S column split needs whole n-tiles per warp");
   static_assert((BN * SEGS) % NTH == 0 && NTH % SEGS == 0, "loader shape");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* Ks = reinterpret_cast<bf16*>(smem_raw);   // [STAGES][BN][LDS]
   bf16* Vs = Ks + DEC_STAGES * BN * LDS;          // [STAGES][BN][LDS]
+  float4* Sx = reinterpret_cast<float4*>(Vs + DEC_STAGES * BN * LDS);  // [NT][32 lanes]: S fragments
 
-  const int b = blockIdx.z, hk = blockIdx.y;
+  const int b = blockIdx.z, hk = blockIdx.y, bx = blockIdx.x;
   const int G = p.Hq / p.Hkv;
-  int tile, chunk = 0;
+  // SPLIT mode: this CTA walks chunks chunk .. chunk_end - 1 (cpc consecutive chunks; cpc = 1 is
+  // one CTA per chunk) through one ring; every chunk starts from a fresh state and stores its own
+  // partial, exactly as if it had its own CTA.
+  int tile, chunk = 0, chunk_end = 1;
   if (SPLITM) {
     const int maxc = max_chunks_of(p);
-    tile = blockIdx.x / maxc;
-    chunk = blockIdx.x % maxc;
+    const int cpt = decode_ctas_per_tile(maxc, cpc);
+    tile = bx / cpt;
+    chunk = (bx % cpt) * cpc;
+    chunk_end = min(maxc, chunk + cpc);
   } else {
-    tile = blockIdx.x;
+    tile = bx;
   }
   const int q0 = p.cu_seqlens_q[b];
   const int nq = p.cu_seqlens_q[b + 1] - q0;
@@ -706,19 +732,28 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
   int jb = 0, je = nblk;
   if (SPLITM) {
     jb = chunk * BPC;
-    je = min(nblk, jb + BPC);
+    je = min(nblk, chunk_end * BPC);
     if (jb >= je) return;
   }
+  // chunks (= participating partials) of this tile: chunk c has blocks iff c * SPLIT <= tile_max_pos,
+  // capped by maxc (the merge kernel caps nc the same way)
+  const int nct = SPLITM ? min(tile_max_pos / SPLIT + 1, max_chunks_of(p)) : 1;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wrow0 = row0;  // every warp holds the same 16 rows
   const int warp_max_pos = pos_off + (min(rows_total, wrow0 + 16) - 1) / G;
   const int dt0 = warp * DTW;  // first output n-tile of this warp
+  const int tile_min_pos = pos_off + row0 / G;  // position of the tile's first (earliest) row
 
   int rpos[2], rlast[2];
   bool rvalid[2];
   int64_t rowid[2];
   thread_rows(p, wrow0, g, G, rows_total, pos_off, q0, hk, rpos, rlast, rvalid, rowid);
+  if (HALF) {  // the launcher guarantees rows_total <= 8: row g + 8 is empty
+    rvalid[1] = false;
+    rpos[1] = -1;
+    rlast[1] = -1;
+  }
 
   uint32_t qa[KC][4];
   {
@@ -762,40 +797,76 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
   const int lr0 = threadIdx.x / SEGS, ls = threadIdx.x % SEGS;
   const uint32_t ks_s = (uint32_t)__cvta_generic_to_shared(Ks), vs_s = (uint32_t)__cvta_generic_to_shared(Vs);
 
-  auto load_tile = [&](int j, int buf) {
-    int64_t off[PER_T];
-    // phase 1: all page lookups of this thread (independent loads, issued together)
+  // The loader in two halves, a block apart: the page-table entries of block j + 1 are loaded (into
+  // registers, not waited for) right after block j's copies are issued, so the copies of a block never
+  // wait for its page lookups (H200, session 8: before this a decode CTA took ~2.5 us per 64-position
+  // block, one page-table round trip plus the compute, serialised).
+  // Two loaders behind one uniform branch. Blocks that lie in one page (contiguous K/V, or power-of-two
+  // pages of at least BN rows: every Python entry point's case at page size 64..256): one page-table
+  // entry per block, and a thread's PER_T rows are a constant stride apart. Otherwise (pages of 16 or
+  // 32 rows, or a size the binding accepts that is no power of two) one entry per row.
+  // The page-table entries of block j + 1 are loaded (into registers, not waited for) right after block
+  // j's copies are issued, so the copies of a block never wait for its page lookups (H200, session 8:
+  // before this a decode CTA took ~2 us per 64-position block, with the page-table round trip and
+  // ~860 instructions per warp, mostly address arithmetic, on its path).
+  int pg[PER_T];  // next block's pages of this thread's rows (pg[0] only on the one-page path)
+  const int ps = p.paged ? p.page_size : BN;
+  const bool ps_pow2 = (ps & (ps - 1)) == 0;
+  const bool one_page = !p.paged || (ps_pow2 && ps >= BN);
+  const int ps_shift = __ffs(ps) - 1;
+  const int row_elems = p.Hkv * D;
+  const int64_t page_elems = (int64_t)ps * row_elems;
+  const int col0 = hk * D + ls * 8;
+  const int64_t rstep_elems = (int64_t)RSTEP * row_elems;
+  auto fetch_pages = [&](int j) {
+    if (!p.paged || j >= je) return;
+    if (one_page) {
+      pg[0] = __ldg(bt_row + ((j * BN) >> ps_shift));
+    } else {
 #pragma unroll
-    for (int u = 0; u < PER_T; ++u) {
-      const int pos = j * BN + lr0 + u * RSTEP;
-      int64_t o = -1;
-      if (pos < kv_len) {
-        int64_t slot;
-        if (p.paged) {
-          const int page = __ldg(bt_row + pos / p.page_size);
-          slot = (int64_t)page * p.page_size + pos % p.page_size;
-        } else {
-          slot = kv_base + pos;
-        }
-        o = (slot * p.Hkv + hk) * D + ls * 8;
+      for (int u = 0; u < PER_T; ++u) {
+        const int pos = j * BN + lr0 + u * RSTEP;
+        pg[u] = pos < kv_len ? __ldg(bt_row + (ps_pow2 ? pos >> ps_shift : pos / ps)) : 0;
       }
-      off[u] = o;
     }
-    // phase 2: the copies (zero-fill past kv_len, as attn_kernel)
+  };
+  auto issue_tile = [&](int j, int buf) {  // the copies of block j (zero-fill past kv_len, as attn_kernel)
+    const uint32_t so0 = (uint32_t)(((buf * BN + lr0) * LDS + ls * 8) * 2);
+    if (one_page) {
+      const int pos0 = j * BN;
+      const int64_t row0e = p.paged ? (int64_t)pg[0] * ps + (ps_pow2 ? pos0 & (ps - 1) : 0) : kv_base + pos0;
+      const bf16* kp = kg0 + (row0e + lr0) * row_elems + col0;
+      const bf16* vp = vg0 + (row0e + lr0) * row_elems + col0;
+      const bool full = pos0 + BN <= kv_len;
 #pragma unroll
-    for (int u = 0; u < PER_T; ++u) {
-      const bool ok = off[u] >= 0;
-      const int64_t o = ok ? off[u] : 0;
-      const uint32_t so = (uint32_t)(((buf * BN + lr0 + u * RSTEP) * LDS + ls * 8) * 2);
-      cp_async16(ks_s + so, kg0 + o, ok ? 16 : 0);
-      cp_async16(vs_s + so, vg0 + o, ok ? 16 : 0);
+      for (int u = 0; u < PER_T; ++u) {
+        const bool ok = full || pos0 + lr0 + u * RSTEP < kv_len;
+        const uint32_t so = so0 + (uint32_t)(u * RSTEP * LDS * 2);
+        cp_async16(ks_s + so, ok ? kp + u * rstep_elems : kg0, ok ? 16 : 0);
+        cp_async16(vs_s + so, ok ? vp + u * rstep_elems : vg0, ok ? 16 : 0);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < PER_T; ++u) {
+        const int pos = j * BN + lr0 + u * RSTEP;
+        const bool ok = pos < kv_len;
+        const int64_t o = ok ? (int64_t)pg[u] * page_elems + (int64_t)((ps_pow2 ? pos & (ps - 1) : pos % ps) * row_elems + col0)
+                             : 0;
+        const uint32_t so = so0 + (uint32_t)(u * RSTEP * LDS * 2);
+        cp_async16(ks_s + so, kg0 + o, ok ? 16 : 0);
+        cp_async16(vs_s + so, vg0 + o, ok ? 16 : 0);
+      }
     }
   };
 
   const float sl2 = p.scale_log2;
-#pragma unroll
+  fetch_pages(jb);
+#pragma unroll 1
   for (int s = 0; s < DEC_STAGES - 1; ++s) {
-    if (jb + s < je) load_tile(jb + s, s);
+    if (jb + s < je) {
+      issue_tile(jb + s, s);
+      fetch_pages(jb + s + 1);
+    }
     cp_async_commit();
   }
   for (int j = jb; j < je; ++j) {
@@ -804,55 +875,104 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
     __syncthreads();                  // ... everyone's; and everyone is done with tile j-1
     {
       const int jn = j + DEC_STAGES - 1;
-      if (jn < je) load_tile(jn, (jn - jb) % DEC_STAGES);
+      if (jn < je) {
+        issue_tile(jn, (jn - jb) % DEC_STAGES);
+        fetch_pages(jn + 1);
+      }
       cp_async_commit();
     }
 
     if (warp_max_pos >= j * BN) {
       const bf16* Vb = Vs + buf * BN * LDS;
-      float s[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+      // S for this warp's NTW n-tiles only (the four warps hold the same rows, so S is split by
+      // columns), then exchanged through shared memory: every warp reads back all of S in its
+      // fragment layout. Each S value is the same chain as attn_kernel's (kc ascending from 0, same
+      // A and B fragments); which warp computed it changes nothing.
       // K fragments by ldmatrix: one x4 load gives b0/b1 of k-steps 2kp and 2kp + 1 for n-tile nt
-      // (the values attn_kernel reads with 32-bit loads); each s[nt] still chains kc ascending.
+      // (the values attn_kernel reads with 32-bit loads).
+      float so[NTW][4];
+#pragma unroll
+      for (int u = 0; u < NTW; ++u)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) so[u][e] = 0.f;
       const uint32_t kbase = ks_s + (uint32_t)((buf * BN + (lane & 7)) * LDS * 2 + (lane >> 3) * 16);
 #pragma unroll
       for (int kp = 0; kp < KC / 2; ++kp) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int u = 0; u < NTW; ++u) {
+          const int nt = warp * NTW + u;
           uint32_t b0, b1, b2, b3;
           ldsm_x4(b0, b1, b2, b3, kbase + (uint32_t)((nt * 8 * LDS + kp * 32) * 2));
-          mma16816(s[nt], qa[2 * kp], b0, b1);
-          mma16816(s[nt], qa[2 * kp + 1], b2, b3);
+          mma16816(so[u], qa[2 * kp], b0, b1);
+          mma16816(so[u], qa[2 * kp + 1], b2, b3);
+        }
+      }
+      // One buffer is enough: block j + 1 writes it after the next top-of-block barrier, which
+      // every warp reaches only after reading block j's S here.
+      float s[NT][4];
+      if constexpr (HALF) {  // row g only
+        float2* Sx2 = reinterpret_cast<float2*>(Sx);
+#pragma unroll
+        for (int u = 0; u < NTW; ++u) Sx2[(warp * NTW + u) * 32 + lane] = make_float2(so[u][0], so[u][1]);
+        __syncthreads();
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float2 v2 = Sx2[nt * 32 + lane];
+          s[nt][0] = v2.x;
+          s[nt][1] = v2.y;
+          s[nt][2] = 0.f;
+          s[nt][3] = 0.f;
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < NTW; ++u)
+          Sx[(warp * NTW + u) * 32 + lane] = make_float4(so[u][0], so[u][1], so[u][2], so[u][3]);
+        __syncthreads();
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float4 v4 = Sx[nt * 32 + lane];
+          s[nt][0] = v4.x;
+          s[nt][1] = v4.y;
+          s[nt][2] = v4.z;
+          s[nt][3] = v4.w;
         }
       }
       float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+      if (j * BN + BN - 1 <= tile_min_pos) {  // every column visible to every valid row: no select
+        // (a row past the sequence has zero Q, so its unmasked scores are 0: finite, and never stored)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = j * BN + nt * 8 + 2 * t + (e & 1);
-          const int i = e >> 1;
-          const float v = (col <= rpos[i]) ? __fmul_rn(s[nt][e], sl2) : -CUDART_INF_F;
-          s[nt][e] = v;
-          mx[i] = fmaxf(mx[i], v);
-        }
+          for (int e = 0; e < 2 * NR; ++e) {
+            s[nt][e] = __fmul_rn(s[nt][e], sl2);
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+          }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2 * NR; ++e) {
+            const int col = j * BN + nt * 8 + 2 * t + (e & 1);
+            const int i = e >> 1;
+            const float v = (col <= rpos[i]) ? __fmul_rn(s[nt][e], sl2) : -CUDART_INF_F;
+            s[nt][e] = v;
+            mx[i] = fmaxf(mx[i], v);
+          }
+      }
       float alpha[2];
-      softmax_block<NT>(&s[0][0], mx, m, l, alpha);
+      softmax_block<NT, NR>(&s[0][0], mx, m, l, alpha);
 #pragma unroll
       for (int dt = 0; dt < DTW; ++dt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[dt][e] = __fmul_rn(acc[dt][e], alpha[e >> 1]);
+        for (int e = 0; e < 2 * NR; ++e) acc[dt][e] = __fmul_rn(acc[dt][e], alpha[e >> 1]);
       const uint32_t vbase = (uint32_t)__cvta_generic_to_shared(Vb);
 #pragma unroll
       for (int kc = 0; kc < BN / 16; ++kc) {
         uint32_t pa[4];
         pa[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
-        pa[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
+        pa[1] = HALF ? 0u : pack_bf16(s[2 * kc][2], s[2 * kc][3]);
         pa[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-        pa[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+        pa[3] = HALF ? 0u : pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
 #pragma unroll
         for (int npl = 0; npl < NPW; ++npl) {
           const int np = warp * NPW + npl;
@@ -866,7 +986,34 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
       }
     }
 
-    if constexpr (!SPLITM) {
+    if constexpr (SPLITM) {
+      // end of a chunk: store its partial and start the next chunk fresh (a tile with one chunk in
+      // all, in the fused launch, keeps its state for the in-register finish below)
+      if (((j + 1) % BPC == 0 || j == je - 1) && !(FUSED && nct == 1)) {
+        const int c = j / BPC;
+        const int maxc = max_chunks_of(p);
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+          if (rvalid[i] && c <= rlast[i]) {
+            const int64_t base = rowid[i] * maxc + c;
+            float2* arow = reinterpret_cast<float2*>(p.ws_acc + base * D);
+#pragma unroll
+            for (int dt = 0; dt < DTW; ++dt) arow[(dt0 + dt) * 4 + t] = make_float2(acc[dt][2 * i], acc[dt][2 * i + 1]);
+            if (warp == 0 && t == 0) {
+              p.ws_ml[base * 2] = m[i];
+              p.ws_ml[base * 2 + 1] = l[i];
+            }
+          }
+          m[i] = -CUDART_INF_F;
+          l[i] = 0.f;
+#pragma unroll
+          for (int dt = 0; dt < DTW; ++dt) {
+            acc[dt][2 * i] = 0.f;
+            acc[dt][2 * i + 1] = 0.f;
+          }
+        }
+      }
+    } else {
       if ((j + 1) % BPC == 0 || j == je - 1) {
         const int c = j / BPC;
 #pragma unroll
@@ -897,9 +1044,6 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
     }
   } else {
     const int maxc = max_chunks_of(p);
-    // chunks (= participating CTAs) of this tile: chunk c runs iff c * SPLIT <= tile_max_pos
-    // (jb < je above), capped by the grid's maxc (the merge kernel caps nc the same way)
-    const int nct = min(tile_max_pos / SPLIT + 1, maxc);
     if constexpr (FUSED) {
       if (nct == 1) {  // every row ends in chunk 0: the merge of one partial, in registers
         bf16* out = static_cast<bf16*>(p.out);
@@ -917,19 +1061,6 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
         return;
       }
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (!rvalid[i] || chunk > rlast[i]) continue;
-      const int64_t base = rowid[i] * maxc + chunk;
-      float2* arow = reinterpret_cast<float2*>(p.ws_acc + base * D);
-#pragma unroll
-      for (int dt = 0; dt < DTW; ++dt)
-        arow[(dt0 + dt) * 4 + t] = make_float2(acc[dt][2 * i], acc[dt][2 * i + 1]);
-      if (warp == 0 && t == 0) {
-        p.ws_ml[base * 2] = m[i];
-        p.ws_ml[base * 2 + 1] = l[i];
-      }
-    }
     if constexpr (FUSED) {
       __shared__ int s_last;
       // Release: the barrier orders every thread's partial stores before thread 0's fence,
@@ -939,9 +1070,11 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_kernel(const TikAt
       __syncthreads();
       if (threadIdx.x == 0) {
         __threadfence();
-        int* ctr = p.counters + ((int64_t)b * gridDim.y + hk) * (int64_t)(gridDim.x / maxc) + tile;
-        const int ticket = atomicAdd(ctr, 1);
-        const int last = ticket == nct - 1;
+        int* ctr = p.counters + ((int64_t)b * gridDim.y + hk) * (int64_t)(gridDim.x / decode_ctas_per_tile(maxc, cpc)) +
+                   tile;
+        const int mine = (je - 1) / BPC - chunk + 1;  // chunks this CTA stored
+        const int ticket = atomicAdd(ctr, mine);
+        const int last = ticket + mine == nct;
         if (last) {
           atomicExch(ctr, 0);  // every CTA of the tile has drawn: ready for the next launch
           __threadfence();     // acquire side: the other CTAs' partials before our reads
@@ -1016,24 +1149,31 @@ __host__ __device__ __forceinline__ int64_t decode_counters_needed(const TikAttn
   return (int64_t)p.batch * p.Hkv * ((rows + 15) / 16);
 }
 
-template <int D, bool SPLITM, int STAGES>
-cudaError_t launch_decode_stages(const TikAttnParams& p, int64_t gx, cudaStream_t stream) {
+template <int D, bool SPLITM, int STAGES, bool HALF>
+cudaError_t launch_decode_rows(const TikAttnParams& p, int64_t gx, int cpc, cudaStream_t stream) {
   constexpr int SMEM = decode_smem_bytes<D, STAGES>();
   if (SPLITM && p.counters != nullptr && decode_counters_needed(p) <= p.counters_cap) {
-    auto fk = attn_decode_kernel<D, true, true, STAGES>;  // one launch: merge in the last CTA of each tile
+    auto fk = attn_decode_kernel<D, true, true, STAGES, HALF>;  // one launch: merge in the last CTA of each tile
     cudaError_t e = cudaFuncSetAttribute(fk, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     if (e != cudaSuccess) return e;
-    fk<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p);
+    fk<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p, cpc);
     return cudaGetLastError();
   }
-  auto kern = attn_decode_kernel<D, SPLITM, false, STAGES>;
+  auto kern = attn_decode_kernel<D, SPLITM, false, STAGES, HALF>;
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
   if (err != cudaSuccess) return err;
-  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p);
+  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p, cpc);
   err = cudaGetLastError();
   if (err != cudaSuccess || !SPLITM) return err;
   attn_decode_merge_kernel<D><<<(unsigned)p.total_q * p.Hq, D, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+// Tiles of at most 8 rows (max_seqlen_q * G <= 8) run the HALF instantiation (same bits, less work).
+template <int D, bool SPLITM, int STAGES>
+cudaError_t launch_decode_stages(const TikAttnParams& p, int64_t gx, int cpc, cudaStream_t stream) {
+  if ((int64_t)p.max_seqlen_q * (p.Hq / p.Hkv) <= 8) return launch_decode_rows<D, SPLITM, STAGES, true>(p, gx, cpc, stream);
+  return launch_decode_rows<D, SPLITM, STAGES, false>(p, gx, cpc, stream);
 }
 
 int device_sm_count() {
@@ -1045,18 +1185,37 @@ int device_sm_count() {
   });
 }
 
+// Chunks per CTA when the caller leaves it to the launcher: a grid of chunk tasks that would take more
+// than one wave of 3-stage CTAs (two per SM) but fits in one when each CTA walks at most DEC_CPC_MAX
+// chunks gets that many per CTA; any other grid one per CTA (H200, session 8, bench/results/
+// *_decode-sx-mc-bisect: B=16 ctx 1K 28.6 -> 26.3 us at 2 per CTA, B=4 ctx 8K 47.5 -> 46.3 at 4; grids
+// of several waves gain nothing and lose up to 14% where the fewer CTAs leave a partial last wave).
+// Timing only; every choice gives the same bits.
+constexpr int DEC_CPC_MAX = 4;
+int decode_auto_cpc(int64_t tasks, int maxc) {
+  const int64_t wave = 2LL * device_sm_count();
+  if (tasks <= wave) return 1;
+  const int64_t c = (tasks + wave - 1) / wave;
+  return c <= DEC_CPC_MAX ? (int)std::min<int64_t>(c, maxc) : 1;
+}
+
 template <int D, bool SPLITM>
 cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
   const int64_t rows = (int64_t)p.max_seqlen_q * (p.Hq / p.Hkv);
   const int64_t ntiles = (rows + 15) / 16;
-  const int64_t gx = SPLITM ? ntiles * max_chunks_of(p) : ntiles;
+  const int maxc = max_chunks_of(p);
+  int cpc = 1;
+  if (SPLITM) cpc = p.decode_cpc > 0 ? min(p.decode_cpc, maxc) : decode_auto_cpc(ntiles * maxc * p.Hkv * p.batch, maxc);
+  const int64_t gx = SPLITM ? ntiles * decode_ctas_per_tile(maxc, cpc) : ntiles;
   if (gx <= 0) return cudaSuccess;
   if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
   if constexpr (D == 128) {  // H200 bench, 2 vs 3 stages: 512 CTAs 0.91-0.92x, 1024+ CTAs 1.09-1.19x
-    if (gx * p.Hkv * p.batch > 4LL * device_sm_count())
-      return launch_decode_stages<D, SPLITM, DEC_STAGES_WIDE>(p, gx, stream);
+    const int64_t ctas = gx * p.Hkv * p.batch;
+    const int st = p.decode_stages ? p.decode_stages
+                   : ctas > 4LL * device_sm_count() ? DEC_STAGES_WIDE : DEC_STAGES_DEEP;
+    if (st == DEC_STAGES_WIDE) return launch_decode_stages<D, SPLITM, DEC_STAGES_WIDE>(p, gx, cpc, stream);
   }
-  return launch_decode_stages<D, SPLITM, DEC_STAGES_DEEP>(p, gx, stream);
+  return launch_decode_stages<D, SPLITM, DEC_STAGES_DEEP>(p, gx, cpc, stream);
 }
 
 template <typename K>

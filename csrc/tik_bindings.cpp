@@ -93,7 +93,8 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& cu_seqlens_q, const c10::optional<at::Tensor>& seqlens_k,
                             const c10::optional<at::Tensor>& block_table, int64_t max_seqlen_q, double scale,
                             int64_t mode, const c10::optional<at::Tensor>& out_opt, int64_t decode_merge,
-                            int64_t prefill_kernel) {
+                            int64_t prefill_kernel, int64_t decode_cpc = 0,
+                            int64_t decode_stages = 0) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   check_dev(k, q, "k");
   check_dev(v, q, "v");
@@ -150,6 +151,11 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
   p.mode = (int)mode;
   TORCH_CHECK(prefill_kernel >= 0 && prefill_kernel <= 2, "attention: prefill_kernel must be 0 (auto), 1 (mma) or 2 (wgmma)");
   p.prefill_kernel = (int)prefill_kernel;
+  TORCH_CHECK(decode_cpc >= 0 && decode_cpc <= 64, "attention: decode_cpc must be 0 (auto) or 1..64");
+  p.decode_cpc = (int)decode_cpc;
+  TORCH_CHECK(decode_stages == 0 || decode_stages == 2 || decode_stages == 3,
+              "attention: decode_stages must be 0 (auto), 2 or 3");
+  p.decode_stages = (int)decode_stages;
   at::cuda::CUDAGuard guard(q.device());
   auto out = out_or_new(out_opt, q, q.sizes(), "attention");
   p.out = out.data_ptr();
@@ -195,9 +201,10 @@ at::Tensor attention_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const 
 at::Tensor attention_paged_fwd(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                                const at::Tensor& seqlens_k, int64_t max_seqlen_q, double scale, int64_t mode,
-                               const c10::optional<at::Tensor>& out, int64_t decode_merge, int64_t prefill_kernel) {
+                               const c10::optional<at::Tensor>& out, int64_t decode_merge, int64_t prefill_kernel,
+                               int64_t decode_cpc, int64_t decode_stages) {
   return attention_common(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q, scale, mode,
-                          out, decode_merge, prefill_kernel);
+                          out, decode_merge, prefill_kernel, decode_cpc, decode_stages);
 }
 
 // The device's fused-decode counter buffer (undefined before the first attention call on it);
@@ -294,7 +301,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_paged_fwd", &attention_paged_fwd, "causal attention over a paged KV cache (bf16)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("cu_seqlens_q"), py::arg("seqlens_k"),
         py::arg("max_seqlen_q"), py::arg("scale"), py::arg("mode"), py::arg("out") = py::none(),
-        py::arg("decode_merge") = 0, py::arg("prefill_kernel") = 0);
+        py::arg("decode_merge") = 0, py::arg("prefill_kernel") = 0, py::arg("decode_cpc") = 0,
+        py::arg("decode_stages") = 0);
   m.def("decode_counters", &decode_counters, "the device's fused-decode counter buffer (tests)",
         py::arg("device_index"));
   m.def("rms_norm_fwd", &rms_norm_fwd, "RMSNorm forward, HF rounding points", py::arg("x"), py::arg("w"),

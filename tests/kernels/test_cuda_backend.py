@@ -24,6 +24,7 @@ constants and the single decode path agree between cuda_ops and csrc (no variant
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -441,6 +442,43 @@ def test_decode_fused_merge_multi_query_tails(hq, hkv, D, ps, seed_rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,D,ps", [(32, 8, 128, 64), (16, 2, 64, 16), (8, 2, 128, 32)])
+def test_decode_chunks_per_cta_same_bits(hq, hkv, D, ps, seed_rng):
+    """A decode CTA may walk several split chunks one after another (decode_cpc; the launcher picks
+    it from the grid size), through a 2- or 3-stage ring (decode_stages): every forced chunk count 1..5
+    and auto, with every ring depth, with the fused and the two-launch merge,
+    one and several queries per sequence, exact and wide block tables, equals the varlen rows bit for
+    bit; counters zero afterwards."""
+    cu = _ops()
+    ext = cu.extension()
+    G = hq // hkv
+    nmax = 16 // G
+    g = torch.Generator().manual_seed(seed_rng)
+    lens = [nmax, 255, 256, 257, 511, 513, 1023, 1025, 2049, 3000] + \
+        [int(x) for x in torch.randint(nmax, 4000, (5,), generator=g)]
+    qs, ks, vs = _seq_data(lens, hq, hkv, D, g)
+    kc, vc, bt = _build_cache(ks, vs, ps, g)
+    rows = _varlen_rows(cu, qs, ks, vs)
+    sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    wide = torch.cat([bt, torch.full((bt.shape[0], 41), -1, dtype=torch.int32, device="cuda")], 1)
+    for nq in ([1] * len(lens), [int(x) for x in torch.randint(1, nmax + 1, (len(lens),), generator=g)]):
+        qd = torch.cat([qs[i][-nq[i]:] for i in range(len(lens))])
+        expect = torch.cat([rows[i][-nq[i]:] for i in range(len(lens))])
+        cq = torch.tensor([0] + torch.tensor(nq).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        for table in (bt, wide):
+            for cpc, st in itertools.product((0, 1, 2, 3, 4, 5), (0, 2, 3)):
+                for merge in (0, 1):
+                    o = _written(lambda o: ext.attention_paged_fwd(qd, kc, vc, table, cq, sk, max(nq), D ** -0.5, 2,
+                                                                   out=o, decode_merge=merge, decode_cpc=cpc,
+                                                                   decode_stages=st),
+                                 qd.shape, qd.dtype)
+                    rep = compare_bits(expect, o, name=f"decode_cpc={cpc} stages={st} merge={merge} "
+                                                       f"width={table.shape[1]} max_nq={max(nq)}")
+                    assert rep, rep
+            _counters_zero(cu)
+
+
+@pytest.mark.gpu
 def test_decode_fused_merge_graph_replay_and_repeats(seed_rng):
     """The counter reset: 20 eager fused launches give one set of bits; a CUDA graph of the
     fused decode replayed 8 times with fresh queries and fresh context lengths (so a tile's
@@ -592,7 +630,7 @@ def test_decode_merge_argument_cpu():
     b = open(os.path.join(ROOT, "csrc", "tik_bindings.cpp")).read()
     assert 'py::arg("decode_merge") = 0' in b and "p.counters = counters.data_ptr<int>()" in b
     a = open(os.path.join(ROOT, "csrc", "tik_attention.cu")).read()
-    assert "attn_decode_kernel<D, true, true, STAGES>" in a and "atomicExch(ctr, 0)" in a
+    assert "attn_decode_kernel<D, true, true, STAGES, HALF>" in a and "atomicExch(ctr, 0)" in a
 
 
 def test_single_decode_path_cpu():
@@ -801,6 +839,16 @@ def test_attention_rejects_bad_inputs():
         q3 = torch.randn(4, 3, 64, device="cuda").bfloat16()
         k2 = torch.randn(4, 2, 64, device="cuda").bfloat16()
         cu.attention_varlen_cuda(q3, k2, k2, cus, 4)
+    # the decode schedule knobs of the binding (timing only) reject values outside their range
+    q1 = torch.randn(1, 4, 64, device="cuda").bfloat16()
+    kc = torch.zeros(2, 16, 2, 64, device="cuda").bfloat16()
+    bt = torch.zeros(1, 2, dtype=torch.int32, device="cuda")
+    cq = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    sk = torch.tensor([20], dtype=torch.int32, device="cuda")
+    ext = cu.extension()
+    for kw in ({"decode_cpc": -1}, {"decode_cpc": 65}, {"decode_stages": 1}, {"decode_stages": 4}):
+        with pytest.raises(RuntimeError, match="decode_(cpc|stages)"):
+            ext.attention_paged_fwd(q1, kc, kc, bt, cq, sk, 1, 0.125, 0, **kw)
 
 
 # ---------------------------------------------------------------------------------------
