@@ -38,8 +38,8 @@
 //     fully masked block is an exact no-op on a row's state either way).
 // Resource use: 256 threads, 232 registers (accumulator 64 + merged O 64 + S 32 + P 16 per
 // thread), ~225 KB shared memory, one CTA per SM.
-// Measured (H200, 32 q / 8 kv heads, causal, bench_cuda, 2026-11-30): 350/388/411 TF/s at L 4K/8K/16K,
-// 1.8-2.0x the mma.sync kernel, 1.19-1.22x Triton, 0.66-0.72x cuDNN SDPA.
+// Measured (H200, 32 q / 8 kv heads, causal, bench_cuda, 2026-11-30 session 8): 374/398/420 TF/s at L
+// 4K/8K/16K, 1.9-2.0x the mma.sync kernel, 1.23-1.28x Triton, 0.71-0.74x cuDNN SDPA.
 // Tried and dropped: Q in registers (spills; 286 vs 303 TF/s), warpgroups walking
 // their blocks without the per-block CTA barrier (293 vs 320 TF/s), and (2026-11-30, bisect in
 // bench/results/*_wgmma-bisect) a decoupled walk with full/empty mbarriers per stage, with or without
