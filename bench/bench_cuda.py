@@ -203,17 +203,17 @@ def main(argv=None):
         dos = do.view(B, L, hq, D).transpose(1, 2).contiguous()
         row = {"batch": B, "L": L, "hq": hq, "hkv": hkv}
 
-        def fb(f, args, g):
+        def fb(f, inputs, g):
             out = f()
-            torch.autograd.grad(out, args, g)
+            torch.autograd.grad(out, inputs, g)
         provs = {"sdpa": (lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
                           (qs, ks, vs), dos),
                  "cuda": (lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L), (q, k, v), do)}
         if tri_varlen is not None:
             provs["triton"] = (lambda: tri_varlen(q, k, v, cu, L), (q, k, v), do)
-        for name, (f, args, g) in provs.items():
+        for name, (f, inputs, g) in provs.items():
             try:
-                row[f"{name}_fwd_bwd_ms"] = _median_ms(lambda: fb(f, args, g), iters=10)
+                row[f"{name}_fwd_bwd_ms"] = _median_ms(lambda: fb(f, inputs, g), iters=10)
                 with torch.no_grad():
                     row[f"{name}_fwd_ms"] = _median_ms(f, iters=10)
             except Exception as e:
