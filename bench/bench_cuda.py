@@ -15,7 +15,9 @@ TFLOP/s (prefill) and GB/s of KV read vs 4.1 TB/s (decode). Also: extension buil
 time (prebuilt or JIT), the ptxas resource report of every csrc/*.cu for this GPU, and
 registers/spills per attention kernel. ``decode_wide_table``: ctx 128 / 1K decode with a block
 table 8K positions wide (as an engine sized for 8K contexts passes it: 32 grid chunks, most
-of them idle), fused vs two-launch merge.
+of them idle), fused vs two-launch merge. ``train_attention``: forward + backward of the training
+attention (packed equal-length sequences: 16 x 1K at 12/2 heads, 4 x 4K at 32/8), cuda (csrc forward
++ the Triton backward on its lse) vs Triton vs SDPA.
 """
 from __future__ import annotations
 
@@ -183,6 +185,48 @@ def main(argv=None):
         print(f"prefill L={L:6d}: sdpa {row['sdpa_ms']:.3f} ms  cuda {row['cuda_ms']:.3f} ms "
               f"({row['cuda_speedup_vs_sdpa']}x, {row['cuda_tflops']} TF/s; mma.sync {row['cuda_mma_ms']:.3f} ms, bits equal {row['cuda_bits_equal_mma']})  triton {row.get('triton_ms', float('nan')):.3f} ms")
         del q, k, v, qs, ks, vs
+        torch.cuda.empty_cache()
+
+    # ---- training attention: forward + backward --------------------------------------------
+    # cuda = the csrc forward (it also writes each row's lse) + the Triton backward on it; triton = the
+    # Triton forward + the same backward; SDPA on [B, H, L, D] (equal lengths, so the same attention).
+    res["train_attention"] = []
+    for B, L, hq, hkv in ((16, 1024, 12, 2), (4, 4096, 32, 8)):
+        T = B * L
+        q = torch.randn(T, hq, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(T, hkv, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(T, hkv, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        do = torch.randn(T, hq, D, device=dev, dtype=torch.bfloat16)
+        cu = torch.arange(0, T + 1, L, dtype=torch.int32, device=dev)
+        qs, ks, vs = (t.detach().view(B, L, -1, D).transpose(1, 2).contiguous().requires_grad_(True)
+                      for t in (q, k, v))
+        dos = do.view(B, L, hq, D).transpose(1, 2).contiguous()
+        row = {"batch": B, "L": L, "hq": hq, "hkv": hkv}
+
+        def fb(f, inputs, g):
+            out = f()
+            torch.autograd.grad(out, inputs, g)
+        provs = {"sdpa": (lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
+                          (qs, ks, vs), dos),
+                 "cuda": (lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L), (q, k, v), do)}
+        if tri_varlen is not None:
+            provs["triton"] = (lambda: tri_varlen(q, k, v, cu, L), (q, k, v), do)
+        for name, (f, inputs, g) in provs.items():
+            try:
+                row[f"{name}_fwd_bwd_ms"] = _median_ms(lambda: fb(f, inputs, g), iters=10)
+                with torch.no_grad():
+                    row[f"{name}_fwd_ms"] = _median_ms(f, iters=10)
+            except Exception as e:
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for name in ("sdpa", "triton"):
+            if f"{name}_fwd_bwd_ms" in row and "cuda_fwd_bwd_ms" in row:
+                row[f"cuda_speedup_vs_{name}"] = round(row[f"{name}_fwd_bwd_ms"] / row["cuda_fwd_bwd_ms"], 3)
+        res["train_attention"].append(row)
+        print(f"train attention B={B} L={L} {hq}/{hkv}: fwd+bwd sdpa {row.get('sdpa_fwd_bwd_ms', float('nan')):.3f} ms  "
+              f"cuda {row.get('cuda_fwd_bwd_ms', float('nan')):.3f} ms  triton {row.get('triton_fwd_bwd_ms', float('nan')):.3f} ms"
+              f"  (fwd only: {row.get('sdpa_fwd_ms', float('nan')):.3f} / {row.get('cuda_fwd_ms', float('nan')):.3f} / "
+              f"{row.get('triton_fwd_ms', float('nan')):.3f})")
+        del q, k, v, qs, ks, vs, do, dos
         torch.cuda.empty_cache()
 
     # ---- decode --------------------------------------------------------------------------

@@ -62,6 +62,12 @@ typedef struct {
   // Decode-shaped launches at D = 128: cp.async ring depth (2 or 3 stages); 0 = the launcher picks
   // from the grid size. Timing only, not bits (benchmarks, tests).
   int decode_stages;
+  // Optional [total_q, Hq] fp32 (row = token * Hq + q head): each valid row's log-sum-exp of its scaled
+  // scores in base 2, M + log2(L), where M is the row max and L the sum of ex2(score * scale_log2 - M)
+  // the output was divided by (the Triton backward's convention). FOLD mode only: AUTO resolves to FOLD
+  // when set, a forced SPLIT launch with it is refused. Rows not computed are left untouched. Output bits
+  // are the same with or without it.
+  float* lse;
 } TikAttnParams;
 
 enum TikAttnPrefillKernel { TIK_ATTN_PREFILL_AUTO = 0, TIK_ATTN_PREFILL_MMA = 1, TIK_ATTN_PREFILL_WGMMA = 2 };
@@ -81,8 +87,10 @@ int64_t tik_attention_decode_counters_needed(const TikAttnParams* p);
 // (formerly "variant 2"; the 1-warp variant 1 and the variant switch are gone). Exported by
 // the binding as DECODE_PATH; cuda_ops rejects an extension with another value (a stale
 // build). 3: SPLIT-mode decode merges in the decode launch itself (p.counters), the separate
-// merge kernel stays selectable (binding argument decode_merge=1).
-#define TIK_ATTN_DECODE_PATH 3
+// merge kernel stays selectable (binding argument decode_merge=1). 4: decode CTAs may walk several
+// split chunks (decode_cpc) and the forward can write each row's log-sum-exp (TikAttnParams::lse,
+// binding argument lse=), which cuda_ops' autograd needs.
+#define TIK_ATTN_DECODE_PATH 4
 // Prefill kernels the build knows (TikAttnParams::prefill_kernel); exported as PREFILL_KERNELS so
 // cuda_ops can reject a stale build that lacks the field.
 #define TIK_ATTN_PREFILL_KERNELS 2

@@ -107,6 +107,8 @@ __device__ __forceinline__ void merge_coeffs(float& M, float& L, float m, float 
 __device__ __forceinline__ float merge_val(float O, float acc, float a, float b) {
   return __fadd_rn(__fmul_rn(O, a), __fmul_rn(acc, b));
 }
+// A finished row's base-2 log-sum-exp (TikAttnParams::lse): not part of any output's bits.
+__device__ __forceinline__ float row_lse(float M, float L) { return M + log2f(L); }
 // FOLD merge of a finished chunk into one of a thread's two rows (i = 0, 1): (M, L) absorb the chunk's
 // (m, l) and O its acc, in the m16n8 fragment layout (elements dt * 4 + 2i and dt * 4 + 2i + 1 of
 // O and acc viewed flat), dt ascending. Used by attn_kernel, the decode kernel and the wgmma kernel.
@@ -404,6 +406,7 @@ __global__ void __launch_bounds__(WARPS * 32) attn_kernel(const TikAttnParams p)
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt)
         orow[dt * 4 + t] = pack_bf16(__fdiv_rn(O[dt][2 * i], L[i]), __fdiv_rn(O[dt][2 * i + 1], L[i]));
+      if (p.lse != nullptr && t == 0) p.lse[rowid[i]] = row_lse(M[i], L[i]);
     }
   } else {
     const int maxc = max_chunks_of(p);
@@ -1041,6 +1044,7 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
 #pragma unroll
       for (int dt = 0; dt < DTW; ++dt)
         orow[(dt0 + dt) * 4 + t] = pack_bf16(__fdiv_rn(O[dt][2 * i], L[i]), __fdiv_rn(O[dt][2 * i + 1], L[i]));
+      if (p.lse != nullptr && warp == 0 && t == 0) p.lse[rowid[i]] = row_lse(M[i], L[i]);
     }
   } else {
     const int maxc = max_chunks_of(p);
@@ -1246,6 +1250,7 @@ static bool tik_small(const TikAttnParams* p) { return (int64_t)p->max_seqlen_q 
 
 int tik_attention_resolve_mode(const TikAttnParams* p) {
   if (p->mode == TIK_ATTN_FOLD || p->mode == TIK_ATTN_SPLIT_MODE) return p->mode;
+  if (p->lse != nullptr) return TIK_ATTN_FOLD;  // the row's final (M, L) live in the FOLD walk's registers
   return (tik_small(p) && tik_attention_max_chunks(p) > 1) ? TIK_ATTN_SPLIT_MODE : TIK_ATTN_FOLD;
 }
 
@@ -1267,6 +1272,7 @@ int tik_attention(const TikAttnParams* p, cudaStream_t stream) {
     return (int)cudaErrorInvalidValue;
   if (p->batch == 0 || p->max_seqlen_q == 0) return (int)cudaSuccess;
   const int mode = tik_attention_resolve_mode(p);
+  if (mode == TIK_ATTN_SPLIT_MODE && p->lse != nullptr) return (int)cudaErrorInvalidValue;
   if (mode == TIK_ATTN_SPLIT_MODE &&
       (p->ws_acc == nullptr || p->ws_ml == nullptr || (tik_attention_needs_ws_nc(p) && p->ws_nc == nullptr)))
     return (int)cudaErrorInvalidValue;

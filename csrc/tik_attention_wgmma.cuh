@@ -1,7 +1,7 @@
 // areal-tik sm_90a prefill attention: the attn_kernel arithmetic on warpgroup MMAs (wgmma) fed by TMA.
 //
 // Included by tik_attention.cu (needs its helpers: thread_rows, softmax_block, pack_bf16,
-// merge_chunk_row, cp_async16, BN, SPLIT, BPC). Serves FOLD-mode launches of
+// merge_chunk_row, row_lse, cp_async16, BN, SPLIT, BPC). Serves FOLD-mode launches of
 // attention_varlen / attention_paged that are not decode-shaped (max_seqlen_q * G > 16), D = 128,
 // bf16, on sm_90a (H100/H200) when TMA descriptors can be made for k/v; every other launch keeps
 // attn_kernel (mma.sync).
@@ -461,6 +461,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt)
       orow[dt * 4 + t] = pack_bf16(__fdiv_rn(O[dt * 4 + 2 * i], L[i]), __fdiv_rn(O[dt * 4 + 2 * i + 1], L[i]));
+    if (p.lse != nullptr && t == 0) p.lse[rowid[i]] = row_lse(M[i], L[i]);
   }
 #endif  // TIK_SM90A_DEVICE
 }

@@ -94,7 +94,7 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
                             const c10::optional<at::Tensor>& block_table, int64_t max_seqlen_q, double scale,
                             int64_t mode, const c10::optional<at::Tensor>& out_opt, int64_t decode_merge,
                             int64_t prefill_kernel, int64_t decode_cpc = 0,
-                            int64_t decode_stages = 0) {
+                            int64_t decode_stages = 0, const c10::optional<at::Tensor>& lse = c10::nullopt) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   check_dev(k, q, "k");
   check_dev(v, q, "v");
@@ -156,6 +156,14 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(decode_stages == 0 || decode_stages == 2 || decode_stages == 3,
               "attention: decode_stages must be 0 (auto), 2 or 3");
   p.decode_stages = (int)decode_stages;
+  if (lse.has_value()) {
+    check_dev(*lse, q, "lse");
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->is_contiguous() && lse->dim() == 2 &&
+                    lse->size(0) == q.size(0) && lse->size(1) == q.size(1),
+                "attention: lse must be contiguous fp32 [Tq, Hq]");
+    TORCH_CHECK(mode != TIK_ATTN_SPLIT_MODE, "attention: lse needs FOLD (or auto) mode");
+    p.lse = lse->data_ptr<float>();
+  }
   at::cuda::CUDAGuard guard(q.device());
   auto out = out_or_new(out_opt, q, q.sizes(), "attention");
   p.out = out.data_ptr();
@@ -193,9 +201,10 @@ at::Tensor attention_common(const at::Tensor& q, const at::Tensor& k, const at::
 
 at::Tensor attention_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale, int64_t mode,
-                                const c10::optional<at::Tensor>& out, int64_t prefill_kernel) {
+                                const c10::optional<at::Tensor>& out, int64_t prefill_kernel,
+                                const c10::optional<at::Tensor>& lse) {
   return attention_common(q, k, v, cu_seqlens, c10::nullopt, c10::nullopt, max_seqlen, scale, mode, out, 0,
-                          prefill_kernel);
+                          prefill_kernel, 0, 0, lse);
 }
 
 at::Tensor attention_paged_fwd(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -297,7 +306,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "areal-tik CUDA kernels (csrc/)";
   m.def("attention_varlen_fwd", &attention_varlen_fwd, "causal varlen attention forward (bf16)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("mode"),
-        py::arg("out") = py::none(), py::arg("prefill_kernel") = 0);
+        py::arg("out") = py::none(), py::arg("prefill_kernel") = 0, py::arg("lse") = py::none());
   m.def("attention_paged_fwd", &attention_paged_fwd, "causal attention over a paged KV cache (bf16)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("cu_seqlens_q"), py::arg("seqlens_k"),
         py::arg("max_seqlen_q"), py::arg("scale"), py::arg("mode"), py::arg("out") = py::none(),

@@ -60,7 +60,7 @@ from areal_tik.kernels import _torch_math
 __all__ = [
     "attention_varlen", "attention_varlen_triton", "attention_varlen_torch",
     "attention_paged", "attention_paged_triton", "attention_paged_torch",
-    "attention_reference", "AttentionVarlenFunction",
+    "attention_reference", "AttentionVarlenFunction", "varlen_backward",
     "BLOCK_N", "KV_PARTITION", "META", "OPS", "COMPILE_SPECS", "configure", "current_config", "load_tuned",
 ]
 
@@ -719,27 +719,36 @@ class AttentionVarlenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu = ctx.saved_tensors
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        dout = dout.contiguous()
-        D, hq, hkv = q.shape[-1], q.shape[1], k.shape[1]
-        delta = (dout.float() * out.float()).sum(-1).contiguous()
-        dq, dk, dv = _alloc(q.shape, q.dtype, q.device), _alloc(k.shape, k.dtype, k.device), \
-            _alloc(v.shape, v.dtype, v.device)
-        t = _bwd_tiles(D)
-        B = cu.shape[0] - 1
-        if B > 0 and ctx.max_seqlen > 0:
-            common = dict(GROUP=hq // hkv, HEAD_DIM=D, num_warps=t["num_warps"], num_stages=t["num_stages"])
-            _attn_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, t["BLOCK_N1"]), B, hkv)](
-                q, k, v, dout, lse, delta, dk, dv, cu, ctx.qk_scale, ctx.sm_scale,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
-                BLOCK_M=t["BLOCK_M1"], BLOCK_N=t["BLOCK_N1"], **common)
-            _attn_bwd_dq_kernel[(hq, triton.cdiv(ctx.max_seqlen, t["BLOCK_M2"]), B)](
-                q, k, v, dout, lse, delta, dq, cu, ctx.qk_scale, ctx.sm_scale,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
-                BLOCK_M=t["BLOCK_M2"], BLOCK_N=t["BLOCK_N2"], **common)
-        else:
-            dq.zero_(), dk.zero_(), dv.zero_()
+        dq, dk, dv = varlen_backward(q, k, v, out, lse, cu, ctx.max_seqlen, ctx.sm_scale, ctx.qk_scale, dout)
         return dq, dk, dv, None, None, None
+
+
+def varlen_backward(q, k, v, out, lse, cu_seqlens, max_seqlen, sm_scale, qk_scale, dout):
+    """dq, dk, dv of the causal varlen attention from its saved inputs, bf16 output ``out`` and base-2
+    log-sum-exp ``lse`` ``[T, Hq]`` fp32 (scores scaled by ``qk_scale`` = ``sm_scale`` * log2(e)): the
+    flash-attention-2 style Triton recompute (correct, not bit-invariant). Used by the Triton forward's
+    autograd and by the CUDA forward's (csrc writes the same lse)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    dout = dout.contiguous()
+    D, hq, hkv = q.shape[-1], q.shape[1], k.shape[1]
+    delta = (dout.float() * out.float()).sum(-1).contiguous()
+    dq, dk, dv = _alloc(q.shape, q.dtype, q.device), _alloc(k.shape, k.dtype, k.device), \
+        _alloc(v.shape, v.dtype, v.device)
+    t = _bwd_tiles(D)
+    B = cu_seqlens.shape[0] - 1
+    if B > 0 and max_seqlen > 0:
+        common = dict(GROUP=hq // hkv, HEAD_DIM=D, num_warps=t["num_warps"], num_stages=t["num_stages"])
+        _attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen, t["BLOCK_N1"]), B, hkv)](
+            q, k, v, dout, lse, delta, dk, dv, cu_seqlens, qk_scale, sm_scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+            BLOCK_M=t["BLOCK_M1"], BLOCK_N=t["BLOCK_N1"], **common)
+        _attn_bwd_dq_kernel[(hq, triton.cdiv(max_seqlen, t["BLOCK_M2"]), B)](
+            q, k, v, dout, lse, delta, dq, cu_seqlens, qk_scale, sm_scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+            BLOCK_M=t["BLOCK_M2"], BLOCK_N=t["BLOCK_N2"], **common)
+    else:
+        dq.zero_(), dk.zero_(), dv.zero_()
+    return dq, dk, dv
 
 
 def attention_varlen_triton(q, k, v, cu_seqlens, max_seqlen, scale=None, window_size=None):

@@ -46,12 +46,12 @@ the mma.sync kernel, ``"wgmma"`` the warpgroup kernel (an error where it cannot 
 not 16-byte aligned) fall back to the mma.sync kernel under "auto".
 Accuracy: relative Frobenius error vs ``attention_reference`` (float64) < 1e-2.
 
-Backward of ``attention_varlen``: recompute-based. The saved bf16 q, k, v are cast to
-float32 and, per sequence, differentiated through PyTorch's
-``scaled_dot_product_attention(is_causal=True)`` in float32 (GQA by repeating K/V); the
-gradients are those of the float32 attention, accurate but neither bitwise invariant nor
-the exact derivative of the bf16 forward. ``rms_norm`` and ``apply_rope`` backward are
-float32 PyTorch maths on the saved inputs as well.
+Backward of ``attention_varlen``: the forward also writes each row's base-2 log-sum-exp (same
+output bits; FOLD mode) and the backward is the Triton flash-attention-2 recompute on it
+(``attention.varlen_backward``, the Triton forward's own backward): correct, not bitwise invariant,
+not the exact derivative of the bf16 forward. A forced ``mode="split"`` keeps the older float32
+recompute through PyTorch's ``scaled_dot_product_attention`` per sequence. ``rms_norm`` and
+``apply_rope`` backward are float32 PyTorch maths on the saved inputs.
 
 RMSNorm: HF rounding points, one warp per row, reduction order fixed by N only (row
 invariant). RoPE: fp32 products and sum rounded separately, one rounding to x's dtype.
@@ -78,7 +78,7 @@ BLOCK_N = 64      # must equal TIK_ATTN_BLOCK_N in csrc/tik_api.h
 SPLIT = 256       # must equal TIK_ATTN_SPLIT
 HEAD_DIMS = (64, 128)
 _MODES = {"auto": 0, "fold": 1, "split": 2}
-DECODE_PATH = 3   # must equal TIK_ATTN_DECODE_PATH (4-warp decode, merge fused into the launch)
+DECODE_PATH = 4   # must equal TIK_ATTN_DECODE_PATH (4-warp decode, fused merge, chunks per CTA, lse output)
 _DECODE_MERGES = {"fused": 0, "kernel": 1}
 # Default split-KV merge of decode-shaped launches ("fused": in the decode launch; "kernel":
 # the separate merge kernel). Read once at import; same bits either way.
@@ -97,7 +97,8 @@ META = {"cuda.attn.BLOCK_N": BLOCK_N, "cuda.attn.SPLIT": SPLIT, "cuda.attn.mma":
         "cuda.attn.prefill": f"{PREFILL_KERNEL}: sm_90a and D=128 -> wgmma m64n64k16/m64n128k16 + TMA (2 warpgroups, "
                              "128 rows per CTA), else mma.sync m16n8k16",
         "cuda.attn.decode": "max_seqlen_q*G<=16: one 4-warp CTA per 16 rows, warps split the head dim "
-                            "(P V, D/4 columns each); split-KV: one CTA per 256-position chunk, merged ascending "
+                            "(P V, D/4 columns each; S split by columns, exchanged in shared memory); split-KV: "
+                            "256-position chunks, one or more per CTA, merged ascending "
                             "(in the launch by the tile's last CTA, or by a merge kernel: same operations)"}
 
 
@@ -111,8 +112,8 @@ def extension():
     if getattr(mod, "DECODE_PATH", None) != DECODE_PATH:
         raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} was built from other csrc "
                            f"(DECODE_PATH={getattr(mod, 'DECODE_PATH', None)}, expected {DECODE_PATH}: it predates "
-                           "the current decode path, e.g. the removed 1-warp decode or the decode without the "
-                           "fused merge): rebuild it (pip install -e . to rebuild areal_tik._C, or delete the stale "
+                           "the current decode path, e.g. the removed 1-warp decode, the decode without the "
+                           "fused merge, or a build without the lse output): rebuild it (pip install -e . to rebuild areal_tik._C, or delete the stale "
                            "areal_tik/_C*.so to use the JIT build)")
     if getattr(mod, "PREFILL_KERNELS", None) != PREFILL_KERNELS:
         raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} predates the prefill_kernel "
@@ -224,16 +225,30 @@ def _varlen_grad_reference(q, k, v, cu_seqlens, scale, dout):
 
 
 class _VarlenCudaFunction(torch.autograd.Function):
+    """Autograd for the CUDA varlen forward. The forward also writes each row's base-2 log-sum-exp
+    (csrc ``TikAttnParams::lse``; same output bits) and the backward is the Triton flash-attention-2
+    recompute of :func:`areal_tik.kernels.attention.varlen_backward` on it. A forced ``mode="split"``
+    (no lse in that mode) keeps the float32 PyTorch recompute (:func:`_varlen_grad_reference`)."""
+
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, mode, pk):
-        ctx.save_for_backward(q, k, v, cu_seqlens)
-        ctx.scale = scale
-        return extension().attention_varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), scale, mode, prefill_kernel=pk)
+        lse = None
+        if mode != _MODES["split"]:
+            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        out = extension().attention_varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), scale, mode,
+                                               prefill_kernel=pk, lse=lse)
+        ctx.save_for_backward(q, k, v, cu_seqlens, out, *(() if lse is None else (lse,)))
+        ctx.scale, ctx.max_seqlen = scale, int(max_seqlen)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, cu = ctx.saved_tensors
-        dq, dk, dv = _varlen_grad_reference(q, k, v, cu, ctx.scale, dout)
+        q, k, v, cu, out, *lse = ctx.saved_tensors
+        if not lse:
+            dq, dk, dv = _varlen_grad_reference(q, k, v, cu, ctx.scale, dout)
+        else:
+            from areal_tik.kernels.attention import varlen_backward
+            dq, dk, dv = varlen_backward(q, k, v, out, lse[0], cu, ctx.max_seqlen, ctx.scale, ctx.scale * LOG2E, dout)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -242,7 +257,8 @@ def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_si
     """R1 packed causal GQA attention (CUDA). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` bf16,
     ``cu_seqlens`` int32 ``[B+1]`` (covering all T tokens), ``max_seqlen`` host int >= the
     longest segment. Returns ``[T, Hq, D]`` bf16, bitwise equal to :func:`attention_paged_cuda`
-    for the same positions (module docstring). Autograd: recompute-based float32 backward.
+    for the same positions (module docstring). Autograd: the Triton flash-attention-2 backward on the
+    log-sum-exp the forward writes alongside (float32 PyTorch recompute under ``mode="split"``).
     ``prefill_kernel``: ``"auto"``, ``"mma"``, ``"wgmma"`` or None (``PREFILL_KERNEL``); same bits."""
     name = "attention_varlen"
     _check_window(window_size)

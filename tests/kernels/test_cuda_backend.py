@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -800,19 +801,32 @@ def test_wgmma_prefill_bench_shape_matches_decode(seed_rng):
     assert rep, rep
 
 
+# (lens, Hq, Hkv, D, prefill_kernel, mode): the mma.sync prefill at D 64 and 128, the sm_90a wgmma prefill
+# (D 128, auto), a decode-shaped varlen launch (max_seqlen * G <= 16: the decode kernel), and a forced split
+# launch (no lse there: the float32 PyTorch recompute backward).
+_BWD_CASES = [([70, 1, 130], 8, 2, 64, "auto", "auto"), ([300, 5, 700], 32, 8, 128, "auto", "auto"),
+              ([300, 5, 700], 32, 8, 128, "mma", "auto"), ([3, 2, 4], 8, 2, 128, "auto", "auto"),
+              ([70, 1, 130], 8, 2, 64, "auto", "split")]
+
+
 @pytest.mark.gpu
-def test_attention_varlen_backward(seed_rng):
+@pytest.mark.parametrize("case", range(len(_BWD_CASES)))
+def test_attention_varlen_backward(case, seed_rng):
+    """Gradients of the CUDA varlen forward (Triton backward on the lse the forward writes; float32
+    recompute under a forced split) against the float64 reference; the forward's bits do not change
+    when autograd asks for the lse."""
+    lens, Hq, Hkv, D, pk, mode = _BWD_CASES[case]
     cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
-    lens, Hq, Hkv, D = [70, 1, 130], 8, 2, 64
     T = sum(lens)
     q = torch.randn(T, Hq, D, generator=g).bfloat16().cuda().requires_grad_(True)
     k = torch.randn(T, Hkv, D, generator=g).bfloat16().cuda().requires_grad_(True)
     v = torch.randn(T, Hkv, D, generator=g).bfloat16().cuda().requires_grad_(True)
     cus = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    out = cu.attention_varlen_cuda(q, k, v, cus, max(lens))
+    out = cu.attention_varlen_cuda(q, k, v, cus, max(lens), mode=mode, prefill_kernel=pk)
     with torch.no_grad():
-        assert compare_bits(out, cu.attention_varlen_cuda(q, k, v, cus, max(lens)))
+        rep = compare_bits(out, cu.attention_varlen_cuda(q, k, v, cus, max(lens), mode=mode, prefill_kernel=pk))
+        assert rep, rep
     do = torch.randn(out.shape, generator=g).bfloat16().cuda()
     grads = torch.autograd.grad(out, (q, k, v), do)
     qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
@@ -821,6 +835,41 @@ def test_attention_varlen_backward(seed_rng):
     for name, a, r in zip("qkv", grads, rgrads):
         rep = check_accuracy(a, r, 2e-2, name=f"d{name}")
         assert rep, rep
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pk", ["auto", "mma"])
+def test_attention_varlen_lse(pk, seed_rng):
+    """The forward's optional lse: each row's base-2 log-sum-exp of its scaled causal scores (float64
+    reference within 1e-4 relative), rows outside cu_seqlens untouched, output bits unchanged, refused
+    with a forced split mode."""
+    cu = _ops()
+    ext = cu.extension()
+    g = torch.Generator().manual_seed(seed_rng)
+    lens, Hq, Hkv, D = [257, 1, 64, 600], 16, 4, 128
+    T = sum(lens)
+    q, k, v = (torch.randn(T + 3, h, D, generator=g).bfloat16().cuda() for h in (Hq, Hkv, Hkv))
+    cus = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    sc = D ** -0.5
+    pkc = {"auto": 0, "mma": 1}[pk]
+    lse = torch.full((T + 3, Hq), float("nan"), device="cuda")
+    out = ext.attention_varlen_fwd(q, k, v, cus, max(lens), sc, 0, prefill_kernel=pkc, lse=lse)
+    plain = ext.attention_varlen_fwd(q, k, v, cus, max(lens), sc, 0, prefill_kernel=pkc)
+    rep = compare_bits(plain[:T], out[:T], name="output with lse == without")
+    assert rep, rep
+    assert torch.isnan(lse[T:]).all(), "rows outside cu_seqlens were written"
+    ref = torch.empty(T, Hq, dtype=torch.float64)
+    G = Hq // Hkv
+    for i, L in enumerate(lens):
+        a = int(cus[i])
+        s = torch.einsum("qhd,khd->hqk", q[a:a + L].double().cpu(),
+                         k[a:a + L].double().cpu().repeat_interleave(G, 1)) * sc
+        s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+        ref[a:a + L] = (torch.logsumexp(s, -1) / math.log(2)).transpose(0, 1)
+    err = ((lse[:T].double().cpu() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+    assert err < 1e-4, f"lse max relative error {err:.3g}"
+    with pytest.raises(RuntimeError, match="lse"):
+        ext.attention_varlen_fwd(q, k, v, cus, max(lens), sc, 2, lse=lse)
 
 
 @pytest.mark.gpu
