@@ -141,6 +141,19 @@ def main(argv=None):
     print(res["kernel_attrs"])
     _ = cuda_ext
 
+    try:  # every section's rows so far reach the JSON even if a later one fails
+        _sections(res, args, cuda_ops)
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        json.dump(res, open(os.path.join(args.out, "bench_cuda.json"), "w"), indent=1)
+        print(f"wrote {os.path.join(args.out, 'bench_cuda.json')}")
+    return 0
+
+
+def _sections(res, args, cuda_ops):
+    """Prefill, training attention, decode and wide-table decode cells, appended to res as they finish."""
     tri_varlen, tri_paged, tri_why = _triton_ops()
     if tri_why:
         res["notes"].append(f"triton attention unavailable: {tri_why}")
@@ -315,10 +328,6 @@ def main(argv=None):
                   f"{row['bits_equal']})")
             del kc, vc
             torch.cuda.empty_cache()
-
-    json.dump(res, open(os.path.join(args.out, "bench_cuda.json"), "w"), indent=1)
-    print(f"wrote {os.path.join(args.out, 'bench_cuda.json')}")
-    return 0
 
 
 if __name__ == "__main__":
