@@ -1,4 +1,5 @@
-"""``areal-tik compile-check``: compile every kernel for sm_80/sm_90 with no GPU needed."""
+"""``areal-tik compile-check``: compile every kernel for sm_80/sm_90 and syntax-check the torch binding,
+with no GPU needed."""
 from __future__ import annotations
 
 import os
@@ -18,13 +19,16 @@ def run(args) -> int:
             print(f"{'ok ' if r['ok'] else 'FAIL'} triton {r['module']}.{r['kernel']} {r['arch']} "
                   f"{r.get('error', '')}")
         for r in cu:
-            print(f"{'ok ' if r['ok'] else 'FAIL'} nvcc {r['source']} {r.get('arch', '')} {r.get('error', '')}")
+            tool = "c++ -fsyntax-only" if r.get("arch") == "host" else "nvcc"
+            print(f"{'ok ' if r['ok'] else 'FAIL'} {tool} {r['source']} {r.get('arch', '')} {r.get('error', '')}")
             for name, k in sorted(r.get("kernels", {}).items()):
                 spill = k.get("spill_stores", 0) + k.get("spill_loads", 0)
                 print(f"       {k.get('regs', '?'):>4} regs{f', {spill} B spilled' if spill else ''}  {name}")
             for w in r.get("ptxas_warnings", []):
                 print(f"       ptxas: {w}")
-        print(f"{len(rows)} triton compiles, {len(cu)} nvcc compiles: {'all ok' if ok else 'FAILURES'}")
+        host = sum(r.get("arch") == "host" for r in cu)
+        print(f"{len(rows)} triton compiles, {len(cu) - host} nvcc compiles, {host} binding syntax checks: "
+              f"{'all ok' if ok else 'FAILURES'}")
     return 0 if ok else 1
 
 

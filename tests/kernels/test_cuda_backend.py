@@ -70,6 +70,10 @@ def test_csrc_compiles_for_sm80_and_sm90a():
             assert row["ok"], f"{src} {arch}: {row.get('error')}"
             # ptxas's own verdicts on speed: no serialized wgmma (C7511) or other performance warning
             assert not [w for w in row["ptxas_warnings"] if "Performance Loss" in w], row["ptxas_warnings"]
+    # the torch binding: a host-compiler syntax check against torch's headers
+    row = rows.get(("tik_bindings.cpp", "host"))
+    assert row is not None, "tik_bindings.cpp not syntax-checked"
+    assert row["ok"], f"tik_bindings.cpp: {row.get('error')}"
     # The sm_90a prefill kernel: no spills, and inside the register budget it was measured at (a
     # change that pushes it to 255 registers or spills has cost speed every time so far).
     wg = {n: k for n, k in rows[("tik_attention.cu", "sm_90a")]["kernels"].items() if "attn_kernel_wgmma" in n}
