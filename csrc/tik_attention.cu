@@ -17,13 +17,15 @@
 //     fixed). Each chunk runs its own online softmax from a fresh state; the chunk
 //     partials (m, l, acc) are merged in ascending chunk order by merge_coeffs /
 //     merge_val. FOLD mode does that merge in registers as the walk passes each chunk
-//     end; SPLIT mode gives each chunk its own CTA, stores fp32 partials and merges in
-//     a merge kernel with the same scalar code. Both modes and both entry points give
-//     the same bits; AUTO picks SPLIT for decode-shaped launches.
+//     end; SPLIT mode stores each chunk's fp32 partial (a chunk per CTA, or in the decode
+//     kernel possibly several chunks per CTA, each from a fresh state) and merges them with
+//     the same scalar code. Both modes and both entry points give the same bits; AUTO picks
+//     SPLIT for decode-shaped launches (FOLD when the caller asks for the rows' lse).
 //   * Two kernels walk the rows: attn_kernel (4 warps, 16 rows each, 64 rows per CTA;
 //     + attn_merge_kernel in SPLIT mode) for launches with max_seqlen_q * G > 16, and
-//     attn_decode_kernel (4 warps sharing 16 rows, each computing a quarter of the head
-//     dim; SPLIT mode merges in the same launch, by the last chunk CTA of each tile, or,
+//     attn_decode_kernel (4 warps sharing 16 rows, each computing a quarter of S's columns and
+//     of the head dim; a CTA may walk several split chunks; SPLIT mode merges in the same
+//     launch, by the CTA that finishes a tile's last chunk, or,
 //     without a counter buffer, in attn_decode_merge_kernel: same operations) for
 //     decode-shaped launches (max_seqlen_q * G <= 16).
 //     The decode kernel repeats attn_kernel's per-row arithmetic op for op (see its
@@ -612,7 +614,9 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 constexpr int DEC_WARPS = 4;
 // cp.async ring depth of the decode kernel (a template parameter; launch_decode picks): 3 stages
 // (more prefetch per CTA) for small grids, 2 at D = 128 when the grid exceeds four CTAs per SM
-// (2 x 35 KB: three CTAs per SM, where three stages fit two). Changes timing only, not bits.
+// (2 x 35 KB + the 4 KB S exchange: three CTAs per SM, where three stages fit two). Changes timing only,
+// not bits; TikAttnParams::decode_stages forces either (session 8: 3 stages within 3% at large grids,
+// 4 stages 20-50% slower).
 constexpr int DEC_STAGES_DEEP = 3;
 constexpr int DEC_STAGES_WIDE = 2;
 // chunk partials in flight per thread in the fused merge: 8 (session 8: 16 at D = 128 spilled once
