@@ -184,6 +184,25 @@ __device__ __forceinline__ void softmax_block(float* s, float (&mx)[2], float (&
   }
 }
 
+// Scores of one KV block (columns col0 + nt * 8 + 2t + (e & 1), m16n8 layout as softmax_block) into the
+// log2 domain: s *= scale_log2, with MASK the causal select (a column past the row's position -> -inf),
+// and this thread's row maxima over them, elements in order nt then e. NR as in softmax_block. Shared by
+// attn_kernel and the decode kernel (the wgmma kernel takes its row max as a tree).
+template <int NT, int NR = 2, bool MASK = true>
+__device__ __forceinline__ void scale_block(float* s, int col0, int t, const int (&rpos)[2], float sl2,
+                                            float (&mx)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2 * NR; ++e) {
+      const int i = e >> 1;
+      const float v = (!MASK || col0 + nt * 8 + 2 * t + (e & 1) <= rpos[i]) ? __fmul_rn(s[nt * 4 + e], sl2)
+                                                                           : -CUDART_INF_F;
+      s[nt * 4 + e] = v;
+      mx[i] = fmaxf(mx[i], v);
+    }
+}
+
 __host__ __device__ __forceinline__ int max_chunks_of(const TikAttnParams& p) {
   return (p.max_seqlen_k + SPLIT - 1) / SPLIT;
 }
@@ -343,16 +362,7 @@ __global__ void __launch_bounds__(WARPS * 32) attn_kernel(const TikAttnParams p)
       }
       // scale (log2 domain) + causal mask, row max
       float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = j * BN + nt * 8 + 2 * t + (e & 1);
-          const int i = e >> 1;
-          const float v = (col <= rpos[i]) ? __fmul_rn(s[nt][e], sl2) : -CUDART_INF_F;
-          s[nt][e] = v;
-          mx[i] = fmaxf(mx[i], v);
-        }
+      scale_block<NT>(&s[0][0], j * BN, t, rpos, sl2, mx);
       float alpha[2];
       softmax_block<NT>(&s[0][0], mx, m, l, alpha);
 #pragma unroll
@@ -945,27 +955,10 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
         }
       }
       float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
-      if (j * BN + BN - 1 <= tile_min_pos) {  // every column visible to every valid row: no select
-        // (a row past the sequence has zero Q, so its unmasked scores are 0: finite, and never stored)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2 * NR; ++e) {
-            s[nt][e] = __fmul_rn(s[nt][e], sl2);
-            mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-          }
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2 * NR; ++e) {
-            const int col = j * BN + nt * 8 + 2 * t + (e & 1);
-            const int i = e >> 1;
-            const float v = (col <= rpos[i]) ? __fmul_rn(s[nt][e], sl2) : -CUDART_INF_F;
-            s[nt][e] = v;
-            mx[i] = fmaxf(mx[i], v);
-          }
-      }
+      // every column visible to every valid row: no select (a row past the sequence has zero Q, so its
+      // unmasked scores are 0: finite, and never stored)
+      if (j * BN + BN - 1 <= tile_min_pos) scale_block<NT, NR, false>(&s[0][0], j * BN, t, rpos, sl2, mx);
+      else scale_block<NT, NR>(&s[0][0], j * BN, t, rpos, sl2, mx);
       float alpha[2];
       softmax_block<NT, NR>(&s[0][0], mx, m, l, alpha);
 #pragma unroll
@@ -993,16 +986,16 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
       }
     }
 
-    if constexpr (SPLITM) {
-      // end of a chunk: store its partial and start the next chunk fresh (a tile with one chunk in
-      // all, in the fused launch, keeps its state for the in-register finish below)
-      if (((j + 1) % BPC == 0 || j == je - 1) && !(FUSED && nct == 1)) {
-        const int c = j / BPC;
-        const int maxc = max_chunks_of(p);
+    // End of a chunk: SPLIT mode stores its partial (a tile with one chunk in all, in the fused launch,
+    // keeps its state for the in-register finish below), FOLD mode merges it into (M, L, O); either way
+    // the next chunk starts fresh.
+    if (((j + 1) % BPC == 0 || j == je - 1) && !(FUSED && nct == 1)) {
+      const int c = j / BPC;
 #pragma unroll
-        for (int i = 0; i < NR; ++i) {
+      for (int i = 0; i < NR; ++i) {
+        if constexpr (SPLITM) {
           if (rvalid[i] && c <= rlast[i]) {
-            const int64_t base = rowid[i] * maxc + c;
+            const int64_t base = rowid[i] * max_chunks_of(p) + c;
             float2* arow = reinterpret_cast<float2*>(p.ws_acc + base * D);
 #pragma unroll
             for (int dt = 0; dt < DTW; ++dt) arow[(dt0 + dt) * 4 + t] = make_float2(acc[dt][2 * i], acc[dt][2 * i + 1]);
@@ -1011,28 +1004,15 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
               p.ws_ml[base * 2 + 1] = l[i];
             }
           }
-          m[i] = -CUDART_INF_F;
-          l[i] = 0.f;
-#pragma unroll
-          for (int dt = 0; dt < DTW; ++dt) {
-            acc[dt][2 * i] = 0.f;
-            acc[dt][2 * i + 1] = 0.f;
-          }
-        }
-      }
-    } else {
-      if ((j + 1) % BPC == 0 || j == je - 1) {
-        const int c = j / BPC;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        } else {
           if (c <= rlast[i]) merge_chunk_row<DTW>(M[i], L[i], m[i], l[i], &O[0][0], &acc[0][0], i);
-          m[i] = -CUDART_INF_F;
-          l[i] = 0.f;
+        }
+        m[i] = -CUDART_INF_F;
+        l[i] = 0.f;
 #pragma unroll
-          for (int dt = 0; dt < DTW; ++dt) {
-            acc[dt][2 * i] = 0.f;
-            acc[dt][2 * i + 1] = 0.f;
-          }
+        for (int dt = 0; dt < DTW; ++dt) {
+          acc[dt][2 * i] = 0.f;
+          acc[dt][2 * i + 1] = 0.f;
         }
       }
     }
