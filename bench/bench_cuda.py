@@ -56,6 +56,36 @@ def _median_ms(fn, iters=20, reps=5):
     return ts[len(ts) // 2]
 
 
+def decode_case(B, ctx, hq=HQ, hkv=HKV, page=PAGE, table_pages=None, device="cuda"):
+    """B sequences of ctx cached positions each on shuffled pages of a paged bf16 cache, one query per
+    sequence: (q [B, hq, D], k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k). ``table_pages``
+    widens the block table (entries past a sequence's pages are -1), as an engine sized for longer
+    contexts passes it."""
+    npg = -(-ctx // page)
+    kc = torch.randn(B * npg, page, hkv, D, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    pages = torch.randperm(B * npg, device=device, dtype=torch.int64).to(torch.int32).view(B, npg)
+    if table_pages is None:
+        bt = pages
+    else:
+        bt = torch.full((B, table_pages), -1, dtype=torch.int32, device=device)
+        bt[:, :npg] = pages
+    q = torch.randn(B, hq, D, device=device, dtype=torch.bfloat16)
+    cq = torch.arange(B + 1, dtype=torch.int32, device=device)
+    sk = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    return q, kc, vc, bt, cq, sk
+
+
+def sdpa_layout(q, kc, vc, bt, ctx):
+    """The same decode for SDPA: q as [B, Hq, 1, D] and the first ctx positions of each sequence's pages
+    gathered into contiguous [B, Hkv, ctx, D]."""
+    B, page, hkv, d = q.shape[0], kc.shape[1], kc.shape[2], kc.shape[3]
+    npg = -(-ctx // page)
+    idx = bt[:, :npg].long()
+    kk, vv = (c[idx].reshape(B, npg * page, hkv, d)[:, :ctx].transpose(1, 2).contiguous() for c in (kc, vc))
+    return q.view(B, q.shape[1], 1, d), kk, vv
+
+
 def _graphed(fn):
     """Capture fn in a CUDA graph; return (replay, 'graph') or (fn, 'eager: why')."""
     try:
@@ -247,17 +277,8 @@ def _sections(res, args, cuda_ops):
     ctxs = (1024, 8192) if args.quick else (128, 1024, 4096, 8192)
     for B in batches:
         for ctx in ctxs:
-            npg = -(-ctx // PAGE)
-            kc = torch.randn(B * npg, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
-            vc = torch.randn_like(kc)
-            bt = torch.randperm(B * npg, device=dev, dtype=torch.int64).to(torch.int32).view(B, npg)
-            q = torch.randn(B, HQ, D, device=dev, dtype=torch.bfloat16)
-            cq = torch.arange(B + 1, dtype=torch.int32, device=dev)
-            sk = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-            # SDPA on contiguous K/V gathered from the same pages
-            kk = kc[bt.long()].reshape(B, npg * PAGE, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
-            vv = vc[bt.long()].reshape(B, npg * PAGE, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
-            qq = q.view(B, HQ, 1, D)
+            q, kc, vc, bt, cq, sk = decode_case(B, ctx, device=dev)
+            qq, kk, vv = sdpa_layout(q, kc, vc, bt, ctx)  # SDPA on contiguous K/V gathered from the same pages
             row = {"batch": B, "ctx": ctx}
             kv_bytes = 2.0 * B * ctx * HKV * D * 2
             with torch.no_grad():
@@ -304,14 +325,7 @@ def _sections(res, args, cuda_ops):
     wide_pages = 8192 // PAGE
     for B in (1, 16):
         for ctx in (128, 1024):
-            npg = -(-ctx // PAGE)
-            kc = torch.randn(B * npg, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
-            vc = torch.randn_like(kc)
-            bt = torch.full((B, wide_pages), -1, dtype=torch.int32, device=dev)
-            bt[:, :npg] = torch.randperm(B * npg, device=dev, dtype=torch.int64).to(torch.int32).view(B, npg)
-            q = torch.randn(B, HQ, D, device=dev, dtype=torch.bfloat16)
-            cq = torch.arange(B + 1, dtype=torch.int32, device=dev)
-            sk = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+            q, kc, vc, bt, cq, sk = decode_case(B, ctx, table_pages=wide_pages, device=dev)
             row = {"batch": B, "ctx": ctx, "table_positions": wide_pages * PAGE}
             with torch.no_grad():
                 cf = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="fused")  # noqa: E731

@@ -176,14 +176,11 @@ def check_decode_bits(mods, ref_name, cpcs, stages=(0,)):
 
 
 def time_decode(mods, ref_name, cpcs, B, ctx, stages=(0,)):
-    from bench_cuda import _graphed, _median_ms
+    from bench_cuda import _graphed, _median_ms, sdpa_layout
     g = torch.Generator().manual_seed(B * 100003 + ctx)
     q, kc, vc, bt, cq, sk = _decode_inputs([ctx] * B, 64, g, poison=False)
     sc = D ** -0.5
-    npg = -(-ctx // 64)
-    kk = kc[bt[:, :npg].long()].reshape(B, npg * 64, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
-    vv = vc[bt[:, :npg].long()].reshape(B, npg * 64, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
-    qq = q.view(B, HQ, 1, D)
+    qq, kk, vv = sdpa_layout(q, kc, vc, bt, ctx)
     F = torch.nn.functional
     fn, _ = _graphed(lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True))
     row = {"batch": B, "ctx": ctx, "sdpa_us": round(_median_ms(fn) * 1e3, 2)}

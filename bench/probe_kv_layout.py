@@ -25,19 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cell(B, hkv, hq, ctx, tri_paged):
-    from bench_cuda import _graphed, _median_ms
+    from bench_cuda import _graphed, _median_ms, decode_case, sdpa_layout
     from areal_tik.kernels import cuda_ops
-    D, PS = 128, 64
-    npg = ctx // PS
-    kc = torch.randn(B * npg, PS, hkv, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    bt = torch.randperm(B * npg, device="cuda").to(torch.int32).view(B, npg)
-    q = torch.randn(B, hq, D, device="cuda", dtype=torch.bfloat16)
-    cq = torch.arange(B + 1, dtype=torch.int32, device="cuda")
-    sk = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-    kk = kc[bt.long()].reshape(B, npg * PS, hkv, D).transpose(1, 2).contiguous()
-    vv = vc[bt.long()].reshape(B, npg * PS, hkv, D).transpose(1, 2).contiguous()
-    qq = q.view(B, hq, 1, D)
+    q, kc, vc, bt, cq, sk = decode_case(B, ctx, hq=hq, hkv=hkv)
+    qq, kk, vv = sdpa_layout(q, kc, vc, bt, ctx)
     F = torch.nn.functional
     row = {"batch": B, "hkv": hkv, "hq": hq, "ctx": ctx, "MB": round(2 * kc.numel() * 2 / 1e6, 1)}
     with torch.no_grad():

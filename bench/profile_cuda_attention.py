@@ -7,6 +7,7 @@ prefill L: one causal sequence of L tokens through attention_varlen (the default
 decode B CTX: B sequences of CTX cached positions (page size 64, shuffled pages), one query each,
 through attention_paged (the fused split-KV decode); CPC forces the split chunks per CTA (decode_cpc).
 """
+import os
 import sys
 
 import torch
@@ -26,13 +27,9 @@ if kind == "prefill":
 elif kind == "decode":
     B = int(sys.argv[2]) if len(sys.argv) > 2 else 16
     ctx = int(sys.argv[3]) if len(sys.argv) > 3 else 8192
-    npg = -(-ctx // 64)
-    kc = torch.randn(B * npg, 64, HKV, D, device=dev, dtype=bf)
-    vc = torch.randn_like(kc)
-    bt = torch.randperm(B * npg, device=dev).to(torch.int32).view(B, npg)
-    q = torch.randn(B, HQ, D, device=dev, dtype=bf)
-    cq = torch.arange(B + 1, dtype=torch.int32, device=dev)
-    sk = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_cuda import decode_case
+    q, kc, vc, bt, cq, sk = decode_case(B, ctx, hq=HQ, hkv=HKV, page=64, device=dev)
     if len(sys.argv) > 4:
         cpc = int(sys.argv[4])
         run = lambda: cuda_ops.extension().attention_paged_fwd(q, kc, vc, bt, cq, sk, 1, D ** -0.5, 0,  # noqa: E731
