@@ -343,6 +343,60 @@ def _sections(res, args, cuda_ops):
             del kc, vc
             torch.cuda.empty_cache()
 
+    _elementwise_section(res, args, cuda_ops)
+
+
+def _elementwise_section(res, args, cuda_ops):
+    """RMSNorm, RoPE and the KV-cache write, csrc vs Triton (1.5B shapes: hidden 1536, 12 q / 2 kv heads,
+    D 128), per token count: forward in a CUDA graph (decode-sized T is launch-bound), and forward +
+    backward of RMSNorm and RoPE at training T. The registry default per op follows these cells."""
+    from areal_tik.kernels import kv_cache as tkv, rms_norm as trn, rope as trp
+    dev = "cuda"
+    res["elementwise"] = []
+    cos, sin = trp.rope_table(D, 32768, 1000000.0, device=dev)
+    for T in ((16, 16384) if args.quick else (1, 64, 1024, 16384)):
+        x = torch.randn(T, 1536, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(1536, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(T, 12, D, device=dev, dtype=torch.bfloat16)
+        kk, vv = (torch.randn(T, 2, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        pos = torch.randint(0, 32768, (T,), device=dev)
+        kc, vc = (torch.zeros(max(T, 64) // 64 + 1, 64, 2, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        slots = torch.randperm(kc.shape[0] * 64, device=dev)[:T]
+        provs = {
+            "rms_norm": (lambda: cuda_ops.rms_norm_cuda(x, w, 1e-6), lambda: trn.rms_norm_triton(x, w, 1e-6)),
+            "apply_rope": (lambda: cuda_ops.apply_rope_cuda(q, cos, sin, pos),
+                           lambda: trp.apply_rope_triton(q, cos, sin, pos)),
+            "kv_cache_write": (lambda: cuda_ops.kv_cache_write_cuda(kk, vv, kc, vc, slots),
+                               lambda: tkv.kv_cache_write_triton(kk, vv, kc, vc, slots)),
+        }
+        for op, (cf, tf) in provs.items():
+            row = {"op": op, "tokens": T}
+            with torch.no_grad():
+                for name, f in (("cuda", cf), ("triton", tf)):
+                    fn, how = _graphed(f)
+                    row[f"{name}_fwd_us"], row[f"{name}_timing"] = round(_median_ms(fn) * 1e3, 2), how
+            row["cuda_speedup_fwd"] = round(row["triton_fwd_us"] / row["cuda_fwd_us"], 3)
+            res["elementwise"].append(row)
+            print(f"{op:14s} T={T:6d}: fwd cuda {row['cuda_fwd_us']:8.2f} us  triton {row['triton_fwd_us']:8.2f} us "
+                  f"({row['cuda_speedup_fwd']}x)")
+        if T >= 1024:  # training: forward + backward (autograd wrappers of each backend)
+            xg, qg = x.clone().requires_grad_(True), q.clone().requires_grad_(True)
+            wg = w.clone().requires_grad_(True)
+            gx, gq = torch.randn_like(x), torch.randn_like(q)
+            train = {"rms_norm": ((lambda: cuda_ops.rms_norm_cuda(xg, wg, 1e-6)),
+                                  (lambda: trn.rms_norm_triton(xg, wg, 1e-6)), (xg, wg), gx),
+                     "apply_rope": ((lambda: cuda_ops.apply_rope_cuda(qg, cos, sin, pos)),
+                                    (lambda: trp.apply_rope_triton(qg, cos, sin, pos)), (qg,), gq)}
+            for op, (cf, tf, inputs, g) in train.items():
+                row = {"op": op, "tokens": T, "mode": "forward+backward"}
+                for name, f in (("cuda", cf), ("triton", tf)):
+                    row[f"{name}_fwd_bwd_us"] = round(
+                        _median_ms(lambda: torch.autograd.grad(f(), inputs, g), iters=10) * 1e3, 2)
+                row["cuda_speedup_fwd_bwd"] = round(row["triton_fwd_bwd_us"] / row["cuda_fwd_bwd_us"], 3)
+                res["elementwise"].append(row)
+                print(f"{op:14s} T={T:6d}: fwd+bwd cuda {row['cuda_fwd_bwd_us']:8.2f} us  triton "
+                      f"{row['triton_fwd_bwd_us']:8.2f} us ({row['cuda_speedup_fwd_bwd']}x)")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,10 @@ step; median of 5 fresh batches) and decode tokens/s (B sequences, ``--steps`` d
 after a warm-up that captures the CUDA graph). Each point runs once unmeasured first (JIT, graph capture).
 Writes ``engine_throughput.json`` with ratio tik/default per point.
 
-    python bench/bench_engine.py --out DIR [--quick] [--model qwen2.5-1.5b]
+    python bench/bench_engine.py --out DIR [--quick] [--model qwen2.5-1.5b] [--arms default tik ...]
+
+``--arms`` (bench/kernel_arms.py) adds backend arms, e.g. ``tik@attention_varlen=cuda,attention_paged=cuda``;
+every arm's ratio over the first arm is written too.
 """
 from __future__ import annotations
 
@@ -20,12 +23,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
 from areal_tik.backend.patch import patch_model  # noqa: E402
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from areal_tik.models import build_model  # noqa: E402
+from kernel_arms import parse_arms  # noqa: E402
 
 
 def _sync():
@@ -78,42 +83,62 @@ def measure(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int, see
                 decode_tokens_per_s=B * steps / t_decode, decode_ms_per_step=1e3 * t_decode / steps)
 
 
+def run_arm(kernels: str, label: str, model_name: str, dev: str, batches: list[int], prompt_len: int,
+            steps: int) -> dict:
+    """One engine with ``kernels``; a warm-up and a measured pass per batch size."""
+    model = patch_model(build_model(model_name, device=dev), kernels=kernels)
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=max(batches), max_model_len=prompt_len + steps + 64,
+                                        max_num_batched_tokens=max(batches) * prompt_len,
+                                        chunked_prefill=False, gpu_memory_utilization=0.3))
+    rows = []
+    for B in batches:
+        measure(eng, B, prompt_len, steps, model.config.vocab_size, seed=1)   # warm-up pass
+        r = measure(eng, B, prompt_len, steps, model.config.vocab_size, seed=2)
+        rows.append(r)
+        print(f"{label:8s} B={B:3d} prefill {r['prefill_tokens_per_s']:10.0f} tok/s  "
+              f"decode {r['decode_tokens_per_s']:9.0f} tok/s ({r['decode_ms_per_step']:.2f} ms/step)", flush=True)
+    out = dict(rows=rows, engine=eng.stats())
+    del eng, model
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _ratios(rows: list[dict], base: list[dict]) -> list[dict]:
+    return [dict(batch=t["batch"], prefill=t["prefill_tokens_per_s"] / d["prefill_tokens_per_s"],
+                 decode=t["decode_tokens_per_s"] / d["decode_tokens_per_s"]) for t, d in zip(rows, base)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", default="qwen2.5-1.5b")
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--arms", nargs="+", default=["default", "tik"], help="KERNELS[@AREAL_TIK_BACKEND spec]")
     a = ap.parse_args()
+    arms = parse_arms(a.arms)
     os.makedirs(a.out, exist_ok=True)
     batches = [1, 16, 64] if a.quick else [1, 2, 4, 8, 16, 32, 64]
     steps = 16 if a.quick else 64
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     res = {"model": a.model, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__, "prompt_len": a.prompt_len, "decode_steps": steps, "kernels": {}}
-    for kernels in ("default", "tik"):
-        model = patch_model(build_model(a.model, device=dev), kernels=kernels)
-        eng = LLMEngine(model, EngineConfig(max_num_seqs=max(batches), max_model_len=a.prompt_len + steps + 64,
-                                            max_num_batched_tokens=max(batches) * a.prompt_len,
-                                            chunked_prefill=False, gpu_memory_utilization=0.3))
-        rows = []
-        for B in batches:
-            measure(eng, B, a.prompt_len, steps, model.config.vocab_size, seed=1)   # warm-up pass
-            r = measure(eng, B, a.prompt_len, steps, model.config.vocab_size, seed=2)
-            rows.append(r)
-            print(f"{kernels:8s} B={B:3d} prefill {r['prefill_tokens_per_s']:10.0f} tok/s  "
-                  f"decode {r['decode_tokens_per_s']:9.0f} tok/s ({r['decode_ms_per_step']:.2f} ms/step)", flush=True)
-        res["kernels"][kernels] = dict(rows=rows, engine=eng.stats())
-        del eng, model
-        gc.collect()
-        if dev == "cuda":
-            torch.cuda.empty_cache()
-    res["ratio_tik_over_default"] = [
-        dict(batch=t["batch"], prefill=t["prefill_tokens_per_s"] / d["prefill_tokens_per_s"],
-             decode=t["decode_tokens_per_s"] / d["decode_tokens_per_s"])
-        for t, d in zip(res["kernels"]["tik"]["rows"], res["kernels"]["default"]["rows"])]
-    for r in res["ratio_tik_over_default"]:
-        print(f"tik/default B={r['batch']:3d}: prefill {r['prefill']:.2f}x  decode {r['decode']:.2f}x")
+    for arm in arms:
+        with arm.active():
+            res["kernels"][arm.label] = dict(run_arm(arm.kernels, arm.label, a.model, dev, batches, a.prompt_len,
+                                                     steps), backend_spec=arm.spec)
+    first = arms[0].label
+    res["ratio_over_first_arm"] = {
+        arm.label: _ratios(res["kernels"][arm.label]["rows"], res["kernels"][first]["rows"]) for arm in arms[1:]}
+    for label, rows in res["ratio_over_first_arm"].items():
+        for r in rows:
+            print(f"{label} / {first} B={r['batch']:3d}: prefill {r['prefill']:.3f}x  decode {r['decode']:.3f}x")
+    if "tik" in res["kernels"] and "default" in res["kernels"]:
+        res["ratio_tik_over_default"] = _ratios(res["kernels"]["tik"]["rows"], res["kernels"]["default"]["rows"])
+        for r in res["ratio_tik_over_default"]:
+            print(f"tik/default B={r['batch']:3d}: prefill {r['prefill']:.2f}x  decode {r['decode']:.2f}x")
     with open(os.path.join(a.out, "engine_throughput.json"), "w") as f:
         json.dump(res, f, indent=2)
     return 0

@@ -9,6 +9,8 @@ minibatch), and records a torch.profiler table of the top device ops of forward 
 
     python bench/profile_train.py --out DIR [--model qwen2.5-1.5b] [--seqs 32] [--seq-len 272] [--kernels tik default]
 
+``--kernels`` takes arms (bench/kernel_arms.py), e.g. ``tik tik@attention_varlen=cuda,attention_paged=cuda``.
+
 Writes ``train_profile.json`` and prints a table. Random weights, random tokens (speed only).
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from areal_tik.backend.logprob_head import packed_logprobs  # noqa: E402
 from areal_tik.backend.patch import patch_model  # noqa: E402
 from areal_tik.models import build_model  # noqa: E402
 from areal_tik.profiling import summarize_profile  # noqa: E402
+from kernel_arms import parse_arms  # noqa: E402
 
 
 def _sync():
@@ -96,17 +99,25 @@ def main() -> int:
     ap.add_argument("--kernels", nargs="+", default=["tik", "default"])
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    runs = {k: profile(k, a.model, a.seqs, a.seq_len, a.reps, device) for k in a.kernels}
+    runs = {}
+    for arm in parse_arms(a.kernels):
+        with arm.active():
+            runs[arm.label] = dict(profile(arm.kernels, a.model, a.seqs, a.seq_len, a.reps, device),
+                                   backend_spec=arm.spec)
     out = {"model": a.model, "seqs": a.seqs, "seq_len": a.seq_len, "device": device,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "runs": runs}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "train_profile.json"), "w") as f:
         json.dump(out, f, indent=1)
     for k, r in runs.items():
-        print(f"{k:8s} tokens {r['tokens']}: forward {r['forward_ms']:.2f} ms, forward+backward "
+        print(f"{k} tokens {r['tokens']}: forward {r['forward_ms']:.2f} ms, forward+backward "
               f"{r['forward_backward_ms']:.2f} ms, device busy {r['device_busy_ms_per_step']:.2f} ms")
         for o in r["top_device_ops"][:10]:
             print(f"    {o['ms_per_step']:8.3f} ms  x{o['calls_per_step']:.0f}  {o['name'][:90]}")
+    first = next(iter(runs))
+    for k in list(runs)[1:]:
+        print(f"{k} / {first} time: forward {runs[k]['forward_ms'] / runs[first]['forward_ms']:.3f}, "
+              f"forward+backward {runs[k]['forward_backward_ms'] / runs[first]['forward_backward_ms']:.3f}")
     if "tik" in runs and "default" in runs:
         print(f"tik/default time: forward {runs['tik']['forward_ms'] / runs['default']['forward_ms']:.3f}, "
               f"forward+backward {runs['tik']['forward_backward_ms'] / runs['default']['forward_backward_ms']:.3f}")
