@@ -84,12 +84,12 @@ def measure(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int, see
 
 
 def run_arm(kernels: str, label: str, model_name: str, dev: str, batches: list[int], prompt_len: int,
-            steps: int) -> dict:
+            steps: int, page_size: int = 16) -> dict:
     """One engine with ``kernels``; a warm-up and a measured pass per batch size."""
     model = patch_model(build_model(model_name, device=dev), kernels=kernels)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=max(batches), max_model_len=prompt_len + steps + 64,
                                         max_num_batched_tokens=max(batches) * prompt_len,
-                                        chunked_prefill=False, gpu_memory_utilization=0.3))
+                                        chunked_prefill=False, gpu_memory_utilization=0.3, page_size=page_size))
     rows = []
     for B in batches:
         measure(eng, B, prompt_len, steps, model.config.vocab_size, seed=1)   # warm-up pass
@@ -116,6 +116,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", default="qwen2.5-1.5b")
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--page-size", type=int, default=16, help="KV page size of every arm's engine")
     ap.add_argument("--arms", nargs="+", default=["default", "tik"], help="KERNELS[@AREAL_TIK_BACKEND spec]")
     a = ap.parse_args()
     arms = parse_arms(a.arms)
@@ -124,11 +125,12 @@ def main() -> int:
     steps = 16 if a.quick else 64
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     res = {"model": a.model, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-           "torch": torch.__version__, "prompt_len": a.prompt_len, "decode_steps": steps, "kernels": {}}
+           "torch": torch.__version__, "prompt_len": a.prompt_len, "decode_steps": steps,
+           "page_size": a.page_size, "kernels": {}}
     for arm in arms:
         with arm.active():
             res["kernels"][arm.label] = dict(run_arm(arm.kernels, arm.label, a.model, dev, batches, a.prompt_len,
-                                                     steps), backend_spec=arm.spec)
+                                                     steps, a.page_size), backend_spec=arm.spec)
     first = arms[0].label
     res["ratio_over_first_arm"] = {
         arm.label: _ratios(res["kernels"][arm.label]["rows"], res["kernels"][first]["rows"]) for arm in arms[1:]}

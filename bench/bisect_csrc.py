@@ -94,21 +94,37 @@ def check_bits(mods, ref_name):
     return checks
 
 
-def time_prefill(mods, ref_name, L):
+def time_prefill(mods, ref_name, L, batch=1, page_size=0, triton=False):
+    """Causal prefill of `batch` sequences of L tokens: contiguous varlen (page_size 0) or over a paged
+    cache of that page size (the engine's prompt prefill); TFLOP/s of SDPA, each variant and Triton."""
     from bench_cuda import _median_ms
-    q = torch.randn(L, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(L, HKV, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(L, HKV, D, device="cuda", dtype=torch.bfloat16)
-    cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+    g = torch.Generator().manual_seed(L * 7 + batch)
+    T = batch * L
+    q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(T, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(T, HKV, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
     sc = D ** -0.5
-    tflop = 2.0 * L * L * D * HQ / 1e9  # causal; TFLOP/s = tflop / ms
+    tflop = 2.0 * L * L * D * HQ * batch / 1e9  # causal; TFLOP/s = tflop / ms
     ref = mods[ref_name].attention_varlen_fwd(q, k, v, cu, L, sc, 0, out=None, prefill_kernel=1)
-    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+    qs, ks, vs = (t.view(batch, L, -1, D).transpose(1, 2).contiguous() for t in (q, k, v))
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # noqa: E731
-    row = {"L": L, "sdpa": round(tflop / _median_ms(sdpa), 1)}
+    row = {"L": L, "batch": batch, "heads": f"{HQ}/{HKV}", "page_size": page_size, "sdpa": round(tflop / _median_ms(sdpa), 1)}
+    if page_size:
+        kc, vc, bt = _paged_cache(k, v, [L] * batch, cu.cpu(), page_size, g)
+        sk = torch.full((batch,), L, dtype=torch.int32, device="cuda")
+        call = lambda m: m.attention_paged_fwd(q, kc, vc, bt, cu, sk, L, sc, 0, out=None, decode_merge=0,  # noqa: E731
+                                               prefill_kernel=2)
+    else:
+        call = lambda m: m.attention_varlen_fwd(q, k, v, cu, L, sc, 0, out=None, prefill_kernel=2)  # noqa: E731
+    if triton:
+        from areal_tik.kernels.attention import attention_paged_triton, attention_varlen_triton
+        tf = ((lambda: attention_paged_triton(q, kc, vc, bt, cu, sk, L, sc)) if page_size  # noqa: E731
+              else (lambda: attention_varlen_triton(q, k, v, cu, L, sc)))
+        row["triton"] = round(tflop / _median_ms(tf), 1)
     for _ in range(2):
         for name, m in mods.items():
-            fn = lambda: m.attention_varlen_fwd(q, k, v, cu, L, sc, 0, out=None, prefill_kernel=2)  # noqa: E731
+            fn = lambda: call(m)  # noqa: E731
             row[name + "_eq"] = bool(torch.equal(fn(), ref))
             row.setdefault(name, []).append(round(tflop / _median_ms(fn), 1))
     return row
@@ -175,17 +191,31 @@ def check_decode_bits(mods, ref_name, cpcs, stages=(0,)):
     return checks
 
 
-def time_decode(mods, ref_name, cpcs, B, ctx, stages=(0,)):
+def _triton_paged():
+    from areal_tik.kernels.attention import attention_paged_triton
+    return attention_paged_triton
+
+
+def time_decode(mods, ref_name, cpcs, B, ctx, stages=(0,), page_size=64, table_pages=None, triton=False):
+    """One decode cell: B sequences of ctx positions, pages of page_size, block tables table_pages wide
+    (default: just wide enough, + 2); CUDA-graph times of SDPA (contiguous gather), each call and Triton."""
     from bench_cuda import _graphed, _median_ms, sdpa_layout
     g = torch.Generator().manual_seed(B * 100003 + ctx)
-    q, kc, vc, bt, cq, sk = _decode_inputs([ctx] * B, 64, g, poison=False)
+    q, kc, vc, bt, cq, sk = _decode_inputs([ctx] * B, page_size, g, poison=False)
+    if table_pages is not None and table_pages > bt.shape[1]:  # engine-shaped: the table sized for max_model_len
+        bt = torch.cat([bt, torch.full((B, table_pages - bt.shape[1]), -1, dtype=torch.int32, device="cuda")], 1)
     sc = D ** -0.5
     qq, kk, vv = sdpa_layout(q, kc, vc, bt, ctx)
     F = torch.nn.functional
     fn, _ = _graphed(lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True))
-    row = {"batch": B, "ctx": ctx, "sdpa_us": round(_median_ms(fn) * 1e3, 2)}
+    row = {"batch": B, "ctx": ctx, "heads": f"{HQ}/{HKV}", "page_size": page_size, "table_pages": bt.shape[1],
+           "sdpa_us": round(_median_ms(fn) * 1e3, 2)}
     ref = mods[ref_name].attention_paged_fwd(q, kc, vc, bt, cq, sk, 1, sc, 0, out=None, decode_merge=0)
     del kk, vv
+    if triton:
+        tp = _triton_paged()
+        fn, _ = _graphed(lambda: tp(q, kc, vc, bt, cq, sk, 1, sc))
+        row["triton_us"] = round(_median_ms(fn) * 1e3, 2)
     for _ in range(2):
         for label, m, kw in _decode_calls(mods, cpcs, stages):
             call = lambda: m.attention_paged_fwd(q, kc, vc, bt, cq, sk, 1, sc, 0, out=None, decode_merge=0, **kw)  # noqa: E731
@@ -208,7 +238,17 @@ def main(argv=None):
                     help="decode_stages values (0 = auto, 2..4) for builds that take it")
     ap.add_argument("--cells", default="1x128,1x1024,1x4096,4x1024,4x8192,8x4096,16x1024,16x8192,64x1024,128x512",
                     help="decode cells BATCHxCONTEXT, comma-separated")
+    ap.add_argument("--heads", default=f"{HQ}/{HKV}", help="query/KV heads, e.g. 12/2 (Qwen2.5-1.5B)")
+    ap.add_argument("--page-size", type=int, default=64, help="decode timing: KV page size")
+    ap.add_argument("--table-pages", type=int, default=None,
+                    help="decode timing: block-table width in pages (engine: max_model_len / page size)")
+    ap.add_argument("--triton", action="store_true", help="time the Triton kernel beside the variants")
+    ap.add_argument("--prefill-paged", type=int, default=0, metavar="PAGE_SIZE",
+                    help="prefill timing over a paged cache of this page size (0: contiguous varlen)")
+    ap.add_argument("--prefill-batch", type=int, default=1, help="prefill timing: sequences of each --lens length")
     args = ap.parse_args(argv)
+    global HQ, HKV
+    HQ, HKV = (int(x) for x in args.heads.split("/"))
     ref_name = args.ref or args.variants[0]
     if ref_name not in args.variants:
         ap.error(f"--ref {ref_name} is not among --variants")
@@ -221,7 +261,8 @@ def main(argv=None):
         print(res[0], flush=True)
         for cell in args.cells.split(","):
             B, ctx = (int(x) for x in cell.split("x"))
-            res.append(time_decode(mods, ref_name, args.cpc, B, ctx, args.stages))
+            res.append(time_decode(mods, ref_name, args.cpc, B, ctx, args.stages, args.page_size, args.table_pages,
+                                   args.triton))
             print(res[-1], flush=True)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bisect_decode.json"), "w") as f:
@@ -231,7 +272,7 @@ def main(argv=None):
     res = [check_bits(mods, ref_name)]
     print(res[0], flush=True)
     for L in args.lens:
-        res.append(time_prefill(mods, ref_name, L))
+        res.append(time_prefill(mods, ref_name, L, args.prefill_batch, args.prefill_paged, args.triton))
         print(res[-1], flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bisect.json"), "w") as f:
