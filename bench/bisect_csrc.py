@@ -226,6 +226,7 @@ def time_decode(mods, ref_name, cpcs, B, ctx, stages=(0,), page_size=64, table_p
 
 
 def main(argv=None):
+    global HQ, HKV
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", required=True, help="directory holding one csrc copy per variant")
     ap.add_argument("--variants", nargs="+", required=True)
@@ -247,7 +248,6 @@ def main(argv=None):
                     help="prefill timing over a paged cache of this page size (0: contiguous varlen)")
     ap.add_argument("--prefill-batch", type=int, default=1, help="prefill timing: sequences of each --lens length")
     args = ap.parse_args(argv)
-    global HQ, HKV
     HQ, HKV = (int(x) for x in args.heads.split("/"))
     ref_name = args.ref or args.variants[0]
     if ref_name not in args.variants:
