@@ -595,12 +595,12 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 //   * loader: 128 threads, cp.async; the page-table entries of the next block are loaded a block
 //     ahead (registers, not waited for), so no copy waits for its page lookup; blocks inside one
 //     page (contiguous K/V, pages of >= 64 rows) take one entry and constant row strides.
-//   * 3-stage cp.async ring, or 2 stages at D = 128 for grids over four CTAs per SM (three CTAs per
-//     SM then fit; decode_stages forces either), one barrier per block; K fragments by
+//   * 3-stage cp.async ring, or 2 stages at D = 128 where three CTAs per SM (which then fit) save a
+//     wave (decode_auto_shape; decode_stages forces either), one barrier per block; K fragments by
 //     ldmatrix.x4 (the values of 32-bit loads, four k-step halves per instruction).
 //   * causal select only in blocks reaching past the tile's earliest row; tiles of at most 8 rows
 //     (HALF) skip all work on each thread's empty second row.
-//   * SPLIT mode: a CTA walks cpc consecutive chunks (decode_cpc, or decode_auto_cpc), each from a
+//   * SPLIT mode: a CTA walks cpc consecutive chunks (decode_cpc, or decode_auto_shape), each from a
 //     fresh state with its own stored partial, exactly as cpc CTAs of one chunk each would.
 //   * SPLIT mode, two launches (FUSED = false; kept as the reference path, selected when no
 //     counter buffer is passed): the merge kernel prefetches the chunk partials 16 at a time
@@ -814,22 +814,25 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
   const int lr0 = threadIdx.x / SEGS, ls = threadIdx.x % SEGS;
   const uint32_t ks_s = (uint32_t)__cvta_generic_to_shared(Ks), vs_s = (uint32_t)__cvta_generic_to_shared(Vs);
 
-  // The loader in two halves, a block apart: the page-table entries of block j + 1 are loaded (into
-  // registers, not waited for) right after block j's copies are issued, so the copies of a block never
-  // wait for its page lookups (H200, session 8: before this a decode CTA took ~2.5 us per 64-position
-  // block, one page-table round trip plus the compute, serialised).
-  // Two loaders behind one uniform branch. Blocks that lie in one page (contiguous K/V, or power-of-two
-  // pages of at least BN rows: every Python entry point's case at page size 64..256): one page-table
-  // entry per block, and a thread's PER_T rows are a constant stride apart. Otherwise (pages of 16 or
-  // 32 rows, or a size the binding accepts that is no power of two) one entry per row.
   // The page-table entries of block j + 1 are loaded (into registers, not waited for) right after block
   // j's copies are issued, so the copies of a block never wait for its page lookups (H200, session 8:
   // before this a decode CTA took ~2 us per 64-position block, with the page-table round trip and
   // ~860 instructions per warp, mostly address arithmetic, on its path).
+  // Three loaders behind one uniform branch:
+  //   * blocks that lie in one page (contiguous K/V, or power-of-two pages of at least BN rows): one
+  //     page-table entry per block, and a thread's PER_T rows are a constant stride apart;
+  //   * power-of-two pages of RSTEP .. BN / 2 rows (16 and 32 at D = 128; the engine's default is 16):
+  //     the entries are the same for every thread (small_pages below). H200, session 9, 12/2 heads,
+  //     pages of 16: 2-17% faster than the per-row loader (B=1 ctx 550 11.8 -> 9.9 us);
+  //   * otherwise (a size the binding accepts that is no power of two) one entry per row.
   int pg[PER_T];  // next block's pages of this thread's rows (pg[0] only on the one-page path)
   const int ps = p.paged ? p.page_size : BN;
   const bool ps_pow2 = (ps & (ps - 1)) == 0;
   const bool one_page = !p.paged || (ps_pow2 && ps >= BN);
+  // Power-of-two pages of RSTEP .. BN / 2 rows (16 and 32 at D = 128): a thread's rows lr0 + u * RSTEP
+  // (lr0 < RSTEP) share the page of position u * RSTEP, so its page-table entries are the same for every
+  // thread (one broadcast load each) and its in-page row offsets are constants per u.
+  const bool small_pages = p.paged && ps_pow2 && ps >= RSTEP && ps < BN;
   const int ps_shift = __ffs(ps) - 1;
   const int row_elems = p.Hkv * D;
   const int64_t page_elems = (int64_t)ps * row_elems;
@@ -839,6 +842,12 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
     if (!p.paged || j >= je) return;
     if (one_page) {
       pg[0] = __ldg(bt_row + ((j * BN) >> ps_shift));
+    } else if (small_pages) {  // row u of every thread lies in the page of position j * BN + u * RSTEP
+#pragma unroll
+      for (int u = 0; u < PER_T; ++u) {
+        const int pos = j * BN + u * RSTEP;
+        pg[u] = pos < kv_len ? __ldg(bt_row + (pos >> ps_shift)) : 0;
+      }
     } else {
 #pragma unroll
       for (int u = 0; u < PER_T; ++u) {
@@ -861,6 +870,18 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
         const uint32_t so = so0 + (uint32_t)(u * RSTEP * LDS * 2);
         cp_async16(ks_s + so, ok ? kp + u * rstep_elems : kg0, ok ? 16 : 0);
         cp_async16(vs_s + so, ok ? vp + u * rstep_elems : vg0, ok ? 16 : 0);
+      }
+    } else if (small_pages) {
+      const int pos0 = j * BN;
+      const bool full = pos0 + BN <= kv_len;
+      const int64_t thr = (int64_t)lr0 * row_elems + col0;
+#pragma unroll
+      for (int u = 0; u < PER_T; ++u) {
+        const bool ok = full || pos0 + lr0 + u * RSTEP < kv_len;
+        const int64_t o = (int64_t)pg[u] * page_elems + (int64_t)(((u * RSTEP) & (ps - 1)) * row_elems) + thr;
+        const uint32_t so = so0 + (uint32_t)(u * RSTEP * LDS * 2);
+        cp_async16(ks_s + so, ok ? kg0 + o : kg0, ok ? 16 : 0);
+        cp_async16(vs_s + so, ok ? vg0 + o : vg0, ok ? 16 : 0);
       }
     } else {
 #pragma unroll
@@ -1173,18 +1194,31 @@ int device_sm_count() {
   });
 }
 
-// Chunks per CTA when the caller leaves it to the launcher: a grid of chunk tasks that would take more
-// than one wave of 3-stage CTAs (two per SM) but fits in one when each CTA walks at most DEC_CPC_MAX
-// chunks gets that many per CTA; any other grid one per CTA (H200, session 8, bench/results/
-// *_decode-sx-mc-bisect: B=16 ctx 1K 28.6 -> 26.3 us at 2 per CTA, B=4 ctx 8K 47.5 -> 46.3 at 4; grids
-// of several waves gain nothing and lose up to 14% where the fewer CTAs leave a partial last wave).
-// Timing only; every choice gives the same bits.
+// Chunks per CTA and ring depth when the caller leaves them to the launcher (timing only; every choice
+// gives the same bits). A 3-stage D = 128 CTA takes 108 KB of shared memory (two per SM), a 2-stage one
+// 72 KB (three per SM). For a grid of `tasks` chunk CTAs (H200, session 8, bench/results/
+// *_decode-sx-mc-bisect, and session 9, *_engine-shape-decode):
+//   * one wave at two per SM: one chunk per CTA, 3 stages;
+//   * one wave at three per SM (D = 128 only): one chunk per CTA, 2 stages. B=64 x ctx 550, 12/2 heads,
+//     384 CTAs: 16.3 us, against 23.1 at 3 stages (two waves) and 22.0 at 2 chunks per CTA;
+//   * else, when at most DEC_CPC_MAX chunks per CTA make one wave at two per SM: that many per CTA,
+//     3 stages (B=16 ctx 1K 28.6 -> 26.3 us at 2 per CTA, B=4 ctx 8K 47.5 -> 46.3 at 4; B=128 ctx 550,
+//     12/2 heads: 30.7 us at 3 per CTA, against 34.0 at 1 per CTA and 2 stages);
+//   * else one chunk per CTA, and 2 stages for grids over four CTAs per SM (512 CTAs 0.91-0.92x,
+//     1024+ CTAs 1.09-1.19x the 3-stage time). Grids of several waves gain nothing from several chunks
+//     per CTA and lose up to 14% where the fewer CTAs leave a partial last wave.
 constexpr int DEC_CPC_MAX = 4;
-int decode_auto_cpc(int64_t tasks, int maxc) {
-  const int64_t wave = 2LL * device_sm_count();
-  if (tasks <= wave) return 1;
-  const int64_t c = (tasks + wave - 1) / wave;
-  return c <= DEC_CPC_MAX ? (int)std::min<int64_t>(c, maxc) : 1;
+struct DecodeShape {
+  int cpc;
+  int stages;
+};
+DecodeShape decode_auto_shape(int64_t tasks, int maxc, bool wide_ok) {
+  const int64_t sms = device_sm_count();
+  if (tasks <= 2 * sms) return {1, DEC_STAGES_DEEP};
+  if (wide_ok && tasks <= 3 * sms) return {1, DEC_STAGES_WIDE};
+  const int64_t c = (tasks + 2 * sms - 1) / (2 * sms);
+  if (c <= DEC_CPC_MAX) return {(int)std::min<int64_t>(c, maxc), DEC_STAGES_DEEP};
+  return {1, wide_ok && tasks > 4 * sms ? DEC_STAGES_WIDE : DEC_STAGES_DEEP};
 }
 
 template <int D, bool SPLITM>
@@ -1192,15 +1226,21 @@ cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
   const int64_t rows = (int64_t)p.max_seqlen_q * (p.Hq / p.Hkv);
   const int64_t ntiles = (rows + 15) / 16;
   const int maxc = max_chunks_of(p);
-  int cpc = 1;
-  if (SPLITM) cpc = p.decode_cpc > 0 ? min(p.decode_cpc, maxc) : decode_auto_cpc(ntiles * maxc * p.Hkv * p.batch, maxc);
+  // Ring depth: only D = 128 has a 2-stage instantiation. A FOLD launch (one CTA per tile) or a forced
+  // chunk count keeps the grid-size rule for the stages; decode_stages forces them.
+  const bool wide_ok = D == 128 && p.decode_stages != DEC_STAGES_DEEP;
+  DecodeShape sh{1, DEC_STAGES_DEEP};
+  if (SPLITM && p.decode_cpc == 0) sh = decode_auto_shape(ntiles * maxc * p.Hkv * p.batch, maxc, wide_ok);
+  if (SPLITM && p.decode_cpc > 0) sh.cpc = min(p.decode_cpc, maxc);
+  const int cpc = sh.cpc;
   const int64_t gx = SPLITM ? ntiles * decode_ctas_per_tile(maxc, cpc) : ntiles;
   if (gx <= 0) return cudaSuccess;
   if (gx > 0x7fffffffLL || p.Hkv > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
-  if constexpr (D == 128) {  // H200 bench, 2 vs 3 stages: 512 CTAs 0.91-0.92x, 1024+ CTAs 1.09-1.19x
+  if constexpr (D == 128) {
     const int64_t ctas = gx * p.Hkv * p.batch;
-    const int st = p.decode_stages ? p.decode_stages
-                   : ctas > 4LL * device_sm_count() ? DEC_STAGES_WIDE : DEC_STAGES_DEEP;
+    int st = p.decode_stages;
+    if (st == 0) st = (SPLITM && p.decode_cpc == 0) ? sh.stages
+                                                    : ctas > 4LL * device_sm_count() ? DEC_STAGES_WIDE : DEC_STAGES_DEEP;
     if (st == DEC_STAGES_WIDE) return launch_decode_stages<D, SPLITM, DEC_STAGES_WIDE>(p, gx, cpc, stream);
   }
   return launch_decode_stages<D, SPLITM, DEC_STAGES_DEEP>(p, gx, cpc, stream);
