@@ -22,12 +22,14 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
 from areal_tik.backend.patch import patch_model  # noqa: E402
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from areal_tik.models import build_model  # noqa: E402
+from kernel_arms import parse_arms  # noqa: E402
 from areal_tik.profiling import summarize_profile  # noqa: E402
 
 
@@ -89,12 +91,36 @@ def profile(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int) -> 
     return {"batch": B, "ms_per_step": plain_ms, "phase_ms_per_step": phases, **summarize_profile(prof, steps)}
 
 
+def profile_arm(kernels: str, label: str, a, dev: str) -> list[dict]:
+    model = patch_model(build_model(a.model, device=dev), kernels=kernels)
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.prompt_len + 4 * a.steps + 64,
+                                        max_num_batched_tokens=max(a.batches) * a.prompt_len,
+                                        chunked_prefill=False, gpu_memory_utilization=0.3))
+    runs = []
+    for B in a.batches:
+        r = profile(eng, B, a.prompt_len, a.steps, model.config.vocab_size)
+        runs.append(r)
+        ph = "  ".join(f"{k} {v:.3f}" for k, v in r["phase_ms_per_step"].items())
+        print(f"{label} B={B:3d}: {r['ms_per_step']:.3f} ms/step; device busy "
+              f"{r['device_busy_ms_per_step']:.3f} ms; phases (ms): {ph}", flush=True)
+        for row in r["top_device_ops"][:8]:
+            print(f"      dev {row['ms_per_step']:8.3f} ms x{row['calls_per_step']:6.1f}  {row['name'][:90]}")
+        for row in r["top_host_ops"][:8]:
+            print(f"      cpu {row['self_ms_per_step']:8.3f} ms x{row['calls_per_step']:6.1f}  {row['name'][:90]}")
+    del eng, model
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return runs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--model", default="qwen2.5-1.5b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--kernels", nargs="+", default=["tik", "default"])
+    ap.add_argument("--kernels", nargs="+", default=["tik", "default"],
+                    help="arms KERNELS[@AREAL_TIK_BACKEND spec] (bench/kernel_arms.py)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--emulate-graphs-on-cpu", action="store_true",
@@ -107,26 +133,9 @@ def main() -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     res = {"model": a.model, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__, "prompt_len": a.prompt_len, "steps": a.steps, "runs": {}}
-    for kernels in a.kernels:
-        model = patch_model(build_model(a.model, device=dev), kernels=kernels)
-        eng = LLMEngine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.prompt_len + 4 * a.steps + 64,
-                                            max_num_batched_tokens=max(a.batches) * a.prompt_len,
-                                            chunked_prefill=False, gpu_memory_utilization=0.3))
-        res["runs"][kernels] = []
-        for B in a.batches:
-            r = profile(eng, B, a.prompt_len, a.steps, model.config.vocab_size)
-            res["runs"][kernels].append(r)
-            ph = "  ".join(f"{k} {v:.3f}" for k, v in r["phase_ms_per_step"].items())
-            print(f"{kernels:8s} B={B:3d}: {r['ms_per_step']:.3f} ms/step; device busy "
-                  f"{r['device_busy_ms_per_step']:.3f} ms; phases (ms): {ph}", flush=True)
-            for row in r["top_device_ops"][:8]:
-                print(f"      dev {row['ms_per_step']:8.3f} ms x{row['calls_per_step']:6.1f}  {row['name'][:90]}")
-            for row in r["top_host_ops"][:8]:
-                print(f"      cpu {row['self_ms_per_step']:8.3f} ms x{row['calls_per_step']:6.1f}  {row['name'][:90]}")
-        del eng, model
-        gc.collect()
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+    for arm in parse_arms(a.kernels):
+        with arm.active():
+            res["runs"][arm.label] = profile_arm(arm.kernels, arm.label, a, dev)
     with open(os.path.join(a.out, "engine_profile.json"), "w") as f:
         json.dump(res, f, indent=2)
     return 0
