@@ -1,4 +1,5 @@
 """Foundation: interpreter fix, CLI, registry selection and the no-GPU compile checks."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -102,3 +103,28 @@ def test_compile_checks_for_sm80_sm90_without_gpu():
     assert r.returncode == 0
     assert out["triton"], "compile-check compiled no Triton kernel (nothing was checked)"
     assert {row["arch"] for row in out["triton"]} == {"sm_80", "sm_90"}
+
+
+def test_arch_preferred_backend_moves_the_attention_pair_together(monkeypatch):
+    """On an architecture with a preferred backend for the attention pair, both ops take it when it is
+    available and both fall back to DEFAULT_ORDER when it is not; an explicit request still wins."""
+    ops = registry.implementations()
+    pair = ("attention_varlen", "attention_paged")
+    if not all(op in ops and {"triton", "cuda"} <= set(ops[op]) for op in pair):
+        pytest.skip("the attention pair has no triton and cuda implementations here")
+    assert set(registry.ARCH_PREFERRED.get("sm90", {})) >= set(pair)
+    monkeypatch.setattr(registry, "_has_gpu", lambda: True)
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+
+    def fake(op, be, ok):
+        i = ops[op][be]
+        return dataclasses.replace(i, available=(lambda: (ok, "" if ok else "test: not here")))
+    for arch, cuda_ok, expect in (("sm90", True, "cuda"), ("sm90", False, "triton"), ("sm80", True, "triton")):
+        monkeypatch.setattr(registry, "_gpu_arch", lambda arch=arch: arch)
+        for op in pair:
+            monkeypatch.setitem(registry._REGISTRY[op], "cuda", fake(op, "cuda", cuda_ok))
+            monkeypatch.setitem(registry._REGISTRY[op], "triton", fake(op, "triton", True))
+        got = {op: registry.select_impl(op).backend for op in pair}
+        assert got == {op: expect for op in pair}, (arch, cuda_ok, got)
+        if cuda_ok:
+            assert registry.select_impl(pair[0], "triton").backend == "triton"

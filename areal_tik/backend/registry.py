@@ -8,8 +8,11 @@ fingerprint (``backend/fingerprint.py``) records it.
 Selection: an explicit request (argument, or the one documented override, environment
 variable ``AREAL_TIK_BACKEND``, e.g. ``triton`` or ``linear=cuda,attention=triton``)
 that cannot be met raises :class:`BackendUnavailable` — never a silent fallback to a
-different numerical path. Without a request, ops take the first available backend of
-``DEFAULT_ORDER`` (GPU) or ``torch_ref`` (no GPU).
+different numerical path. Without a request, ops take their architecture's preferred
+backend (``ARCH_PREFERRED``, where measured faster) when it is available, else the first
+available backend of ``DEFAULT_ORDER`` (GPU) or ``torch_ref`` (no GPU). Ops whose bits must
+agree across rollout and training (the attention pair) are listed together, so they move
+together; availability is per backend, so they fall back together too.
 
 Agent exports (``areal_tik/kernels/exported/<op>_<arch>.py``, see :func:`_load_exported`)
 replace an op's implementation on a GPU of that architecture; the fingerprint covers them.
@@ -27,6 +30,13 @@ __all__ = [
 
 BACKENDS = ("triton", "cuda", "torch_ref")
 DEFAULT_ORDER = ("triton", "cuda", "torch_ref")
+# Per GPU architecture (``gpu_arch_name()``), ops whose default is another backend than DEFAULT_ORDER's first,
+# because it measured faster there. sm90 (H100/H200): the csrc attention (wgmma prefill 1.23-1.31x Triton,
+# decode faster in 14 of 16 bench cells, training forward + backward 1.02-1.04x; bench/results/
+# *_fce4b88_cuda-decode-final, *_2ee03d5_cuda-lse-backward). Not sm80: its csrc prefill is the mma.sync kernel.
+ARCH_PREFERRED: dict[str, dict[str, str]] = {
+    "sm90": {"attention_varlen": "cuda", "attention_paged": "cuda"},
+}
 ENV_VAR = "AREAL_TIK_BACKEND"
 
 
@@ -179,6 +189,10 @@ def select_impl(op: str, backend: str | None = None) -> ImplInfo:
             raise BackendUnavailable(f"op {op!r}: backend {req!r} requested but unavailable: {why}")
         return info
     order = DEFAULT_ORDER if _has_gpu() else ("torch_ref",)
+    if _has_gpu():
+        pref = ARCH_PREFERRED.get(_gpu_arch() or "", {}).get(op)
+        if pref is not None:
+            order = (pref,) + tuple(b for b in order if b != pref)
     for be in order:
         info = impls.get(be)
         if info is not None and info.available()[0]:
