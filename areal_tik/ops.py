@@ -2,7 +2,8 @@
 
 Every op registered by a kernel module (``areal_tik/kernels/<op>.py``, table ``OPS``)
 is reachable here by name; the backend chosen is the one ``select_impl`` returns
-(triton on a GPU, torch_ref on a CPU, or what ``AREAL_TIK_BACKEND`` demands). Pass
+(triton on a GPU, or the architecture's preferred backend, ``registry.ARCH_PREFERRED``: the
+csrc attention pair on sm90; torch_ref on a CPU; or what ``AREAL_TIK_BACKEND`` demands). Pass
 ``backend="triton"`` (or ``"cuda"``, ``"torch_ref"``) to any op to demand one
 implementation; an unavailable demand raises ``BackendUnavailable``.
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import logging
 import os
 import shutil
 
@@ -34,6 +35,9 @@ def load():
         raise RuntimeError("areal_tik._C not built and nvcc not found for a JIT build")
     from torch.utils.cpp_extension import load as _load
     import torch
+    logging.getLogger("areal_tik.cuda_ext").info(
+        "areal-tik: loading the csrc extension just in time (first build on this machine: ~1 min of nvcc; "
+        "cached under torch's extensions directory afterwards; pip install -e . builds it ahead of time)")
     cc = torch.cuda.get_device_capability()
     arch = f"{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")
     flags = ["-O3", "--use_fast_math" if os.environ.get("AREAL_TIK_FAST_MATH") else "-DNO_FAST_MATH",

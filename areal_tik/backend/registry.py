@@ -20,6 +20,7 @@ replace an op's implementation on a GPU of that architecture; the fingerprint co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Callable
 
@@ -31,9 +32,16 @@ __all__ = [
 BACKENDS = ("triton", "cuda", "torch_ref")
 DEFAULT_ORDER = ("triton", "cuda", "torch_ref")
 # Per GPU architecture (``gpu_arch_name()``), ops whose default is another backend than DEFAULT_ORDER's first,
-# because it measured faster there. sm90 (H100/H200): the csrc attention (wgmma prefill 1.23-1.31x Triton,
-# decode faster in 14 of 16 bench cells, training forward + backward 1.02-1.04x; bench/results/
-# *_fce4b88_cuda-decode-final, *_2ee03d5_cuda-lse-backward). Not sm80: its csrc prefill is the mma.sync kernel.
+# because it measured faster there. sm90 (H100/H200), the csrc attention pair (H200, same-run ratios):
+#   * bench cells (32/8 heads, pages of 64): wgmma prefill 1.23-1.31x Triton at L 4K-16K, decode faster in
+#     14 of 16 cells (bench/results/*_fce4b88_cuda-decode-final); training forward + Triton backward
+#     1.02-1.04x (*_2ee03d5_cuda-lse-backward);
+#   * the engine's shapes (Qwen2.5-1.5B, 12/2 heads, pages of 16, session 9, *_584c6aa_backend-ab): decode
+#     0.95-1.03x Triton per kernel, and in a profiled B=64 engine decode step 0.514 vs 0.521 ms of attention
+#     per step (device busy 3.80 vs 3.81 ms); 64 x 512-token paged prefill 0.97x. A wash there, a gain on
+#     long prefill and training.
+# Not sm80: its csrc prefill is the mma.sync kernel. The two ops move together (their bits must agree
+# between rollout and training) and fall back together (cuda availability is one extension).
 ARCH_PREFERRED: dict[str, dict[str, str]] = {
     "sm90": {"attention_varlen": "cuda", "attention_paged": "cuda"},
 }
@@ -113,8 +121,19 @@ def _ensure_loaded() -> None:
 
 
 def _gpu_arch() -> str | None:
+    """The current device's ``sm90``-style name (cached per device index: select_impl runs per op call)."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    return _gpu_arch_of(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_arch_of(device_index: int) -> str | None:
     from areal_tik.kernels._device import gpu_arch_name
-    return gpu_arch_name()
+    import torch
+    with torch.cuda.device(device_index):
+        return gpu_arch_name()
 
 
 def _load_exported(avail: dict) -> None:
