@@ -600,8 +600,9 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 //     ldmatrix.x4 (the values of 32-bit loads, four k-step halves per instruction).
 //   * causal select only in blocks reaching past the tile's earliest row; tiles of at most 8 rows
 //     (HALF) skip all work on each thread's empty second row.
-//   * SPLIT mode: a CTA walks cpc consecutive chunks (decode_cpc, or decode_auto_shape), each from a
-//     fresh state with its own stored partial, exactly as cpc CTAs of one chunk each would.
+//   * SPLIT mode: a CTA walks up to cpc chunks (decode_cpc, or decode_auto_shape), strided by the
+//     tile's CTA count, each from a fresh state with its own stored partial, exactly as cpc CTAs of
+//     one chunk each would.
 //   * SPLIT mode, two launches (FUSED = false; kept as the reference path, selected when no
 //     counter buffer is passed): the merge kernel prefetches the chunk partials 16 at a time
 //     and folds them in the same ascending order with the same scalar code; it derives each
@@ -722,16 +723,17 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
 
   const int b = blockIdx.z, hk = blockIdx.y, bx = blockIdx.x;
   const int G = p.Hq / p.Hkv;
-  // SPLIT mode: this CTA walks chunks chunk .. chunk_end - 1 (cpc consecutive chunks; cpc = 1 is
-  // one CTA per chunk) through one ring; every chunk starts from a fresh state and stores its own
-  // partial, exactly as if it had its own CTA.
-  int tile, chunk = 0, chunk_end = 1;
+  // SPLIT mode: CTA k of a tile's cpt CTAs walks chunks k, k + cpt, k + 2 cpt, ... (at most cpc of them;
+  // cpc = 1 is one CTA per chunk) through one ring; every chunk starts from a fresh state and stores its
+  // own partial, exactly as if it had its own CTA, so which CTA walks a chunk changes no bit. Strided,
+  // not consecutive: chunks past the sequence (block tables sized for longer contexts) then spread over
+  // the CTAs instead of leaving one CTA all the real ones.
+  int tile, ck = 0, cstride = 1;
   if (SPLITM) {
-    const int maxc = max_chunks_of(p);
-    const int cpt = decode_ctas_per_tile(maxc, cpc);
+    const int cpt = decode_ctas_per_tile(max_chunks_of(p), cpc);
     tile = bx / cpt;
-    chunk = (bx % cpt) * cpc;
-    chunk_end = min(maxc, chunk + cpc);
+    ck = bx % cpt;
+    cstride = cpt;
   } else {
     tile = bx;
   }
@@ -746,15 +748,19 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
   const int tile_max_pos = pos_off + last_row / G;
   if (tile_max_pos < 0) return;
   const int nblk = tile_max_pos / BN + 1;
-  int jb = 0, je = nblk;
-  if (SPLITM) {
-    jb = chunk * BPC;
-    je = min(nblk, chunk_end * BPC);
-    if (jb >= je) return;
-  }
   // chunks (= participating partials) of this tile: chunk c has blocks iff c * SPLIT <= tile_max_pos,
   // capped by maxc (the merge kernel caps nc the same way)
   const int nct = SPLITM ? min(tile_max_pos / SPLIT + 1, max_chunks_of(p)) : 1;
+  // Steps s = 0 .. ns - 1 of this CTA's walk visit blocks blk(s): its n_my chunks ck, ck + cstride, ...
+  // below nct, BPC blocks each but the tile's last (ending at nblk). FOLD mode: all nblk blocks in order.
+  int n_my = 1, ns = nblk;
+  if (SPLITM) {
+    n_my = ck < nct ? min(cpc, (nct - ck + cstride - 1) / cstride) : 0;
+    if (n_my <= 0) return;
+    const int c_last = ck + (n_my - 1) * cstride;
+    ns = (n_my - 1) * BPC + min(nblk, (c_last + 1) * BPC) - c_last * BPC;
+  }
+  auto blk = [&](int s) { return SPLITM ? (ck + (s / BPC) * cstride) * BPC + s % BPC : s; };
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wrow0 = row0;  // every warp holds the same 16 rows
@@ -839,7 +845,7 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
   const int col0 = hk * D + ls * 8;
   const int64_t rstep_elems = (int64_t)RSTEP * row_elems;
   auto fetch_pages = [&](int j) {
-    if (!p.paged || j >= je) return;
+    if (!p.paged || j < 0) return;
     if (one_page) {
       pg[0] = __ldg(bt_row + ((j * BN) >> ps_shift));
     } else if (small_pages) {  // row u of every thread lies in the page of position j * BN + u * RSTEP
@@ -898,24 +904,25 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
   };
 
   const float sl2 = p.scale_log2;
-  fetch_pages(jb);
+  fetch_pages(blk(0));
 #pragma unroll 1
   for (int s = 0; s < DEC_STAGES - 1; ++s) {
-    if (jb + s < je) {
-      issue_tile(jb + s, s);
-      fetch_pages(jb + s + 1);
+    if (s < ns) {
+      issue_tile(blk(s), s);
+      fetch_pages(s + 1 < ns ? blk(s + 1) : -1);
     }
     cp_async_commit();
   }
-  for (int j = jb; j < je; ++j) {
-    const int buf = (j - jb) % DEC_STAGES;
+  for (int st = 0; st < ns; ++st) {
+    const int j = blk(st);
+    const int buf = st % DEC_STAGES;
     cp_async_wait<DEC_STAGES - 2>();  // tile j has landed (this thread's copies)
     __syncthreads();                  // ... everyone's; and everyone is done with tile j-1
     {
-      const int jn = j + DEC_STAGES - 1;
-      if (jn < je) {
-        issue_tile(jn, (jn - jb) % DEC_STAGES);
-        fetch_pages(jn + 1);
+      const int sn = st + DEC_STAGES - 1;
+      if (sn < ns) {
+        issue_tile(blk(sn), sn % DEC_STAGES);
+        fetch_pages(sn + 1 < ns ? blk(sn + 1) : -1);
       }
       cp_async_commit();
     }
@@ -1010,7 +1017,7 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
     // End of a chunk: SPLIT mode stores its partial (a tile with one chunk in all, in the fused launch,
     // keeps its state for the in-register finish below), FOLD mode merges it into (M, L, O); either way
     // the next chunk starts fresh.
-    if (((j + 1) % BPC == 0 || j == je - 1) && !(FUSED && nct == 1)) {
+    if (((st + 1) % BPC == 0 || st == ns - 1) && !(FUSED && nct == 1)) {
       const int c = j / BPC;
 #pragma unroll
       for (int i = 0; i < NR; ++i) {
@@ -1081,7 +1088,7 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
         __threadfence();
         int* ctr = p.counters + ((int64_t)b * gridDim.y + hk) * (int64_t)(gridDim.x / decode_ctas_per_tile(maxc, cpc)) +
                    tile;
-        const int mine = (je - 1) / BPC - chunk + 1;  // chunks this CTA stored
+        const int mine = n_my;  // chunks this CTA stored
         const int ticket = atomicAdd(ctr, mine);
         const int last = ticket + mine == nct;
         if (last) {
