@@ -600,9 +600,9 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
 //     ldmatrix.x4 (the values of 32-bit loads, four k-step halves per instruction).
 //   * causal select only in blocks reaching past the tile's earliest row; tiles of at most 8 rows
 //     (HALF) skip all work on each thread's empty second row.
-//   * SPLIT mode: a CTA walks up to cpc chunks (decode_cpc, or decode_auto_shape), strided by the
-//     tile's CTA count, each from a fresh state with its own stored partial, exactly as cpc CTAs of
-//     one chunk each would.
+//   * SPLIT mode: a CTA walks up to cpc chunks (decode_cpc, or decode_auto_shape) of the tile's chunks
+//     that hold positions, strided over as few CTAs as cpc allows, each from a fresh state with its
+//     own stored partial, exactly as cpc CTAs of one chunk each would.
 //   * SPLIT mode, two launches (FUSED = false; kept as the reference path, selected when no
 //     counter buffer is passed): the merge kernel prefetches the chunk partials 16 at a time
 //     and folds them in the same ascending order with the same scalar code; it derives each
@@ -723,17 +723,17 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
 
   const int b = blockIdx.z, hk = blockIdx.y, bx = blockIdx.x;
   const int G = p.Hq / p.Hkv;
-  // SPLIT mode: CTA k of a tile's cpt CTAs walks chunks k, k + cpt, k + 2 cpt, ... (at most cpc of them;
-  // cpc = 1 is one CTA per chunk) through one ring; every chunk starts from a fresh state and stores its
-  // own partial, exactly as if it had its own CTA, so which CTA walks a chunk changes no bit. Strided,
-  // not consecutive: chunks past the sequence (block tables sized for longer contexts) then spread over
-  // the CTAs instead of leaving one CTA all the real ones.
-  int tile, ck = 0, cstride = 1;
+  // SPLIT mode: a tile has cpt = ceil(maxc / cpc) CTAs, but only its nct chunks that hold positions
+  // (nct <= maxc: block tables are sized for longer contexts) are walked: by its first
+  // w = ceil(nct / cpc) CTAs (as few as consecutive runs of cpc would use), CTA k taking chunks k,
+  // k + w, k + 2w, ... (at most cpc, and as even a share as w CTAs allow), each through one ring from a
+  // fresh state, storing its own partial, exactly as if it had its own CTA: which CTA walks a chunk
+  // changes no bit. The other CTAs exit. cpc = 1 is one CTA per chunk.
+  int tile, ck = 0;
   if (SPLITM) {
     const int cpt = decode_ctas_per_tile(max_chunks_of(p), cpc);
     tile = bx / cpt;
     ck = bx % cpt;
-    cstride = cpt;
   } else {
     tile = bx;
   }
@@ -751,12 +751,13 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
   // chunks (= participating partials) of this tile: chunk c has blocks iff c * SPLIT <= tile_max_pos,
   // capped by maxc (the merge kernel caps nc the same way)
   const int nct = SPLITM ? min(tile_max_pos / SPLIT + 1, max_chunks_of(p)) : 1;
-  // Steps s = 0 .. ns - 1 of this CTA's walk visit blocks blk(s): its n_my chunks ck, ck + cstride, ...
+  // Steps s = 0 .. ns - 1 of this CTA's walk visit blocks blk(s): its n_my chunks ck, ck + w, ...
   // below nct, BPC blocks each but the tile's last (ending at nblk). FOLD mode: all nblk blocks in order.
-  int n_my = 1, ns = nblk;
+  int n_my = 1, ns = nblk, cstride = 1;
   if (SPLITM) {
-    n_my = ck < nct ? min(cpc, (nct - ck + cstride - 1) / cstride) : 0;
-    if (n_my <= 0) return;
+    cstride = (nct + cpc - 1) / cpc;  // w: the working CTAs of this tile
+    if (ck >= cstride) return;
+    n_my = (nct - ck + cstride - 1) / cstride;  // <= cpc
     const int c_last = ck + (n_my - 1) * cstride;
     ns = (n_my - 1) * BPC + min(nblk, (c_last + 1) * BPC) - c_last * BPC;
   }
