@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-pytest.importorskip("areal")
+pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 
 from areal_tik.areal.config import ConfigError, TikGRPOConfig, TikPPOActorConfig  # noqa: E402
 from areal_tik.train import load_config  # noqa: E402

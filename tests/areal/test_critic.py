@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-pytest.importorskip("areal")
+pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

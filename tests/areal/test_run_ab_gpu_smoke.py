@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-pytest.importorskip("areal")
+pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 pytest.importorskip("areal_tik.engine")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

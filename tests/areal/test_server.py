@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-pytest.importorskip("areal")
+pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 
 from areal.api import ModelRequest  # noqa: E402
 from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig  # noqa: E402

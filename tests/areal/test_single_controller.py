@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-pytest.importorskip("areal")
+pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 
 pytestmark = pytest.mark.areal
 

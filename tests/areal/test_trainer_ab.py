@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("areal")
+pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 engine = pytest.importorskip("areal_tik.engine")
 
 from areal_tik.bench.ab import PHASES, analyze, load_steps  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("areal")
+pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 
 from areal_tik.areal import arith  # noqa: E402
 from areal_tik.areal.warmstart import greedy_accuracy, warm_start  # noqa: E402
