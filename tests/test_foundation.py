@@ -128,3 +128,32 @@ def test_arch_preferred_backend_moves_the_attention_pair_together(monkeypatch):
         assert got == {op: expect for op in pair}, (arch, cuda_ok, got)
         if cuda_ok:
             assert registry.select_impl(pair[0], "triton").backend == "triton"
+
+
+def test_arch_preferred_backend_unavailable_warns_once(monkeypatch, caplog):
+    """When sm90's preferred csrc attention cannot run, selection says so once (with the reason) and
+    falls back; when it can run, nothing is logged."""
+    ops = registry.implementations()
+    pair = ("attention_varlen", "attention_paged")
+    if not all(op in ops and {"triton", "cuda"} <= set(ops[op]) for op in pair):
+        pytest.skip("the attention pair has no triton and cuda implementations here")
+    monkeypatch.setattr(registry, "_has_gpu", lambda: True)
+    monkeypatch.setattr(registry, "_gpu_arch", lambda: "sm90")
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    monkeypatch.setattr(registry, "_WARNED_PREFERRED", set())
+    for cuda_ok, n_warn in ((True, 0), (False, 1)):
+        for op in pair:
+            i = ops[op]
+            monkeypatch.setitem(registry._REGISTRY[op], "cuda", dataclasses.replace(
+                i["cuda"], available=(lambda ok=cuda_ok: (ok, "" if ok else "test: no nvcc"))))
+            monkeypatch.setitem(registry._REGISTRY[op], "triton", dataclasses.replace(
+                i["triton"], available=lambda: (True, "")))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="areal_tik.backend"):
+            for _ in range(3):
+                for op in pair:
+                    registry.select_impl(op)
+        warns = [r for r in caplog.records if "prefers the cuda backend" in r.getMessage()]
+        assert len(warns) == n_warn, (cuda_ok, [r.getMessage() for r in warns])
+        if n_warn:
+            assert "test: no nvcc" in warns[0].getMessage() and "attention_paged, attention_varlen" in warns[0].getMessage()

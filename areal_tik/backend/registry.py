@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from typing import Callable
 
@@ -209,14 +210,34 @@ def select_impl(op: str, backend: str | None = None) -> ImplInfo:
         return info
     order = DEFAULT_ORDER if _has_gpu() else ("torch_ref",)
     if _has_gpu():
-        pref = ARCH_PREFERRED.get(_gpu_arch() or "", {}).get(op)
+        arch = _gpu_arch() or ""
+        pref = ARCH_PREFERRED.get(arch, {}).get(op)
         if pref is not None:
             order = (pref,) + tuple(b for b in order if b != pref)
+            _warn_preferred_unavailable(arch, pref, impls.get(pref))
     for be in order:
         info = impls.get(be)
         if info is not None and info.available()[0]:
             return info
     raise BackendUnavailable(f"op {op!r}: no available implementation among {sorted(impls)}")
+
+
+_WARNED_PREFERRED: set[tuple[str, str]] = set()
+
+
+def _warn_preferred_unavailable(arch: str, backend: str, info: ImplInfo | None) -> None:
+    """Once per (arch, backend): say that the architecture's preferred backend cannot run here and why
+    (its ops then take DEFAULT_ORDER's first available backend, together)."""
+    if (arch, backend) in _WARNED_PREFERRED:
+        return
+    ok, why = info.available() if info is not None else (False, "not registered")
+    if ok:
+        return
+    _WARNED_PREFERRED.add((arch, backend))
+    ops = sorted(op for op, be in ARCH_PREFERRED.get(arch, {}).items() if be == backend)
+    logging.getLogger("areal_tik.backend").warning(
+        "areal-tik: %s prefers the %s backend for %s, but it is unavailable here (%s); those ops run on the "
+        "next available backend instead (set %s to choose explicitly)", arch, backend, ", ".join(ops), why, ENV_VAR)
 
 
 def _has_gpu() -> bool:
