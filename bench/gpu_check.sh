@@ -7,6 +7,8 @@
 #   PROFILE_ARGS e.g. "--batches 64 128 --prompt-len 136": contexts 136..235 stay in one 16-page table-width
 #   bucket, so no graph capture lands inside the timed steps); part "profile_train" times a training micro-batch
 #   (forward, forward+backward) per kernels mode with its top device ops (bench/profile_train.py);
+#   part "backend_ab" runs bench_engine / profile_engine / profile_train with the attention pair on the default
+#   backend vs forced Triton (bench/kernel_arms.py; compare device-busy times, the engine step is host-bound);
 #   PART_TIMEOUT (s, default 900) bounds each bench/profile part, so one slow part cannot cost the archive; BENCH_ARGS is passed to every bench script (e.g. --quick)
 # Locally, copy $OUT into bench/results/<date>_<gpu>_<commit>/ (bench/collect_results.py).
 set -uo pipefail
@@ -31,6 +33,11 @@ for part in "${PARTS[@]}"; do
     isolate) python -m pytest -q -rfE -m gpu tests/engine/test_gpu_decode_isolation.py tests/engine/test_parity.py -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_isolate.xml" 2>&1 | tee "$OUT/gpu_isolate.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     negctl) python bench/negative_controls.py --out "$OUT" || status=1 ;;
     profile) timeout "${PART_TIMEOUT:-900}" python bench/profile_engine.py --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_engine.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    backend_ab) # the attention pair on the architecture's default backend (csrc on sm90) vs Triton, one process per script
+         T="tik@attention_varlen=triton,attention_paged=triton"
+         timeout "${PART_TIMEOUT:-900}" python bench/bench_engine.py --out "$OUT/backend_ab" --arms tik "$T" 2>&1 | tee "$OUT/backend_ab_engine.log" | tail -16; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+         timeout "${PART_TIMEOUT:-900}" python bench/profile_engine.py --out "$OUT/backend_ab" --batches 1 64 --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_profile.log" | grep -v "^      " | tail -6; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+         timeout "${PART_TIMEOUT:-900}" python bench/profile_train.py --out "$OUT/backend_ab" --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_train.log" | grep -v "^    " | tail -4; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     profile_train) timeout "${PART_TIMEOUT:-900}" python bench/profile_train.py --out "$OUT" 2>&1 | tee "$OUT/profile_train.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     *) timeout "${PART_TIMEOUT:-900}" python "bench/bench_${part}.py" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_${part}.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
   esac
