@@ -1205,7 +1205,7 @@ int device_sm_count() {
 // Chunks per CTA and ring depth when the caller leaves them to the launcher (timing only; every choice
 // gives the same bits). A 3-stage D = 128 CTA takes 108 KB of shared memory (two per SM), a 2-stage one
 // 72 KB (three per SM). For a grid of `tasks` chunk CTAs (H200, session 8, bench/results/
-// *_decode-sx-mc-bisect, and session 9, *_engine-shape-decode):
+// *_decode-sx-mc-bisect, and session 9, *_engine-shape-bisect):
 //   * one wave at two per SM: one chunk per CTA, 3 stages;
 //   * one wave at three per SM (D = 128 only): one chunk per CTA, 2 stages. B=64 x ctx 550, 12/2 heads,
 //     384 CTAs: 16.3 us, against 23.1 at 3 stages (two waves) and 22.0 at 2 chunks per CTA;

@@ -1,6 +1,7 @@
 """Foundation: interpreter fix, CLI, registry selection and the no-GPU compile checks."""
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -130,7 +131,7 @@ def test_arch_preferred_backend_moves_the_attention_pair_together(monkeypatch):
             assert registry.select_impl(pair[0], "triton").backend == "triton"
 
 
-def test_arch_preferred_backend_unavailable_warns_once(monkeypatch, caplog):
+def test_arch_preferred_backend_unavailable_warns_once(monkeypatch):
     """When sm90's preferred csrc attention cannot run, selection says so once (with the reason) and
     falls back; when it can run, nothing is logged."""
     ops = registry.implementations()
@@ -148,12 +149,21 @@ def test_arch_preferred_backend_unavailable_warns_once(monkeypatch, caplog):
                 i["cuda"], available=(lambda ok=cuda_ok: (ok, "" if ok else "test: no nvcc"))))
             monkeypatch.setitem(registry._REGISTRY[op], "triton", dataclasses.replace(
                 i["triton"], available=lambda: (True, "")))
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="areal_tik.backend"):
+        # A handler on the logger itself: other tests (AReaL's logging setup) may stop propagation to root.
+        records = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append
+        log = logging.getLogger("areal_tik.backend")
+        log.addHandler(handler)
+        monkeypatch.setattr(log, "disabled", False)
+        monkeypatch.setattr(log, "level", logging.WARNING)
+        try:
             for _ in range(3):
                 for op in pair:
                     registry.select_impl(op)
-        warns = [r for r in caplog.records if "prefers the cuda backend" in r.getMessage()]
+        finally:
+            log.removeHandler(handler)
+        warns = [r for r in records if "prefers the cuda backend" in r.getMessage()]
         assert len(warns) == n_warn, (cuda_ok, [r.getMessage() for r in warns])
         if n_warn:
             assert "test: no nvcc" in warns[0].getMessage() and "attention_paged, attention_varlen" in warns[0].getMessage()
