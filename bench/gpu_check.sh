@@ -36,7 +36,7 @@ for part in "${PARTS[@]}"; do
     backend_ab) # the attention pair on the architecture's default backend (csrc on sm90) vs Triton, one process per script
          T="tik@attention_varlen=triton,attention_paged=triton"
          timeout "${PART_TIMEOUT:-900}" python bench/bench_engine.py --out "$OUT/backend_ab" --arms tik "$T" 2>&1 | tee "$OUT/backend_ab_engine.log" | tail -16; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-         timeout "${PART_TIMEOUT:-900}" python bench/profile_engine.py --out "$OUT/backend_ab" --batches 1 64 --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_profile.log" | grep -v "^      " | tail -6; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+         timeout "${PART_TIMEOUT:-900}" python bench/profile_engine.py --out "$OUT/backend_ab" --batches 1 64 --prefill --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_profile.log" | grep -v "^      " | tail -6; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
          timeout "${PART_TIMEOUT:-900}" python bench/profile_train.py --out "$OUT/backend_ab" --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_train.log" | grep -v "^    " | tail -4; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     profile_train) timeout "${PART_TIMEOUT:-900}" python bench/profile_train.py --out "$OUT" 2>&1 | tee "$OUT/profile_train.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     *) timeout "${PART_TIMEOUT:-900}" python "bench/bench_${part}.py" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_${part}.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

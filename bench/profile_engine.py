@@ -39,7 +39,7 @@ def _sync():
 
 
 def _phased_step(eng: LLMEngine, acc: dict) -> None:
-    """One ``LLMEngine.step`` for a pure-decode batch, phase by phase (same calls, same order)."""
+    """One ``LLMEngine.step``, phase by phase (same calls, same order, the runner's graph-or-eager rule)."""
     def timed(name, fn, *a):
         _sync()
         t0 = time.perf_counter()
@@ -50,7 +50,7 @@ def _phased_step(eng: LLMEngine, acc: dict) -> None:
 
     batch = timed("schedule", eng.scheduler.schedule)
     runner = eng.runner
-    if runner.use_graphs and len(batch) <= runner.graph_max_bs:
+    if not batch.is_prefill and runner.use_graphs and len(batch) <= runner.graph_max_bs:
         logits = timed("forward (graph: prepare + replay)", runner._run_graph, batch)
     else:
         logits = timed("forward (eager)", runner._run_eager, batch)
@@ -91,6 +91,44 @@ def profile(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int) -> 
     return {"batch": B, "ms_per_step": plain_ms, "phase_ms_per_step": phases, **summarize_profile(prof, steps)}
 
 
+def profile_prefill(eng: LLMEngine, B: int, prompt_len: int, vocab: int, reps: int = 3) -> dict:
+    """B fresh prompts of prompt_len tokens prefilled (eager steps), phase by phase: one unmeasured
+    pass, then `reps` timed passes and one under torch.profiler (the prefill step's host work:
+    scheduling, building the step's tensors, launches)."""
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=B)
+
+    def one_pass(tag: str, acc) -> tuple[float, int]:
+        g = torch.Generator().manual_seed(B)
+        for i in range(B):
+            eng.add_request(f"pf{B}-{tag}-{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), sp)
+        _sync()
+        t0 = time.perf_counter()
+        n = 0
+        while eng.scheduler.waiting:
+            _phased_step(eng, acc)
+            n += 1
+        _sync()
+        dt = time.perf_counter() - t0
+        eng.abort_all()
+        return dt, n
+
+    one_pass("warm", defaultdict(float))
+    acc = defaultdict(float)
+    times, steps = [], 0
+    for r in range(reps):
+        dt, steps = one_pass(f"r{r}", acc)
+        times.append(dt)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        one_pass("prof", defaultdict(float))
+    return {"batch": B, "prompt_len": prompt_len, "steps_per_prefill": steps,
+            "ms_per_prefill": 1e3 * sorted(times)[len(times) // 2],
+            "phase_ms_per_prefill": {k: 1e3 * v / reps for k, v in acc.items()},
+            **summarize_profile(prof, 1)}
+
+
 def profile_arm(kernels: str, label: str, a, dev: str) -> list[dict]:
     model = patch_model(build_model(a.model, device=dev), kernels=kernels)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.prompt_len + 4 * a.steps + 64,
@@ -107,6 +145,15 @@ def profile_arm(kernels: str, label: str, a, dev: str) -> list[dict]:
             print(f"      dev {row['ms_per_step']:8.3f} ms x{row['calls_per_step']:6.1f}  {row['name'][:90]}")
         for row in r["top_host_ops"][:8]:
             print(f"      cpu {row['self_ms_per_step']:8.3f} ms x{row['calls_per_step']:6.1f}  {row['name'][:90]}")
+        if a.prefill:
+            pf = profile_prefill(eng, B, a.prompt_len, model.config.vocab_size)
+            r["prefill"] = pf
+            ph = "  ".join(f"{k} {v:.3f}" for k, v in pf["phase_ms_per_prefill"].items())
+            print(f"{label} B={B:3d} prefill of {a.prompt_len} tokens: {pf['ms_per_prefill']:.3f} ms in "
+                  f"{pf['steps_per_prefill']} step(s); device busy {pf['device_busy_ms_per_step']:.3f} ms; "
+                  f"phases (ms): {ph}", flush=True)
+            for row in pf["top_host_ops"][:8]:
+                print(f"      cpu {row['self_ms_per_step']:8.3f} ms x{row['calls_per_step']:6.1f}  {row['name'][:90]}")
     del eng, model
     gc.collect()
     if dev == "cuda":
@@ -123,6 +170,8 @@ def main() -> int:
                     help="arms KERNELS[@AREAL_TIK_BACKEND spec] (bench/kernel_arms.py)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prefill", action="store_true",
+                    help="also profile a prefill of B fresh prompts per batch size (eager steps)")
     ap.add_argument("--emulate-graphs-on-cpu", action="store_true",
                     help="CPU test hook: run the CUDA-graph code path with the engine's CPU graph emulation")
     a = ap.parse_args()

@@ -15,7 +15,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 def test_profile_engine_cpu(tmp_path, graphs):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_engine.py"), "--out", str(tmp_path),
                         "--model", "tiny-qwen2", "--batches", "1", "3", "--steps", "2", "--prompt-len", "16",
-                        *(["--emulate-graphs-on-cpu"] if graphs else [])],
+                        "--prefill", *(["--emulate-graphs-on-cpu"] if graphs else [])],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.load(open(tmp_path / "engine_profile.json"))
@@ -28,6 +28,10 @@ def test_profile_engine_cpu(tmp_path, graphs):
             assert [k for k in ph if k.startswith("forward")] == (["forward (graph: prepare + replay)"] if graphs
                                                                  else ["forward (eager)"])
             assert all(v > 0 for v in ph.values()) and r["ms_per_step"] > 0
+            pf = r["prefill"]  # the prefill profile: eager steps only, every prompt prefilled
+            assert pf["batch"] == r["batch"] and pf["steps_per_prefill"] >= 1 and pf["ms_per_prefill"] > 0
+            assert [k for k in pf["phase_ms_per_prefill"] if k.startswith("forward")] == ["forward (eager)"]
+            assert pf["top_host_ops"], "the prefill profile recorded no host ops"
             assert r["top_host_ops"] and all(o["calls_per_step"] > 0 for o in r["top_host_ops"])
 
 
