@@ -55,9 +55,11 @@ typedef struct {
   // Rows of k / v as the wgmma kernel's TMA descriptors see them: varlen, tokens (k.shape[0]);
   // paged, cache slots (num_pages * page_size). 0 (unknown) keeps launches on the mma.sync kernel.
   int64_t kv_rows;
-  // Decode-shaped SPLIT launches: split chunks walked by one CTA, one after another through one
-  // K/V ring (each chunk still from a fresh softmax state, its partial stored as before). 0 = the
-  // launcher picks from the grid size; n > 0 forces n (tests, benchmarks). Timing only, not bits.
+  // Decode-shaped SPLIT launches: at most this many split chunks per CTA, walked one after another
+  // through one K/V ring (each chunk still from a fresh softmax state, its partial stored as before;
+  // a tile's chunks that hold positions go, strided, to as few of its CTAs as this allows). 0 = the
+  // launcher picks from the grid size (with the ring depth); n > 0 forces n (tests, benchmarks).
+  // Timing only, not bits.
   int decode_cpc;
   // Decode-shaped launches at D = 128: cp.async ring depth (2 or 3 stages); 0 = the launcher picks
   // from the grid size. Timing only, not bits (benchmarks, tests).
