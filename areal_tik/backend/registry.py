@@ -208,30 +208,29 @@ def select_impl(op: str, backend: str | None = None) -> ImplInfo:
         if not ok:
             raise BackendUnavailable(f"op {op!r}: backend {req!r} requested but unavailable: {why}")
         return info
-    order = DEFAULT_ORDER if _has_gpu() else ("torch_ref",)
-    if _has_gpu():
-        arch = _gpu_arch() or ""
-        pref = ARCH_PREFERRED.get(arch, {}).get(op)
-        if pref is not None:
-            order = (pref,) + tuple(b for b in order if b != pref)
-            _warn_preferred_unavailable(arch, pref, impls.get(pref))
+    gpu = _has_gpu()
+    order = DEFAULT_ORDER if gpu else ("torch_ref",)
+    arch = (_gpu_arch() or "") if gpu else ""
+    pref = ARCH_PREFERRED.get(arch, {}).get(op)
+    if pref is not None:
+        order = (pref,) + tuple(b for b in order if b != pref)
     for be in order:
         info = impls.get(be)
-        if info is not None and info.available()[0]:
+        ok, why = info.available() if info is not None else (False, "not registered")
+        if ok:
             return info
+        if be == pref:
+            _warn_preferred_unavailable(arch, pref, why)
     raise BackendUnavailable(f"op {op!r}: no available implementation among {sorted(impls)}")
 
 
 _WARNED_PREFERRED: set[tuple[str, str]] = set()
 
 
-def _warn_preferred_unavailable(arch: str, backend: str, info: ImplInfo | None) -> None:
+def _warn_preferred_unavailable(arch: str, backend: str, why: str) -> None:
     """Once per (arch, backend): say that the architecture's preferred backend cannot run here and why
     (its ops then take DEFAULT_ORDER's first available backend, together)."""
     if (arch, backend) in _WARNED_PREFERRED:
-        return
-    ok, why = info.available() if info is not None else (False, "not registered")
-    if ok:
         return
     _WARNED_PREFERRED.add((arch, backend))
     ops = sorted(op for op, be in ARCH_PREFERRED.get(arch, {}).items() if be == backend)
