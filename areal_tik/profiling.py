@@ -2,7 +2,16 @@
 profiled step both use it)."""
 from __future__ import annotations
 
-__all__ = ["summarize_profile", "profile_tables"]
+__all__ = ["profiler_activities", "summarize_profile", "profile_tables"]
+
+
+def profiler_activities() -> list:
+    """``torch.profiler`` activities for this machine: CPU, plus CUDA when a GPU is there."""
+    import torch
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
 
 
 def summarize_profile(prof, steps: int, top: int = 15) -> dict:

@@ -30,7 +30,7 @@ from areal_tik.backend.patch import patch_model  # noqa: E402
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from areal_tik.models import build_model  # noqa: E402
 from kernel_arms import parse_arms  # noqa: E402
-from areal_tik.profiling import summarize_profile  # noqa: E402
+from areal_tik.profiling import profiler_activities, summarize_profile  # noqa: E402
 
 
 def _sync():
@@ -80,10 +80,7 @@ def profile(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int) -> 
     for _ in range(steps):
         _phased_step(eng, acc)
     phases = {k: 1e3 * v / steps for k, v in acc.items()}
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=profiler_activities()) as prof:
         for _ in range(steps):
             eng.step()
         _sync()
@@ -118,10 +115,7 @@ def profile_prefill(eng: LLMEngine, B: int, prompt_len: int, vocab: int, reps: i
     for r in range(reps):
         dt, steps = one_pass(f"r{r}", acc)
         times.append(dt)
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=profiler_activities()) as prof:
         one_pass("prof", defaultdict(float))
     return {"batch": B, "prompt_len": prompt_len, "steps_per_prefill": steps,
             "ms_per_prefill": 1e3 * sorted(times)[len(times) // 2],

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from areal_tik.backend.logprob_head import packed_logprobs  # noqa: E402
 from areal_tik.backend.patch import patch_model  # noqa: E402
 from areal_tik.models import build_model  # noqa: E402
-from areal_tik.profiling import summarize_profile  # noqa: E402
+from areal_tik.profiling import profiler_activities, summarize_profile  # noqa: E402
 from kernel_arms import parse_arms  # noqa: E402
 
 
@@ -74,10 +74,7 @@ def profile(kernels: str, model_name: str, seqs: int, seq_len: int, reps: int, d
         fwd_bwd()
     res = {"kernels": kernels, "tokens": seqs * seq_len, "forward_ms": _median_ms(fwd, reps),
            "forward_backward_ms": _median_ms(fwd_bwd, reps)}
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=profiler_activities()) as prof:
         for _ in range(reps):
             fwd_bwd()
         _sync()

@@ -77,10 +77,9 @@ class TikPPOTrainer(PPOTrainer):
     # ---- one profiled step (AREAL_TIK_PROFILE_STEP) ----------------------------------
     def _start_profiler(self):
         import torch
-        acts = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            acts.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler = torch.profiler.profile(activities=acts)
+
+        from areal_tik.profiling import profiler_activities
+        self._profiler = torch.profiler.profile(activities=profiler_activities())
         self._profiler.__enter__()
 
     def _finish_profiler(self, global_step: int) -> str:
