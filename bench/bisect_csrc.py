@@ -225,6 +225,15 @@ def time_decode(mods, ref_name, cpcs, B, ctx, stages=(0,), page_size=64, table_p
     return row
 
 
+def _write(res: list, out: str, name: str) -> int:
+    """res = [bit checks, timing rows...] -> OUT/name; 0 if every check and every row's *_eq holds, else 1."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(res, f, indent=1)
+    ok = all(res[0].values()) and all(r[k] for r in res[1:] for k in r if k.endswith("_eq"))
+    return 0 if ok else 1
+
+
 def main(argv=None):
     global HQ, HKV
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -264,21 +273,13 @@ def main(argv=None):
             res.append(time_decode(mods, ref_name, args.cpc, B, ctx, args.stages, args.page_size, args.table_pages,
                                    args.triton))
             print(res[-1], flush=True)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bisect_decode.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        ok = all(res[0].values()) and all(r[k] for r in res[1:] for k in r if k.endswith("_eq"))
-        return 0 if ok else 1
+        return _write(res, args.out, "bisect_decode.json")
     res = [check_bits(mods, ref_name)]
     print(res[0], flush=True)
     for L in args.lens:
         res.append(time_prefill(mods, ref_name, L, args.prefill_batch, args.prefill_paged, args.triton))
         print(res[-1], flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bisect.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    ok = all(res[0].values()) and all(r[k] for r in res[1:] for k in r if k.endswith("_eq"))
-    return 0 if ok else 1
+    return _write(res, args.out, "bisect.json")
 
 
 if __name__ == "__main__":
