@@ -1216,6 +1216,10 @@ int device_sm_count() {
 //     1024+ CTAs 1.09-1.19x the 3-stage time). Grids of several waves gain nothing from several chunks
 //     per CTA and lose up to 14% where the fewer CTAs leave a partial last wave.
 constexpr int DEC_CPC_MAX = 4;
+// The grid-size rule for the ring depth at D = 128: 2 stages past four CTAs per SM.
+int decode_grid_stages(int64_t ctas) {
+  return ctas > 4LL * device_sm_count() ? DEC_STAGES_WIDE : DEC_STAGES_DEEP;
+}
 struct DecodeShape {
   int cpc;
   int stages;
@@ -1226,7 +1230,7 @@ DecodeShape decode_auto_shape(int64_t tasks, int maxc, bool wide_ok) {
   if (wide_ok && tasks <= 3 * sms) return {1, DEC_STAGES_WIDE};
   const int64_t c = (tasks + 2 * sms - 1) / (2 * sms);
   if (c <= DEC_CPC_MAX) return {(int)std::min<int64_t>(c, maxc), DEC_STAGES_DEEP};
-  return {1, wide_ok && tasks > 4 * sms ? DEC_STAGES_WIDE : DEC_STAGES_DEEP};
+  return {1, wide_ok ? decode_grid_stages(tasks) : DEC_STAGES_DEEP};
 }
 
 template <int D, bool SPLITM>
@@ -1247,8 +1251,7 @@ cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
   if constexpr (D == 128) {
     const int64_t ctas = gx * p.Hkv * p.batch;
     int st = p.decode_stages;
-    if (st == 0) st = (SPLITM && p.decode_cpc == 0) ? sh.stages
-                                                    : ctas > 4LL * device_sm_count() ? DEC_STAGES_WIDE : DEC_STAGES_DEEP;
+    if (st == 0) st = (SPLITM && p.decode_cpc == 0) ? sh.stages : decode_grid_stages(ctas);
     if (st == DEC_STAGES_WIDE) return launch_decode_stages<D, SPLITM, DEC_STAGES_WIDE>(p, gx, cpc, stream);
   }
   return launch_decode_stages<D, SPLITM, DEC_STAGES_DEEP>(p, gx, cpc, stream);
