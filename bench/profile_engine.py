@@ -38,6 +38,7 @@ def _sync():
         torch.cuda.synchronize()
 
 
+@torch.no_grad()  # as ModelRunner.run: without it the eager forward ran under autograd (_LinearFn in the 2026-11-30 profiles)
 def _phased_step(eng: LLMEngine, acc: dict) -> None:
     """One ``LLMEngine.step``, phase by phase (same calls, same order, the runner's graph-or-eager rule)."""
     def timed(name, fn, *a):
@@ -127,7 +128,8 @@ def profile_arm(kernels: str, label: str, a, dev: str) -> list[dict]:
     model = patch_model(build_model(a.model, device=dev), kernels=kernels)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.prompt_len + 4 * a.steps + 64,
                                         max_num_batched_tokens=max(a.batches) * a.prompt_len,
-                                        chunked_prefill=False, gpu_memory_utilization=0.3))
+                                        chunked_prefill=False, gpu_memory_utilization=0.3,
+                                        page_size=a.page_size))
     runs = []
     for B in a.batches:
         r = profile(eng, B, a.prompt_len, a.steps, model.config.vocab_size)
@@ -164,6 +166,7 @@ def main() -> int:
                     help="arms KERNELS[@AREAL_TIK_BACKEND spec] (bench/kernel_arms.py)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="KV page size of every arm's engine")
     ap.add_argument("--prefill", action="store_true",
                     help="also profile a prefill of B fresh prompts per batch size (eager steps)")
     ap.add_argument("--emulate-graphs-on-cpu", action="store_true",
@@ -175,7 +178,8 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     res = {"model": a.model, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-           "torch": torch.__version__, "prompt_len": a.prompt_len, "steps": a.steps, "runs": {}}
+           "torch": torch.__version__, "prompt_len": a.prompt_len, "steps": a.steps,
+           "page_size": a.page_size, "runs": {}}
     for arm in parse_arms(a.kernels):
         with arm.active():
             res["runs"][arm.label] = profile_arm(arm.kernels, arm.label, a, dev)

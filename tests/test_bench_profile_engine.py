@@ -32,6 +32,10 @@ def test_profile_engine_cpu(tmp_path, graphs):
             assert pf["batch"] == r["batch"] and pf["steps_per_prefill"] >= 1 and pf["ms_per_prefill"] > 0
             assert [k for k in pf["phase_ms_per_prefill"] if k.startswith("forward")] == ["forward (eager)"]
             assert pf["top_host_ops"], "the prefill profile recorded no host ops"
+            # the engine runs without autograd (ModelRunner.run is no_grad), so must its phased copy: the linear
+            # goes through its autograd Function only when grad is enabled (its weights require grad)
+            fns = [o["name"] for o in pf["top_host_ops"] + r["top_host_ops"] if o["name"] == "_LinearFn"]
+            assert not fns, f"an engine step ran under autograd: {fns}"
             assert r["top_host_ops"] and all(o["calls_per_step"] > 0 for o in r["top_host_ops"])
 
 
@@ -46,3 +50,17 @@ def test_profile_train_cpu(tmp_path):
     for r in res["runs"].values():
         assert r["tokens"] == 24 and r["forward_ms"] > 0 and r["forward_backward_ms"] > 0
         assert r["top_host_ops"]
+
+
+def test_host_overhead_cpu(tmp_path):
+    """bench/host_overhead.py (host cost per op call + cProfile of eager engine steps) writes its JSON."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "host_overhead.py"), "--out", str(tmp_path),
+                        "--model", "tiny-qwen2", "--tokens", "16", "--calls", "1", "--reps", "1"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.load(open(tmp_path / "host_overhead.json"))
+    assert {r["op"] for r in res["ops"]} >= {"linear 1536x1536", "attention_varlen", "rms_norm"}
+    assert all(r["tik_issue_us"] > 0 and r["tik_total_us"] >= r["tik_issue_us"] for r in res["ops"])
+    pf = res["engine_prefill"]
+    assert pf["ms_per_prefill"] > 0 and pf["top_self"] and all(t["calls"] > 0 for t in pf["top_self"])
+    assert (tmp_path / "host_overhead_cprofile.txt").stat().st_size > 0
