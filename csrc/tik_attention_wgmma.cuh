@@ -39,7 +39,9 @@
 // Resource use: 256 threads, 232 registers (accumulator 64 + merged O 64 + S 32 + P 16 per
 // thread), ~225 KB shared memory, one CTA per SM.
 // Measured (H200, 32 q / 8 kv heads, causal, bench_cuda, 2026-11-30 session 8): 374/398/420 TF/s at L
-// 4K/8K/16K, 1.9-2.0x the mma.sync kernel, 1.23-1.28x Triton, 0.71-0.74x cuDNN SDPA.
+// 4K/8K/16K, 1.9-2.0x the mma.sync kernel, 1.23-1.28x Triton, 0.71-0.74x cuDNN SDPA. The prologue's
+// K/V TMA issue ahead of the Q wait (session 10, bench/results/*_s10-host-and-po): +3.4% on 64 x 512-token
+// prompts (12/2 heads, pages of 64: 179 -> 185 TF/s), neutral at L 4K-16K (each order of the arms checked).
 // Tried and dropped: Q in registers (spills; 286 vs 303 TF/s), warpgroups walking
 // their blocks without the per-block CTA barrier (293 vs 320 TF/s), and (2026-11-30, bisect in
 // bench/results/*_wgmma-bisect) a decoupled walk with full/empty mbarriers per stage, with or without
@@ -147,6 +149,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   const uint32_t sbase = qbase + WG_Q_BYTES;
   const uint32_t bars = sbase + WG_STAGES * 2 * WG_TILE_BYTES;  // WG_STAGES mbarriers ("block landed")
 
+  if (threadIdx.x == 0) {  // the K/V TMA descriptors into the descriptor cache before their first use
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_k)) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_v)) : "memory");
+  }
   const int b = blockIdx.z, hk = blockIdx.y;
   const int G = p.Hq / p.Hkv;
   const int tile = gridDim.x - 1 - blockIdx.x;  // longest causal walks first
@@ -272,16 +278,19 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   const int tail_blk = (kv_len % BN) ? kv_len / BN : -1;  // the block holding kv_len, if not aligned
 
   const float sl2 = p.scale_log2;
+  // Prologue: thread 0 initialises the ring's barriers and issues the first K/V blocks before anyone
+  // waits for Q, so the Q copies and the first TMA loads are in flight together (a short prompt's
+  // CTA walks only a few blocks, and these two latencies were serial). No other thread touches a
+  // barrier or a stage before the __syncthreads below.
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int st = 0; st < WG_STAGES; ++st) mbar_init(bars + 8 * st, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int st = 0; st < WG_PREFETCH && st < nblk; ++st) load_tile(st, st);
   }
   cp_async_wait<0>();  // this thread's Q segments
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();  // barriers initialised, Q in shared memory for every thread
-  if (threadIdx.x == 0)
-    for (int st = 0; st < WG_PREFETCH && st < nblk; ++st) load_tile(st, st);
   // Software pipeline per warpgroup (written as the FA3 intra-warpgroup overlap; see the header
   // for what ptxas makes of it): step j issues S_j = Q K_j and then acc += P_{j-1} V_{j-1}, waits
   // for S_j, runs block j's softmax, waits for P V. Every row still sees attn_kernel's sequence: acc is
