@@ -84,7 +84,7 @@ def measure(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int, see
 
 
 def run_arm(kernels: str, label: str, model_name: str, dev: str, batches: list[int], prompt_len: int,
-            steps: int, page_size: int = 16) -> dict:
+            steps: int, page_size: int = EngineConfig.page_size) -> dict:
     """One engine with ``kernels``; a warm-up and a measured pass per batch size."""
     model = patch_model(build_model(model_name, device=dev), kernels=kernels)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=max(batches), max_model_len=prompt_len + steps + 64,
@@ -116,7 +116,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", default="qwen2.5-1.5b")
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--page-size", type=int, default=16, help="KV page size of every arm's engine")
+    ap.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="KV page size of every arm's engine")
     ap.add_argument("--arms", nargs="+", default=["default", "tik"], help="KERNELS[@AREAL_TIK_BACKEND spec]")
     a = ap.parse_args()
     arms = parse_arms(a.arms)
