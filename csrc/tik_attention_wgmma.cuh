@@ -45,7 +45,12 @@
 // Tried and dropped: Q in registers (spills; 286 vs 303 TF/s), warpgroups walking
 // their blocks without the per-block CTA barrier (293 vs 320 TF/s), and (2026-11-30, bisect in
 // bench/results/*_wgmma-bisect) a decoupled walk with full/empty mbarriers per stage, with or without
-// FA3 pingpong turns of the warpgroups, 4 or 5 stages, early or late refill: all 7-10% slower.
+// FA3 pingpong turns of the warpgroups, 4 or 5 stages, early or late refill: all 7-10% slower. Session 10
+// (bench/results/*_persistent-prefill-bisect, *_pv-wait-after-softmax): a persistent kernel (one CTA per
+// SM, one K/V TMA stream across its tiles, the next tile's first blocks loaded during the current tile's
+// last steps; tiles by static stride or a device counter) 10-15% slower at 64 x 512 and L 4K, parity at 16K;
+// the P V wait pinned after the softmax (ptxas otherwise hoists it above the MUFU.EX2s; a never-taken
+// branch keeps it there), with or without P packed early: 1-3% slower.
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define TIK_SM90A_DEVICE 1
