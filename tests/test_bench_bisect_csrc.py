@@ -29,3 +29,21 @@ def test_decode_calls_follow_each_builds_knobs():
         ("B_cpc2", {"decode_cpc": 2}), ("B_cpc2_st3", {"decode_cpc": 2, "decode_stages": 3}),
     ]
     assert [m for _, m, _ in calls][:1] == [old]
+
+
+def test_prefill_ablations_apply_to_the_current_kernel(tmp_path):
+    """bench/prefill_ablations.py finds each of its anchors exactly once in csrc's wgmma kernel (a kernel edit
+    that moves one fails here, not on the device), H is an unmodified copy, and each variant removes its part."""
+    import re
+
+    import prefill_ablations as pa
+    assert pa.main(["--src", os.path.join(ROOT, "csrc"), "--out", str(tmp_path)]) == 0
+    src = open(os.path.join(ROOT, "csrc", pa.KERNEL)).read()
+    assert open(tmp_path / "H" / pa.KERNEL).read() == src
+    for name, parts in {"NOSM": ["NOSM"], "NOPV": ["NOPV"], "NOS": ["NOS"], "SKEL": ["NOSM", "NOPV", "NOS"]}.items():
+        text = open(tmp_path / name / pa.KERNEL).read()
+        assert text != src and sorted(p for p in ("NOSM", "NOPV", "NOS") if re.search(rf"ABLATION {p}\b", text)) == sorted(parts)
+        assert sorted(os.listdir(tmp_path / name)) == sorted(os.listdir(os.path.join(ROOT, "csrc")))
+    import pytest
+    with pytest.raises(ValueError, match="anchor"):
+        pa.ablate(src.replace(pa._PV_LOOP, ""), "NOPV")
