@@ -31,19 +31,26 @@ def test_decode_calls_follow_each_builds_knobs():
     assert [m for _, m, _ in calls][:1] == [old]
 
 
-def test_prefill_ablations_apply_to_the_current_kernel(tmp_path):
-    """bench/prefill_ablations.py finds each of its anchors exactly once in csrc's wgmma kernel (a kernel edit
-    that moves one fails here, not on the device), H is an unmodified copy, and each variant removes its part."""
+def test_csrc_ablations_apply_to_the_current_kernels(tmp_path):
+    """bench/csrc_ablations.py finds each of its anchors exactly once in csrc (a kernel edit that moves one
+    fails here, not on the device), H is an unmodified copy, and each variant removes exactly its parts."""
     import re
 
-    import prefill_ablations as pa
-    assert pa.main(["--src", os.path.join(ROOT, "csrc"), "--out", str(tmp_path)]) == 0
-    src = open(os.path.join(ROOT, "csrc", pa.KERNEL)).read()
-    assert open(tmp_path / "H" / pa.KERNEL).read() == src
-    for name, parts in {"NOSM": ["NOSM"], "NOPV": ["NOPV"], "NOS": ["NOS"], "SKEL": ["NOSM", "NOPV", "NOS"]}.items():
-        text = open(tmp_path / name / pa.KERNEL).read()
-        assert text != src and sorted(p for p in ("NOSM", "NOPV", "NOS") if re.search(rf"ABLATION {p}\b", text)) == sorted(parts)
-        assert sorted(os.listdir(tmp_path / name)) == sorted(os.listdir(os.path.join(ROOT, "csrc")))
+    import csrc_ablations as ca
+    src_dir = os.path.join(ROOT, "csrc")
+    assert ca.main(["--src", src_dir, "--out", str(tmp_path)]) == 0
+    names = sorted(os.listdir(src_dir))
+    for f in names:
+        assert open(tmp_path / "H" / f).read() == open(os.path.join(src_dir, f)).read()
+    want = {"NOSM": ["NOSM"], "NOPV": ["NOPV"], "NOS": ["NOS"], "SKEL": ["NOS", "NOSM", "NOPV"], "DECLOAD": ["DECLOAD"]}
+    for name, parts in want.items():
+        assert sorted(os.listdir(tmp_path / name)) == names
+        text = "".join(open(tmp_path / name / f).read() for f in names)
+        found = [p for p in ("NOSM", "NOPV", "NOS", "DECLOAD") if re.search(rf"ABLATION {p}\b", text)]
+        assert sorted(found) == sorted(parts), (name, found)
+        changed = [f for f in names if open(tmp_path / name / f).read() != open(os.path.join(src_dir, f)).read()]
+        assert changed == sorted({f for f, _, _ in ca.EDITS[name]}), (name, changed)
     import pytest
+    src = open(os.path.join(src_dir, ca.KERNEL)).read()
     with pytest.raises(ValueError, match="anchor"):
-        pa.ablate(src.replace(pa._PV_LOOP, ""), "NOPV")
+        ca.ablate(src.replace(ca._PV_LOOP, ""), "NOPV")

@@ -1,0 +1,82 @@
+"""Ablated copies of the csrc attention kernels, for timing where their time goes (no profiler on the device).
+
+Each variant is csrc/ with one part of a kernel's steady loop removed; the loads, barriers and rings are
+kept intact (removing those can deadlock the mbarrier phases), so every variant runs to completion. The
+outputs are wrong by construction: bisect_csrc reports `*_eq: false` for them and times them anyway.
+
+wgmma prefill (tik_attention_wgmma.cuh):
+    NOSM     no softmax arithmetic (P = S as is, alpha = 1): MMA + pipeline ceiling
+    NOPV     no P V wgmma: S + softmax + pipeline
+    NOS      no S = Q K^T wgmma (the softmax runs on stale registers): P V + softmax + pipeline
+    SKEL     none of the three: the load / barrier skeleton alone
+decode (attn_decode_kernel in tik_attention.cu):
+    DECLOAD  no compute on any block (S, softmax, P V skipped at run time): the cp.async loader's floor,
+             with the split-chunk stores and the fused merge still running
+
+    python bench/csrc_ablations.py --src csrc --out scratch/bisect [--variants NOSM NOPV NOS SKEL DECLOAD]
+    # device (carry scratch): python bench/bisect_csrc.py --dir scratch/bisect --variants H NOSM NOPV NOS SKEL ...
+    #                         python bench/bisect_csrc.py --decode --dir scratch/bisect --variants H DECLOAD ...
+
+Writes OUT/H (the unmodified copy) and OUT/<variant>. Exits non-zero when an anchor is missing (the
+kernel changed: update the anchors below).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+KERNEL = "tik_attention_wgmma.cuh"
+DECODE = "tik_attention.cu"
+
+_S_LOOP = """      wgmma_m64n64k16_ss(s, q_lo + off, k_lo + off, kc > 0);"""
+_PV_LOOP = """      wgmma_m64n128k16_rs_tb(acc, pa[kc], v_lo + (uint32_t)(kc * 16 * 128 / 16));"""
+_SM_HEAD = """  auto softmax = [&](int j) {  // attn_kernel's per-row operations on S_j; updates m, l, alpha, s := P
+"""
+
+# the decode kernel's per-block compute guard (the first such line in the file is attn_kernel's, with a comment)
+_DEC_GUARD = """    if (warp_max_pos >= j * BN) {
+      const bf16* Vb = Vs + buf * BN * LDS;"""
+
+# variant -> [(file, anchor, replacement)]
+EDITS = {
+    "NOSM": [(KERNEL, _SM_HEAD, _SM_HEAD + "    alpha[0] = alpha[1] = 1.f;  // ABLATION NOSM\n    if (j >= 0) return;\n")],
+    "NOPV": [(KERNEL, _PV_LOOP, "      (void)v_lo;  // ABLATION NOPV")],
+    "NOS": [(KERNEL, _S_LOOP, "      (void)off;  // ABLATION NOS")],
+    "DECLOAD": [(DECODE, _DEC_GUARD, _DEC_GUARD.replace("j * BN) {", "j * BN && p.batch < 0) {  // ABLATION DECLOAD"))],
+}
+EDITS["SKEL"] = EDITS["NOSM"] + EDITS["NOPV"] + EDITS["NOS"]
+
+
+def ablate(text: str, variant: str, fname: str = KERNEL) -> str:
+    for f, old, new in EDITS[variant]:
+        if f != fname:
+            continue
+        if text.count(old) != 1:
+            raise ValueError(f"{variant}: anchor found {text.count(old)} times (want 1): {old.strip()[:70]!r}")
+        text = text.replace(old, new)
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--src", default="csrc")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", nargs="+", default=list(EDITS), choices=list(EDITS))
+    a = ap.parse_args(argv)
+    for name in ["H", *a.variants]:
+        d = os.path.join(a.out, name)
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(a.src, d)
+        for fname in sorted({f for f, _, _ in EDITS.get(name, [])}):
+            with open(os.path.join(a.src, fname)) as f:
+                text = ablate(f.read(), name, fname)
+            with open(os.path.join(d, fname), "w") as f:
+                f.write(text)
+        print(f"wrote {d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
