@@ -4,6 +4,7 @@ Thin over :mod:`areal_tik.agent`. The only place the agent reads environment var
 (the LLM proposer's ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``AREAL_TIK_AGENT_MODEL``).
 
     areal-tik agent init   --db runs/agent.sqlite --name lin1 --op linear --preset qwen2.5-1.5b
+    areal-tik agent init   --db runs/agent.sqlite --name rms1 --op rms_norm   # root: a csrc kernel (GPU)
     areal-tik agent run    --db runs/agent.sqlite --name lin1 --proposer offline --minutes 8
     areal-tik agent status --db runs/agent.sqlite [--json]
     areal-tik agent show   --db runs/agent.sqlite --name lin1 [--version ID] [--plot lineage.png]
@@ -214,7 +215,8 @@ def add_parser(sub) -> None:
     q = asub.add_parser("init", help="qualify the root, freeze contract + workloads, measure the noise floor")
     common(q)
     proposer_args(q)
-    q.add_argument("--op", default="linear")
+    q.add_argument("--op", default="linear",
+                   help="linear (naive Triton root) or rms_norm (root: csrc/tik_elementwise.cu, cuda_inline; GPU only)")
     q.add_argument("--preset", default="qwen2.5-1.5b", help="workload preset (qwen2.5-1.5b, tiny)")
     q.add_argument("--timer", choices=["auto", "gpu", "simulated"], default="auto")
     q.set_defaults(func=cmd_init)

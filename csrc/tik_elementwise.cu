@@ -30,7 +30,13 @@ __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_
 template <>
 __device__ __forceinline__ float from_f<float>(float v) { return v; }
 
-constexpr int RMS_WARPS = 4;
+// Rows (warps) per CTA: a launch-shape knob only (each row's arithmetic is one warp's, whatever the CTA
+// holds), overridable at build time; the agent's csrc root for rms_norm searches it (agent/roots).
+#ifndef TIK_RMS_WARPS
+#define TIK_RMS_WARPS 4
+#endif
+constexpr int RMS_WARPS = TIK_RMS_WARPS;
+static_assert(RMS_WARPS >= 1 && RMS_WARPS <= 32, "TIK_RMS_WARPS: 1..32 warps per CTA");
 
 template <typename T>
 __global__ void __launch_bounds__(RMS_WARPS * 32)

@@ -165,6 +165,8 @@ class OfflineProposer(Proposer):
 
     def opportunities(self, task, version, context: dict) -> list[dict]:
         meta, src = version.meta, version.source
+        if "defines" in meta:
+            return self._define_moves(task, meta)
         if "buckets" not in meta:
             return []
         workloads = context.get("workloads", [])
@@ -230,10 +232,28 @@ class OfflineProposer(Proposer):
                                     "priority": 10.0 * share[bi] + bonus})
         return ops
 
+    @staticmethod
+    def _define_moves(task, meta: dict) -> list[dict]:
+        """Build-time knobs of a csrc root (``task.tunables``: define -> ordered values): one step either way."""
+        ops = []
+        for name, vals in getattr(task, "tunables", {}).items():
+            cur = meta["defines"].get(name)
+            if cur not in vals:
+                continue
+            i = vals.index(cur)
+            for j in (i - 1, i + 1):
+                if 0 <= j < len(vals):
+                    ops.append({"key": f"define:{name}={vals[j]}", "kind": "meta",
+                                "description": f"{name} {cur} -> {vals[j]}",
+                                "payload": {"set_defines": {name: vals[j]}}, "priority": 10.0 - abs(j - i) * 0.1})
+        return ops
+
     def propose(self, task, parent, opportunity, context: dict) -> Proposal:
         p = opportunity.payload
         src, meta = parent.source, copy.deepcopy(parent.meta)
         try:
+            if "set_defines" in p:
+                meta["defines"].update(p["set_defines"])
             if "transform" in p:
                 src = apply_transform(src, p["transform"])
             if "set_buckets" in p:

@@ -143,7 +143,7 @@ def initialize(store, evaluator, proposer, name: str, op: str, preset: str, time
         return run
     kind, src, meta = load_root(op)
     root = KernelVersion(run_id=run.id, op=op, kind=kind, source=src, meta=meta, origin="root", step=0,
-                         description=f"naive root ({op})")
+                         description=f"root ({op}, {kind})")
     res = evaluator.evaluate(job_for(store, run, root, [("root_b", root)], policy=policy))
     sessions = [res["timing"]] if res.get("timing") else []
     for _ in range(policy.noise_sessions - 1):

@@ -2,15 +2,15 @@
 
 A task is the agent's view of one op, independent of the kernel language (``kinds.py``):
 the evaluator's checks and timer are written against this interface only. The linear
-task is the first; a decode-attention task would add its own inputs, reference and
-batch axis (sequences) in the same shape.
+task was the first; ``rms_norm`` (whose root is the csrc kernel, ``agent/roots``) is the second. A
+decode-attention task would add its own inputs, reference and batch axis (sequences) in the same shape.
 """
 from __future__ import annotations
 
 import hashlib
 import math
 
-__all__ = ["LinearTask", "TASKS", "get_task", "PRESETS"]
+__all__ = ["LinearTask", "RMSNormTask", "TASKS", "get_task", "PRESETS", "RMS_PRESETS"]
 
 # Qwen2.5-1.5B: hidden 1536, intermediate 8960, 12 q heads / 2 kv heads of 128.
 _QWEN15 = {"qkv": (2048, 1536, True), "o": (1536, 1536, False), "gate_up": (17920, 1536, False),
@@ -137,7 +137,92 @@ class LinearTask:
         return t * (1.0 + 0.002 * ((h % 1000) / 500.0 - 1.0))
 
 
-TASKS = {"linear": LinearTask()}
+# rms_norm at the 1.5B shape: hidden 1536; rows = tokens (decode-heavy weights, as for the linear).
+RMS_PRESETS = {
+    "qwen2.5-1.5b": {
+        "workloads": [{"name": f"rms_m{m}", "shape": {"M": m, "N": 1536}, "weight": w,
+                       "regression_limit": 0.10 if m <= 16 else 0.08} for m, w in _QWEN15_M.items()],
+        "probe_shapes": [{"M": 1, "N": 200}, {"M": 37, "N": 1000}, {"M": 300, "N": 96}, {"M": 5, "N": 8960}],
+        "rtol": 1e-2,
+    },
+    "tiny": {
+        "workloads": [{"name": "a_m5", "shape": {"M": 5, "N": 48}, "weight": 4.0, "regression_limit": 0.10},
+                      {"name": "b_m24", "shape": {"M": 24, "N": 136}, "weight": 1.0, "regression_limit": 0.10}],
+        "probe_shapes": [{"M": 3, "N": 40}],
+        "rtol": 1e-2,
+    },
+}
+
+
+class RMSNormTask:
+    """``out = w * bf16(x * rsqrt(mean(x^2) + eps))`` per row (HF Qwen2 rounding points), bf16;
+    batch axis = rows of x (M). ``tunables``: the build-time knobs a csrc root exposes as defines."""
+
+    op = "rms_norm"
+    eps = 1e-6
+    tunables = {"TIK_RMS_WARPS": [1, 2, 4, 8, 16]}
+
+    def contract_spec(self, preset: str) -> dict:
+        p = RMS_PRESETS[preset]
+        return {"op": self.op, "preset": preset, "dtype": "bfloat16", "rtol": p["rtol"], "eps": self.eps,
+                "probe_shapes": p["probe_shapes"], "seed": 4321,
+                "checks": ["load", "runs", "outputs_written", "inputs_unchanged", "accuracy", "shape_generality",
+                           "fresh_inputs", "determinism", "row_subset_invariance", "batch_extension_invariance"],
+                "invariance": "rows of x: any subset or extension of the batch gives identical bits for shared rows"}
+
+    def workloads(self, preset: str) -> list[dict]:
+        return [dict(w) for w in RMS_PRESETS[preset]["workloads"]]
+
+    def make_inputs(self, shape: dict, seed: int, device: str, dtype=None) -> dict:
+        import torch
+        dtype = dtype or torch.bfloat16
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        x = torch.randn(shape["M"], shape["N"], generator=g).to(dtype).to(device)
+        w = (1.0 + 0.1 * torch.randn(shape["N"], generator=g)).to(dtype).to(device)
+        return {"x": x, "w": w}
+
+    def tensors(self, inputs: dict) -> list:
+        return [inputs["x"], inputs["w"]]
+
+    def alloc_out(self, inputs: dict):
+        import torch
+        return torch.empty_like(inputs["x"], memory_format=torch.contiguous_format)
+
+    def call(self, kernel, inputs: dict, out, meta: dict):
+        kernel.forward(inputs["x"], inputs["w"], out, self.eps, meta)
+        return out
+
+    def reference(self, inputs: dict):
+        """float64, no intermediate rounding."""
+        x, w = inputs["x"].double(), inputs["w"].double()
+        return w * (x * (x.pow(2).mean(-1, keepdim=True) + self.eps).rsqrt())
+
+    def batch_size(self, inputs: dict) -> int:
+        return inputs["x"].shape[0]
+
+    def with_rows(self, inputs: dict, x) -> dict:
+        return {**inputs, "x": x}
+
+    def batch_tensor(self, inputs: dict):
+        return inputs["x"]
+
+    def flops(self, shape: dict) -> float:
+        return 4.0 * shape["M"] * shape["N"]
+
+    def bytes(self, shape: dict) -> float:
+        return 2.0 * (2 * shape["M"] * shape["N"] + shape["N"])
+
+    def simulated_latency_us(self, shape: dict, meta: dict, source: str) -> float:
+        """A made-up memory-bound cost model. NOT a measurement (CPU runs only; never exported)."""
+        warps = int(meta.get("defines", {}).get("TIK_RMS_WARPS", 4))
+        ctas = math.ceil(shape["M"] / warps)
+        par = min(1.0, ctas * warps / (132 * 16))  # warps in flight vs a made-up 16 per SM
+        t = self.bytes(shape) / (3.0e12 * max(par, 0.02)) * 1e6 + 0.02 * math.ceil(ctas / (132 * max(1, 32 // warps)))
+        h = _seed(warps, shape["M"], shape["N"], len(source))
+        return t * (1.0 + 0.002 * ((h % 1000) / 500.0 - 1.0))
+
+
+TASKS = {"linear": LinearTask(), "rms_norm": RMSNormTask()}
 
 
 def get_task(op: str):
