@@ -10,6 +10,8 @@
 //   y[i] = x[i]*cos[i] - x[i+h]*sin[i],  y[i+h] = x[i+h]*cos[i+h] + x[i]*sin[i+h]
 // with each product and the sum rounded separately (the same bits as the unfused
 // PyTorch expression x*cos + rotate_half(x)*sin in fp32).
+// The `// <tik:NAME>` markers delimit regions the optimisation agent's known transformations may replace
+// (agent/proposers.py); they are comments and change nothing here.
 #include "tik_api.h"
 
 #include <cuda_bf16.h>
@@ -47,6 +49,7 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
   if (row >= rows) return;
   const T* xr = x + row * x_stride;
   T* yr = y + row * (int64_t)n;
+  // <tik:rms-sumsq>
   float ss = 0.f;
   for (int c = lane; c * 8 < n; c += 32) {
 #pragma unroll
@@ -58,10 +61,12 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
       }
     }
   }
+  // </tik:rms-sumsq>
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
   const float mean = __fdiv_rn(ss, (float)n);
   const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  // <tik:rms-scale>
   for (int c = lane; c * 8 < n; c += 32) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -72,6 +77,7 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
       }
     }
   }
+  // </tik:rms-scale>
 }
 
 template <typename T>

@@ -89,9 +89,64 @@ for tile_id in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
     _tile(tile_id, a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K,
           s_am, s_ak, s_wn, s_wk, s_cm, s_cn,
           HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)"""),
+    # csrc rms_norm (C++ regions of csrc/tik_elementwise.cu): 16-byte loads/stores of 8 elements where the row
+    # allows (2-byte types, aligned, a whole group inside n); the same values in the same order as the element
+    # loops, so the same sums and bits
+    "vector-loads": ("rms-sumsq", """\
+float ss = 0.f;
+const bool vec = sizeof(T) == 2 && (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
+for (int c = lane; c * 8 < n; c += 32) {
+  if (vec && c * 8 + 8 <= n) {
+    const uint4 u = *reinterpret_cast<const uint4*>(xr + c * 8);
+    const T* e8 = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float v = to_f(e8[e]);
+      ss = __fadd_rn(ss, __fmul_rn(v, v));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int idx = c * 8 + e;
+      if (idx < n) {
+        const float v = to_f(xr[idx]);
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+      }
+    }
+  }
+}"""),
 }
-_TRANSFORM_EXTRA = {"persistent": ("grid", "return (max(1, min(tiles, _num_sms(device) * cfg.get(\"PROGS_PER_SM\", 1))),)")}
-_TRANSFORM_PRIORITY = {"unmasked-k-loop": 85.0, "grouped-order": 80.0, "persistent": 55.0}
+_TRANSFORM_EXTRA = {"persistent": ("grid", "return (max(1, min(tiles, _num_sms(device) * cfg.get(\"PROGS_PER_SM\", 1))),)"),
+                    "vector-loads": ("rms-scale", """\
+const bool vec_o = sizeof(T) == 2 &&
+                   ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(yr) | reinterpret_cast<uintptr_t>(w)) &
+                    15) == 0;
+for (int c = lane; c * 8 < n; c += 32) {
+  if (vec_o && c * 8 + 8 <= n) {
+    const uint4 ux = *reinterpret_cast<const uint4*>(xr + c * 8);
+    const uint4 uw = *reinterpret_cast<const uint4*>(w + c * 8);
+    const T* x8 = reinterpret_cast<const T*>(&ux);
+    const T* w8 = reinterpret_cast<const T*>(&uw);
+    uint4 uy;
+    T* y8 = reinterpret_cast<T*>(&uy);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float h = to_f(from_f<T>(__fmul_rn(to_f(x8[e]), r)));
+      y8[e] = from_f<T>(__fmul_rn(to_f(w8[e]), h));
+    }
+    *reinterpret_cast<uint4*>(yr + c * 8) = uy;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int idx = c * 8 + e;
+      if (idx < n) {
+        const float h = to_f(from_f<T>(__fmul_rn(to_f(xr[idx]), r)));
+        yr[idx] = from_f<T>(__fmul_rn(to_f(w[idx]), h));
+      }
+    }
+  }
+}""")}
+_TRANSFORM_PRIORITY = {"unmasked-k-loop": 85.0, "grouped-order": 80.0, "persistent": 55.0, "vector-loads": 70.0}
 
 
 def apply_transform(source: str, name: str) -> str:
@@ -166,7 +221,7 @@ class OfflineProposer(Proposer):
     def opportunities(self, task, version, context: dict) -> list[dict]:
         meta, src = version.meta, version.source
         if "defines" in meta:
-            return self._define_moves(task, meta)
+            return self._define_moves(task, meta) + self._transform_moves(src)
         if "buckets" not in meta:
             return []
         workloads = context.get("workloads", [])
@@ -189,12 +244,7 @@ class OfflineProposer(Proposer):
                             "description": f"specialise M buckets {bounds} with prior set {v}",
                             "payload": {"set_buckets": buckets}, "priority": 100.0 - v})
         # 2. code transformations not applied yet
-        regs = regions(src)
-        for name, (region, _) in TRANSFORMS.items():
-            if region in regs and not _applied(src, name):
-                ops.append({"key": f"transform:{name}", "kind": "transform",
-                            "description": f"apply transformation '{name}' to region <tik:{region}>",
-                            "payload": {"transform": name}, "priority": _TRANSFORM_PRIORITY[name]})
+        ops += self._transform_moves(src)
         # 3. per-bucket moves, weighted by the bucket's share of the weighted latency
         share = [0.0] * len(meta["buckets"])
         for w in workloads:
@@ -231,6 +281,15 @@ class OfflineProposer(Proposer):
                                     "payload": {"bucket": bi, "set": {p: vals[j]}},
                                     "priority": 10.0 * share[bi] + bonus})
         return ops
+
+    @staticmethod
+    def _transform_moves(src: str) -> list[dict]:
+        """Known transformations whose regions the source has and that are not applied yet."""
+        regs = regions(src)
+        return [{"key": f"transform:{name}", "kind": "transform",
+                 "description": f"apply transformation '{name}' to region <tik:{region}>",
+                 "payload": {"transform": name}, "priority": _TRANSFORM_PRIORITY[name]}
+                for name, (region, _) in TRANSFORMS.items() if region in regs and not _applied(src, name)]
 
     @staticmethod
     def _define_moves(task, meta: dict) -> list[dict]:

@@ -8,6 +8,7 @@ backend's rms_norm (the same kernel).
 """
 import math
 import os
+import re
 import shutil
 import types
 
@@ -37,23 +38,36 @@ def test_rms_root_is_the_csrc_kernel():
 
 
 def _proposals():
+    """The offline proposer's candidates from the csrc root: {opportunity key: (source, meta)}."""
     task = get_task("rms_norm")
     kind, src, meta = load_root("rms_norm")
     prop = OfflineProposer()
     opps = prop.opportunities(task, types.SimpleNamespace(meta=meta, source=src), {})
-    out = []
+    out = {}
     for o in opps:
         p = prop.propose(task, types.SimpleNamespace(meta=meta, source=src), types.SimpleNamespace(**o), {})
-        assert p.ok and p.source == src
-        out.append(p.meta)
-    return meta, opps, out
+        assert p.ok
+        out[o["key"]] = (p.source, p.meta)
+    return src, meta, out
 
 
-def test_offline_proposer_moves_the_csrc_knob():
-    meta, opps, metas = _proposals()
-    assert sorted(o["key"] for o in opps) == ["define:TIK_RMS_WARPS=2", "define:TIK_RMS_WARPS=8"]
-    assert sorted(m["defines"]["TIK_RMS_WARPS"] for m in metas) == [2, 8]
+def test_offline_proposer_moves_the_csrc_knob_and_transforms_its_regions():
+    src, meta, props = _proposals()
+    assert sorted(props) == ["define:TIK_RMS_WARPS=2", "define:TIK_RMS_WARPS=8", "transform:vector-loads"]
+    for w in (2, 8):
+        s2, m2 = props[f"define:TIK_RMS_WARPS={w}"]
+        assert s2 == src and m2["defines"]["TIK_RMS_WARPS"] == w
     assert meta["defines"]["TIK_RMS_WARPS"] == 4  # the parent's meta is not mutated
+    vs, vm = props["transform:vector-loads"]
+    assert vm == meta and vs != src
+    # only the two marked regions changed; the rest of the csrc file is intact
+    from areal_tik.agent.kinds import regions
+    strip = lambda t: re.sub(r"// <tik:(rms-sumsq|rms-scale)>.*?// </tik:\1>", "", t, flags=re.S)  # noqa: E731
+    assert strip(vs) == strip(src) and set(regions(vs)) == set(regions(src)) == {"rms-sumsq", "rms-scale"}
+    assert "uint4" in regions(vs)["rms-sumsq"] and "uint4" in regions(vs)["rms-scale"]
+    # applied once: not offered again
+    again = OfflineProposer().opportunities(get_task("rms_norm"), types.SimpleNamespace(meta=vm, source=vs), {})
+    assert "transform:vector-loads" not in [o["key"] for o in again]
     edge = OfflineProposer().opportunities(get_task("rms_norm"), types.SimpleNamespace(
         meta={**meta, "defines": {"TIK_RMS_WARPS": 16}}, source=""), {})
     assert [o["key"] for o in edge] == ["define:TIK_RMS_WARPS=8"]
@@ -63,10 +77,9 @@ def test_offline_proposer_moves_the_csrc_knob():
 @pytest.mark.parametrize("arch", ["90a", "80"])
 def test_root_and_proposals_compile(arch, tmp_path):
     kind = get_kind("cuda_inline")
-    _, src, meta = load_root("rms_norm")
-    _, _, metas = _proposals()
-    for m in [meta, *metas]:
-        r = kind.compile_check(src, m, arch=arch, workdir=str(tmp_path))
+    src, meta, props = _proposals()
+    for s2, m in [(src, meta), *props.values()]:
+        r = kind.compile_check(s2, m, arch=arch, workdir=str(tmp_path))
         assert r["ok"], r.get("error")
         rms = [k for k in r["ptxas"] if "rms_norm_kernel" in k]
         assert len(rms) == 3 and all(r["ptxas"][k]["spill_stores"] == 0 for k in rms)
@@ -153,6 +166,19 @@ def test_agent_loop_on_the_csrc_root_gpu(tmp_path):
         out = torch.full_like(x, float("nan"))
         root.forward(x, w, out, 1e-6, meta)
         assert torch.equal(out, ops.rms_norm(x, w, 1e-6, backend="cuda")), (m, n)
+    # the vector-loads transformation: the root's bits, on aligned rows, rows at an odd stride (scalar path)
+    # and widths that are not a multiple of 8 (the tail group)
+    from areal_tik.agent.proposers import apply_transform
+    vec = get_kind(kind).load(apply_transform(src, "vector-loads"), meta, "gpu-test-vec", str(tmp_path / "direct"))
+    for m, n, stride in [(64, 1536, 1536), (7, 1536, 1537), (9, 1000, 1000), (3, 8960, 8960), (2, 13, 13)]:
+        base = torch.randn(m, stride, generator=g).bfloat16().cuda()
+        x = base[:, :n]
+        w = (1 + 0.1 * torch.randn(n, generator=g)).bfloat16().cuda()
+        a = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        b = torch.full_like(a, float("nan"))
+        root.forward(x, w, a, 1e-6, meta)
+        vec.forward(x, w, b, 1e-6, meta)
+        assert torch.equal(a, b), (m, n, stride)
 
     store = Store(str(tmp_path / "ir.sqlite"))
     ev = Evaluator(str(tmp_path / "work"), timeout_s=600)
