@@ -9,6 +9,7 @@
 #   (forward, forward+backward) per kernels mode with its top device ops (bench/profile_train.py);
 #   part "backend_ab" runs bench_engine / profile_engine / profile_train with the attention pair on the default
 #   backend vs forced Triton (bench/kernel_arms.py; compare device-busy times, the engine step is host-bound);
+#   part "ablations" times copies of the csrc attention kernels with one part removed (bench/csrc_ablations.py);
 #   part "host" measures the host cost per op call and cProfiles an eager engine prefill (bench/host_overhead.py);
 #   PART_TIMEOUT (s, default 900) bounds each bench/profile part, so one slow part cannot cost the archive; BENCH_ARGS is passed to every bench script (e.g. --quick)
 # Locally, copy $OUT into bench/results/<date>_<gpu>_<commit>/ (bench/collect_results.py).
@@ -39,6 +40,14 @@ for part in "${PARTS[@]}"; do
          timeout "${PART_TIMEOUT:-900}" python bench/bench_engine.py --out "$OUT/backend_ab" --arms tik "$T" 2>&1 | tee "$OUT/backend_ab_engine.log" | tail -16; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
          timeout "${PART_TIMEOUT:-900}" python bench/profile_engine.py --out "$OUT/backend_ab" --batches 1 64 --prefill --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_profile.log" | grep -v "^      " | tail -6; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
          timeout "${PART_TIMEOUT:-900}" python bench/profile_train.py --out "$OUT/backend_ab" --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_train.log" | grep -v "^    " | tail -4; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    ablations) # where the csrc attention kernels' time goes (bench/csrc_ablations.py variants, built here from csrc/)
+         python bench/csrc_ablations.py --out "$OUT/ablation_trees" > /dev/null || status=1
+         B="timeout ${PART_TIMEOUT:-900} python bench/bisect_csrc.py --dir $OUT/ablation_trees"
+         $B --variants H NOSM NOPV NOS SKEL --heads 12/2 --prefill-paged 64 --prefill-batch 64 --lens 512 --out "$OUT/ablations/p64" 2>&1 | tail -1
+         $B --variants H NOSM NOPV NOS SKEL --lens 4096 16384 --out "$OUT/ablations/varlen" 2>&1 | tail -2
+         $B --decode --variants H DECLOAD --cells 16x8192,8x4096,64x1024 --out "$OUT/ablations/dec" 2>&1 | tail -3
+         $B --decode --variants H DECLOAD --heads 12/2 --page-size 64 --table-pages 16 --cells 1x550,64x550 --out "$OUT/ablations/dec_engine" 2>&1 | tail -2
+         rm -rf "$OUT/ablation_trees" ;;  # (the variants' bits differ by design: bisect's exit status is not a failure here)
     host) timeout "${PART_TIMEOUT:-900}" python bench/host_overhead.py --out "$OUT/host" 2>&1 | tee "$OUT/host_overhead.log" | grep -v "^  self" | tail -14; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     profile_train) timeout "${PART_TIMEOUT:-900}" python bench/profile_train.py --out "$OUT" 2>&1 | tee "$OUT/profile_train.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     *) timeout "${PART_TIMEOUT:-900}" python "bench/bench_${part}.py" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_${part}.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
