@@ -147,18 +147,23 @@ def test_rms_task_reference_and_model():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(900)  # three load_inline builds (root, vector-loads, one knob move) of ~30-60 s each
 def test_agent_loop_on_the_csrc_root_gpu(tmp_path):
-    """Init + 2 candidates on the GPU timer (each distinct define is a ~30 s load_inline build); the root's bits
-    are the cuda backend's rms_norm bits."""
+    """Init + 2 candidates on the GPU timer; the root's bits are the cuda backend's rms_norm bits, and the
+    vector-loads transformation's bits are the root's. The direct loads below use the evaluator's work
+    directory and the versions' content hashes as keys, so its worker finds those builds done."""
     from areal_tik import ops
     from areal_tik.agent import roles
     from areal_tik.agent.evaluator import Evaluator
     from areal_tik.agent.loop import Budget, run_loop
+    from areal_tik.agent.proposers import apply_transform
+    from areal_tik.agent.records import content_hash
     from areal_tik.agent.store import Store
     from areal_tik.backend.fingerprint import environment
 
     kind, src, meta = load_root("rms_norm")
-    root = get_kind(kind).load(src, meta, "gpu-test-root", str(tmp_path / "direct"))
+    work = str(tmp_path / "work")
+    root = get_kind(kind).load(src, meta, content_hash(kind, "rms_norm", src, meta), work)
     g = torch.Generator(device="cpu").manual_seed(11)
     for m, n in [(1, 1536), (37, 1536), (300, 8960), (5, 200)]:
         x = torch.randn(m, n, generator=g).bfloat16().cuda()
@@ -168,8 +173,8 @@ def test_agent_loop_on_the_csrc_root_gpu(tmp_path):
         assert torch.equal(out, ops.rms_norm(x, w, 1e-6, backend="cuda")), (m, n)
     # the vector-loads transformation: the root's bits, on aligned rows, rows at an odd stride (scalar path)
     # and widths that are not a multiple of 8 (the tail group)
-    from areal_tik.agent.proposers import apply_transform
-    vec = get_kind(kind).load(apply_transform(src, "vector-loads"), meta, "gpu-test-vec", str(tmp_path / "direct"))
+    vsrc = apply_transform(src, "vector-loads")
+    vec = get_kind(kind).load(vsrc, meta, content_hash(kind, "rms_norm", vsrc, meta), work)
     for m, n, stride in [(64, 1536, 1536), (7, 1536, 1537), (9, 1000, 1000), (3, 8960, 8960), (2, 13, 13)]:
         base = torch.randn(m, stride, generator=g).bfloat16().cuda()
         x = base[:, :n]
@@ -181,7 +186,7 @@ def test_agent_loop_on_the_csrc_root_gpu(tmp_path):
         assert torch.equal(a, b), (m, n, stride)
 
     store = Store(str(tmp_path / "ir.sqlite"))
-    ev = Evaluator(str(tmp_path / "work"), timeout_s=600)
+    ev = Evaluator(work, timeout_s=600)
     env = environment()
     try:
         run = roles.initialize(store, ev, OfflineProposer(), "rms", "rms_norm", "qwen2.5-1.5b", "gpu",
