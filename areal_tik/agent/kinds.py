@@ -169,11 +169,11 @@ class CudaInlineKind(KernelKind):
 
     def compile_check(self, source: str, meta: dict, arch: str = "90a", workdir: str | None = None) -> dict:
         """``nvcc -c`` of the CUDA source with the meta's defines (no GPU, no torch headers needed for a
-        csrc-style source): {"ok", "arch", "ptxas" (registers/spills per kernel), "error"}."""
+        csrc-style source), as CI compiles csrc (backend.compile_check.nvcc_object): {"ok", "arch", "ptxas"
+        (registers/spills per kernel), "ptxas_warnings", "error"}."""
         import shutil
-        import subprocess
         import tempfile
-        from areal_tik.backend.compile_check import parse_ptxas
+        from areal_tik.backend.compile_check import nvcc_object
         nvcc = shutil.which("nvcc")
         if nvcc is None:
             return {"ok": False, "arch": arch, "error": "nvcc not found"}
@@ -181,13 +181,8 @@ class CudaInlineKind(KernelKind):
             src = os.path.join(d, "cand.cu")
             with open(src, "w") as f:
                 f.write(source)
-            cmd = [nvcc, "-c", src, "-o", os.path.join(d, "cand.o"), "-std=c++17", "-O3",
-                   f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", "-I", _csrc_dir(),
-                   *self._defines(meta)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-        kernels, _ = parse_ptxas(r.stdout + "\n" + r.stderr)
-        return {"ok": r.returncode == 0, "arch": arch, "ptxas": kernels,
-                **({} if r.returncode == 0 else {"error": (r.stderr or r.stdout)[-1500:]})}
+            res = nvcc_object(nvcc, src, arch, d, ["-I", _csrc_dir(), *self._defines(meta)])
+        return {"arch": arch, "ptxas": res.pop("kernels"), **res}
 
 
 KINDS: dict[str, KernelKind] = {k.name: k for k in (TritonKind(), CudaInlineKind())}

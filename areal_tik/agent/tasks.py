@@ -45,22 +45,45 @@ def _seed(*parts) -> int:
     return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:8], 16)
 
 
-class LinearTask:
-    """``out = x @ w.T (+ bias)``; batch axis = rows of x (M)."""
+class _RowsOfXTask:
+    """What the tasks whose batch axis is the rows of ``inputs["x"]`` share: the frozen contract (from the
+    subclass's ``presets`` and ``contract_seed``, plus ``_contract_extra``), the workloads and the batch axis."""
 
-    op = "linear"
+    presets: dict = {}
+    contract_seed = 0
+
+    def _contract_extra(self) -> dict:
+        return {}
 
     # ---- frozen contract and workloads ----
     def contract_spec(self, preset: str) -> dict:
-        p = PRESETS[preset]
-        return {"op": self.op, "preset": preset, "dtype": "bfloat16", "rtol": p["rtol"],
-                "probe_shapes": p["probe_shapes"], "seed": 1234,
+        p = self.presets[preset]
+        return {"op": self.op, "preset": preset, "dtype": "bfloat16", "rtol": p["rtol"], **self._contract_extra(),
+                "probe_shapes": p["probe_shapes"], "seed": self.contract_seed,
                 "checks": ["load", "runs", "outputs_written", "inputs_unchanged", "accuracy", "shape_generality",
                            "fresh_inputs", "determinism", "row_subset_invariance", "batch_extension_invariance"],
                 "invariance": "rows of x: any subset or extension of the batch gives identical bits for shared rows"}
 
     def workloads(self, preset: str) -> list[dict]:
-        return [dict(w) for w in PRESETS[preset]["workloads"]]
+        return [dict(w) for w in self.presets[preset]["workloads"]]
+
+    # ---- batch axis ----
+    def batch_size(self, inputs: dict) -> int:
+        return inputs["x"].shape[0]
+
+    def with_rows(self, inputs: dict, x) -> dict:
+        return {**inputs, "x": x}
+
+    def batch_tensor(self, inputs: dict):
+        return inputs["x"]
+
+
+class LinearTask(_RowsOfXTask):
+    """``out = x @ w.T (+ bias)``; batch axis = rows of x (M)."""
+
+    op = "linear"
+    presets = PRESETS
+    contract_seed = 1234
 
     # ---- inputs ----
     def make_inputs(self, shape: dict, seed: int, device: str, dtype=None) -> dict:
@@ -94,16 +117,6 @@ class LinearTask:
             x, w, b = inputs["x"].double(), inputs["w"].double(), inputs["bias"]
             y = x @ w.T
             return y + b.double() if b is not None else y
-
-    # ---- batch axis ----
-    def batch_size(self, inputs: dict) -> int:
-        return inputs["x"].shape[0]
-
-    def with_rows(self, inputs: dict, x) -> dict:
-        return {**inputs, "x": x}
-
-    def batch_tensor(self, inputs: dict):
-        return inputs["x"]
 
     def flops(self, shape: dict) -> float:
         return 2.0 * shape["M"] * shape["N"] * shape["K"]
@@ -154,24 +167,18 @@ RMS_PRESETS = {
 }
 
 
-class RMSNormTask:
+class RMSNormTask(_RowsOfXTask):
     """``out = w * bf16(x * rsqrt(mean(x^2) + eps))`` per row (HF Qwen2 rounding points), bf16;
     batch axis = rows of x (M). ``tunables``: the build-time knobs a csrc root exposes as defines."""
 
     op = "rms_norm"
+    presets = RMS_PRESETS
+    contract_seed = 4321
     eps = 1e-6
     tunables = {"TIK_RMS_WARPS": [1, 2, 4, 8, 16]}
 
-    def contract_spec(self, preset: str) -> dict:
-        p = RMS_PRESETS[preset]
-        return {"op": self.op, "preset": preset, "dtype": "bfloat16", "rtol": p["rtol"], "eps": self.eps,
-                "probe_shapes": p["probe_shapes"], "seed": 4321,
-                "checks": ["load", "runs", "outputs_written", "inputs_unchanged", "accuracy", "shape_generality",
-                           "fresh_inputs", "determinism", "row_subset_invariance", "batch_extension_invariance"],
-                "invariance": "rows of x: any subset or extension of the batch gives identical bits for shared rows"}
-
-    def workloads(self, preset: str) -> list[dict]:
-        return [dict(w) for w in RMS_PRESETS[preset]["workloads"]]
+    def _contract_extra(self) -> dict:
+        return {"eps": self.eps}
 
     def make_inputs(self, shape: dict, seed: int, device: str, dtype=None) -> dict:
         import torch
@@ -196,15 +203,6 @@ class RMSNormTask:
         """float64, no intermediate rounding."""
         x, w = inputs["x"].double(), inputs["w"].double()
         return w * (x * (x.pow(2).mean(-1, keepdim=True) + self.eps).rsqrt())
-
-    def batch_size(self, inputs: dict) -> int:
-        return inputs["x"].shape[0]
-
-    def with_rows(self, inputs: dict, x) -> dict:
-        return {**inputs, "x": x}
-
-    def batch_tensor(self, inputs: dict):
-        return inputs["x"]
 
     def flops(self, shape: dict) -> float:
         return 4.0 * shape["M"] * shape["N"]

@@ -88,6 +88,17 @@ def parse_ptxas(text: str) -> tuple[dict, list[str]]:
     return kernels, warnings
 
 
+def nvcc_object(nvcc: str, src: str, arch: str, out_dir: str, flags: list[str]) -> dict:
+    """``nvcc -c src`` for sm_<arch> (ptxas -v) into out_dir: {"ok", "kernels" (parse_ptxas), "ptxas_warnings",
+    "error" when it failed}. ``flags``: include paths, defines."""
+    cmd = [nvcc, "-c", src, "-o", os.path.join(out_dir, "x.o"), "-std=c++17", "-O3",
+           f"-gencode=arch=compute_{arch},code=sm_{arch}", "--expt-relaxed-constexpr", "-Xptxas", "-v", *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    kernels, warnings = parse_ptxas(r.stdout + "\n" + r.stderr)
+    return {"ok": r.returncode == 0, "kernels": kernels, "ptxas_warnings": warnings,
+            **({} if r.returncode == 0 else {"error": (r.stderr or r.stdout)[-1500:]})}
+
+
 def compile_cuda(archs=NVCC_ARCHS) -> list[dict]:
     from areal_tik.backend.cuda_ext import sources
     nvcc = shutil.which("nvcc")
@@ -107,13 +118,9 @@ def compile_cuda(archs=NVCC_ARCHS) -> list[dict]:
         for s in srcs:
             for a in archs:
                 t0 = time.time()
-                cmd = [nvcc, "-c", s, "-o", os.path.join(d, "x.o"), "-std=c++17", "-O3",
-                       f"-gencode=arch=compute_{a},code=sm_{a}", "--expt-relaxed-constexpr", "-Xptxas", "-v", *incs]
-                r = subprocess.run(cmd, capture_output=True, text=True)
-                kernels, warnings = parse_ptxas(r.stdout + "\n" + r.stderr)
-                rows.append({"source": os.path.basename(s), "arch": f"sm_{a}", "ok": r.returncode == 0,
-                             "seconds": round(time.time() - t0, 1), "kernels": kernels, "ptxas_warnings": warnings,
-                             **({} if r.returncode == 0 else {"error": (r.stderr or r.stdout)[-1500:]})})
+                res = nvcc_object(nvcc, s, a, d, incs)
+                rows.append({"source": os.path.basename(s), "arch": f"sm_{a}", "ok": res.pop("ok"),
+                             "seconds": round(time.time() - t0, 1), **res})
         rows += _check_binding_syntax(nvcc, incs, d)
     return rows
 
