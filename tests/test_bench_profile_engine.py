@@ -11,13 +11,17 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_profile_engine_cpu(tmp_path, graphs):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_engine.py"), "--out", str(tmp_path),
-                        "--model", "tiny-qwen2", "--batches", "1", "3", "--steps", "2", "--prompt-len", "16",
-                        "--prefill", *(["--emulate-graphs-on-cpu"] if graphs else [])],
+def _run_bench(script: str, out, *args) -> None:
+    """bench/<script> --out OUT ARGS in a subprocess, as on the device; it must exit 0."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--out", str(out), *args],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_profile_engine_cpu(tmp_path, graphs):
+    _run_bench("profile_engine.py", tmp_path, "--model", "tiny-qwen2", "--batches", "1", "3", "--steps", "2",
+               "--prompt-len", "16", "--prefill", *(["--emulate-graphs-on-cpu"] if graphs else []))
     res = json.load(open(tmp_path / "engine_profile.json"))
     assert set(res["runs"]) == {"tik", "default"}
     for runs in res["runs"].values():
@@ -41,10 +45,7 @@ def test_profile_engine_cpu(tmp_path, graphs):
 
 def test_profile_train_cpu(tmp_path):
     """bench/profile_train.py (the train-step gap tool) produces its JSON for both kernel modes."""
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_train.py"), "--out", str(tmp_path),
-                        "--model", "tiny-qwen2", "--seqs", "2", "--seq-len", "12", "--reps", "1"],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    _run_bench("profile_train.py", tmp_path, "--model", "tiny-qwen2", "--seqs", "2", "--seq-len", "12", "--reps", "1")
     res = json.load(open(tmp_path / "train_profile.json"))
     assert set(res["runs"]) == {"tik", "default"}
     for r in res["runs"].values():
@@ -54,10 +55,7 @@ def test_profile_train_cpu(tmp_path):
 
 def test_host_overhead_cpu(tmp_path):
     """bench/host_overhead.py (host cost per op call + cProfile of eager engine steps) writes its JSON."""
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "host_overhead.py"), "--out", str(tmp_path),
-                        "--model", "tiny-qwen2", "--tokens", "16", "--calls", "1", "--reps", "1"],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    _run_bench("host_overhead.py", tmp_path, "--model", "tiny-qwen2", "--tokens", "16", "--calls", "1", "--reps", "1")
     res = json.load(open(tmp_path / "host_overhead.json"))
     assert {r["op"] for r in res["ops"]} >= {"linear 1536x1536", "attention_varlen", "rms_norm"}
     assert all(r["tik_issue_us"] > 0 and r["tik_total_us"] >= r["tik_issue_us"] for r in res["ops"])
