@@ -148,13 +148,14 @@ def _decode_calls(mods, cpcs, stages=(0,)):
     return calls
 
 
-def _decode_inputs(lens, ps, g, poison=True):
+def _decode_inputs(lens, ps, g, poison=True, shuffle=True):
+    """Ragged decode inputs over a paged cache; pages in random order (shuffle) or in sequence order."""
     B = len(lens)
     npg = [-(-L // ps) for L in lens]
     num = sum(npg) + 3
     kc = torch.randn(num, ps, HKV, D, generator=g).bfloat16().cuda()
     vc = torch.randn(num, ps, HKV, D, generator=g).bfloat16().cuda()
-    perm = torch.randperm(num, generator=g).tolist()
+    perm = torch.randperm(num, generator=g).tolist() if shuffle else list(range(num))
     bt = torch.full((B, max(npg) + 2), -1, dtype=torch.int32)
     at = 0
     for i, n in enumerate(npg):
@@ -196,12 +197,13 @@ def _triton_paged():
     return attention_paged_triton
 
 
-def time_decode(mods, ref_name, cpcs, B, ctx, stages=(0,), page_size=64, table_pages=None, triton=False):
+def time_decode(mods, ref_name, cpcs, B, ctx, stages=(0,), page_size=64, table_pages=None, triton=False,
+                shuffle=True):
     """One decode cell: B sequences of ctx positions, pages of page_size, block tables table_pages wide
     (default: just wide enough, + 2); CUDA-graph times of SDPA (contiguous gather), each call and Triton."""
     from bench_cuda import _graphed, _median_ms, sdpa_layout
     g = torch.Generator().manual_seed(B * 100003 + ctx)
-    q, kc, vc, bt, cq, sk = _decode_inputs([ctx] * B, page_size, g, poison=False)
+    q, kc, vc, bt, cq, sk = _decode_inputs([ctx] * B, page_size, g, poison=False, shuffle=shuffle)
     if table_pages is not None and table_pages > bt.shape[1]:  # engine-shaped: the table sized for max_model_len
         bt = torch.cat([bt, torch.full((B, table_pages - bt.shape[1]), -1, dtype=torch.int32, device="cuda")], 1)
     sc = D ** -0.5
@@ -209,6 +211,7 @@ def time_decode(mods, ref_name, cpcs, B, ctx, stages=(0,), page_size=64, table_p
     F = torch.nn.functional
     fn, _ = _graphed(lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True))
     row = {"batch": B, "ctx": ctx, "heads": f"{HQ}/{HKV}", "page_size": page_size, "table_pages": bt.shape[1],
+           "pages": "shuffled" if shuffle else "in order",
            "sdpa_us": round(_median_ms(fn) * 1e3, 2)}
     ref = mods[ref_name].attention_paged_fwd(q, kc, vc, bt, cq, sk, 1, sc, 0, out=None, decode_merge=0)
     del kk, vv
@@ -253,6 +256,8 @@ def main(argv=None):
     ap.add_argument("--table-pages", type=int, default=None,
                     help="decode timing: block-table width in pages (engine: max_model_len / page size)")
     ap.add_argument("--triton", action="store_true", help="time the Triton kernel beside the variants")
+    ap.add_argument("--pages-in-order", action="store_true",
+                    help="decode timing: each sequence's pages consecutive in the cache (default: shuffled)")
     ap.add_argument("--prefill-paged", type=int, default=0, metavar="PAGE_SIZE",
                     help="prefill timing over a paged cache of this page size (0: contiguous varlen)")
     ap.add_argument("--prefill-batch", type=int, default=1, help="prefill timing: sequences of each --lens length")
@@ -271,7 +276,7 @@ def main(argv=None):
         for cell in args.cells.split(","):
             B, ctx = (int(x) for x in cell.split("x"))
             res.append(time_decode(mods, ref_name, args.cpc, B, ctx, args.stages, args.page_size, args.table_pages,
-                                   args.triton))
+                                   args.triton, shuffle=not args.pages_in_order))
             print(res[-1], flush=True)
         return _write(res, args.out, "bisect_decode.json")
     res = [check_bits(mods, ref_name)]

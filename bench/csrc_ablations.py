@@ -12,6 +12,8 @@ wgmma prefill (tik_attention_wgmma.cuh):
 decode (attn_decode_kernel in tik_attention.cu):
     DECLOAD  no compute on any block (S, softmax, P V skipped at run time): the cp.async loader's floor,
              with the split-chunk stores and the fused merge still running
+    DECHM    a layout probe: the loader reads each page as head-major (a head's block rows contiguous) instead
+             of the engine's row-major pages; DECHMLOAD the same without compute
 
     python bench/csrc_ablations.py --src csrc --out scratch/bisect [--variants NOSM NOPV NOS SKEL DECLOAD]
     # device (carry scratch): python bench/bisect_csrc.py --dir scratch/bisect --variants H NOSM NOPV NOS SKEL ...
@@ -47,6 +49,24 @@ EDITS = {
     "DECLOAD": [(DECODE, _DEC_GUARD, _DEC_GUARD.replace("j * BN) {", "j * BN && p.batch < 0) {  // ABLATION DECLOAD"))],
 }
 EDITS["SKEL"] = EDITS["NOSM"] + EDITS["NOPV"] + EDITS["NOS"]
+
+# Layout probe, not an ablation: the decode loader's one-page path reads the cache as if each page were
+# head-major ([page][Hkv][row][D]: a head's 64 rows of a block are 16 KB contiguous, as SDPA's gathered
+# [B, Hkv, L, D] copy is) instead of the engine's [page][row][Hkv][D] (256-byte rows 2 KB apart at 8 KV
+# heads). Same bytes, same instructions; only the addresses move. DECHMLOAD = DECHM + DECLOAD.
+_DEC_KP = """      const bf16* kp = kg0 + (row0e + lr0) * row_elems + col0;
+      const bf16* vp = vg0 + (row0e + lr0) * row_elems + col0;"""
+_DEC_HM = """      const int64_t hm0 = p.paged ? (int64_t)pg[0] * page_elems + (int64_t)hk * ps * D
+                                        + (int64_t)((pos0 & (ps - 1)) + lr0) * D + ls * 8  // PROBE DECHM
+                                  : (row0e + lr0) * row_elems + col0;
+      const int64_t hm_step = p.paged ? (int64_t)RSTEP * D : rstep_elems;
+      const bf16* kp = kg0 + hm0;
+      const bf16* vp = vg0 + hm0;"""
+_DEC_CPK = "cp_async16(ks_s + so, ok ? kp + u * rstep_elems : kg0, ok ? 16 : 0);"
+_DEC_CPV = "cp_async16(vs_s + so, ok ? vp + u * rstep_elems : vg0, ok ? 16 : 0);"
+EDITS["DECHM"] = [(DECODE, _DEC_KP, _DEC_HM), (DECODE, _DEC_CPK, _DEC_CPK.replace("rstep_elems", "hm_step")),
+                  (DECODE, _DEC_CPV, _DEC_CPV.replace("rstep_elems", "hm_step"))]
+EDITS["DECHMLOAD"] = EDITS["DECHM"] + EDITS["DECLOAD"]
 
 
 def ablate(text: str, variant: str, fname: str = KERNEL) -> str:

@@ -42,11 +42,12 @@ def test_csrc_ablations_apply_to_the_current_kernels(tmp_path):
     names = sorted(os.listdir(src_dir))
     for f in names:
         assert open(tmp_path / "H" / f).read() == open(os.path.join(src_dir, f)).read()
-    want = {"NOSM": ["NOSM"], "NOPV": ["NOPV"], "NOS": ["NOS"], "SKEL": ["NOS", "NOSM", "NOPV"], "DECLOAD": ["DECLOAD"]}
+    want = {"NOSM": ["NOSM"], "NOPV": ["NOPV"], "NOS": ["NOS"], "SKEL": ["NOS", "NOSM", "NOPV"], "DECLOAD": ["DECLOAD"],
+            "DECHM": ["DECHM"], "DECHMLOAD": ["DECHM", "DECLOAD"]}
     for name, parts in want.items():
         assert sorted(os.listdir(tmp_path / name)) == names
         text = "".join(open(tmp_path / name / f).read() for f in names)
-        found = [p for p in ("NOSM", "NOPV", "NOS", "DECLOAD") if re.search(rf"ABLATION {p}\b", text)]
+        found = [p for p in ("NOSM", "NOPV", "NOS", "DECLOAD", "DECHM") if re.search(rf"(ABLATION|PROBE) {p}\b", text)]
         assert sorted(found) == sorted(parts), (name, found)
         changed = [f for f in names if open(tmp_path / name / f).read() != open(os.path.join(src_dir, f)).read()]
         assert changed == sorted({f for f, _, _ in ca.EDITS[name]}), (name, changed)
