@@ -84,12 +84,14 @@ def measure(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int, see
 
 
 def run_arm(kernels: str, label: str, model_name: str, dev: str, batches: list[int], prompt_len: int,
-            steps: int, page_size: int = EngineConfig.page_size) -> dict:
+            steps: int, page_size: int = EngineConfig.page_size,
+            prefill_graph_max_tokens: int = EngineConfig.prefill_graph_max_tokens) -> dict:
     """One engine with ``kernels``; a warm-up and a measured pass per batch size."""
     model = patch_model(build_model(model_name, device=dev), kernels=kernels)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=max(batches), max_model_len=prompt_len + steps + 64,
                                         max_num_batched_tokens=max(batches) * prompt_len,
-                                        chunked_prefill=False, gpu_memory_utilization=0.3, page_size=page_size))
+                                        chunked_prefill=False, gpu_memory_utilization=0.3, page_size=page_size,
+                                        prefill_graph_max_tokens=prefill_graph_max_tokens))
     rows = []
     for B in batches:
         measure(eng, B, prompt_len, steps, model.config.vocab_size, seed=1)   # warm-up pass
@@ -118,22 +120,28 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="KV page size of every arm's engine")
     ap.add_argument("--arms", nargs="+", default=["default", "tik"], help="KERNELS[@AREAL_TIK_BACKEND spec]")
+    ap.add_argument("--prefill-graph-max-tokens", type=int, nargs="+", default=[EngineConfig.prefill_graph_max_tokens],
+                    help="EngineConfig.prefill_graph_max_tokens; several values run every arm once per value "
+                         "(labels ARM/pgN), e.g. 0 2048: eager vs graph-replayed prefill")
+    ap.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1..64, --quick 1 16 64)")
     a = ap.parse_args()
-    arms = parse_arms(a.arms)
+    pgs = a.prefill_graph_max_tokens
+    arms = [(arm, pg, arm.label if len(pgs) == 1 else f"{arm.label}/pg{pg}") for arm in parse_arms(a.arms) for pg in pgs]
     os.makedirs(a.out, exist_ok=True)
-    batches = [1, 16, 64] if a.quick else [1, 2, 4, 8, 16, 32, 64]
+    batches = a.batches or ([1, 16, 64] if a.quick else [1, 2, 4, 8, 16, 32, 64])
     steps = 16 if a.quick else 64
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     res = {"model": a.model, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__, "prompt_len": a.prompt_len, "decode_steps": steps,
            "page_size": a.page_size, "kernels": {}}
-    for arm in arms:
+    for arm, pg, label in arms:
         with arm.active():
-            res["kernels"][arm.label] = dict(run_arm(arm.kernels, arm.label, a.model, dev, batches, a.prompt_len,
-                                                     steps, a.page_size), backend_spec=arm.spec)
-    first = arms[0].label
+            res["kernels"][label] = dict(run_arm(arm.kernels, label, a.model, dev, batches, a.prompt_len,
+                                                 steps, a.page_size, pg), backend_spec=arm.spec,
+                                         prefill_graph_max_tokens=pg)
+    first = arms[0][2]
     res["ratio_over_first_arm"] = {
-        arm.label: _ratios(res["kernels"][arm.label]["rows"], res["kernels"][first]["rows"]) for arm in arms[1:]}
+        label: _ratios(res["kernels"][label]["rows"], res["kernels"][first]["rows"]) for _, _, label in arms[1:]}
     for label, rows in res["ratio_over_first_arm"].items():
         for r in rows:
             print(f"{label} / {first} B={r['batch']:3d}: prefill {r['prefill']:.3f}x  decode {r['decode']:.3f}x")

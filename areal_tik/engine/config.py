@@ -23,6 +23,11 @@ class EngineConfig:
       ``max_position_embeddings`` capped at 8192.
     - ``enforce_eager``: no CUDA graphs (always eager on CPU).
     - ``cuda_graph_max_bs``: largest decode batch captured (``None`` = ``max_num_seqs``).
+    - ``prefill_graph_max_tokens``: prefill steps of at most this many tokens (and at most
+      ``cuda_graph_max_bs`` chunks) replay a CUDA graph captured per (token bucket, chunk bucket); 0 = every
+      prefill step eager. Only with the tik kernels (the default kernels' prefill needs host lengths). Eager
+      prefill is host-bound: one 512-token prompt at the 1.5B shape took 31-33 ms of wall time for 6.3 ms of
+      device work on the H200 (bench/results/*_s10-host-and-po).
     - ``eos_token_id``: ``None`` = the model config's (first) eos id.
     - ``seed``: draws per-request seeds for requests that give none.
     - ``page_order_seed``: shuffle physical page order (tests: placement must not matter).
@@ -37,6 +42,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enforce_eager: bool = False
     cuda_graph_max_bs: int | None = None
+    prefill_graph_max_tokens: int = 2048
     eos_token_id: int | None = None
     seed: int = 0
     page_order_seed: int | None = None
@@ -52,5 +58,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError(f"prefill_graph_max_tokens must be >= 0, got {self.prefill_graph_max_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -199,7 +199,8 @@ class LLMEngine:
     def stats(self) -> dict:
         return dict(steps=self.num_steps, prefill_tokens=self.num_prefill_tokens,
                     decode_tokens=self.num_decode_tokens, preemptions=self.scheduler.num_preemptions,
-                    graph_steps=self.runner.num_graph_steps, eager_steps=self.runner.num_eager_steps,
+                    graph_steps=self.runner.num_graph_steps, prefill_graph_steps=self.runner.num_prefill_graph_steps,
+                    eager_steps=self.runner.num_eager_steps,
                     num_pages=self.runner.num_pages, free_pages=self.block_manager.num_free)
 
 

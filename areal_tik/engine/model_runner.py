@@ -8,8 +8,16 @@
   selecting first changes no bits).
 - CUDA graphs (GPU, ``enforce_eager=False``): pure-decode steps replay a graph captured
   lazily per (batch bucket, block-table width bucket) in one memory pool, with static
-  input buffers; padding rows have slot -1, one key and page 0. Prefill and batches
-  above ``cuda_graph_max_bs`` run eagerly. On a CPU everything is eager.
+  input buffers; padding rows have slot -1, one key and page 0. Decode batches above
+  ``cuda_graph_max_bs`` run eagerly.
+- Prefill graphs (tik kernels): prefill steps of at most ``prefill_graph_max_tokens`` tokens
+  replay a graph per (token bucket, chunk bucket), same pool. The step's tokens are padded to
+  a power of two (id 0, position 0, slot -1: no K/V store) and its chunks to a batch bucket
+  (no queries, no keys); attention runs with the bucket as ``max_seqlen_q`` and the full
+  block-table width. Every kernel's rows are independent of the launch shape and of the
+  other rows (DESIGN section 2), so the real rows' bits are the eager step's; the padding
+  rows' values are never read. Larger prefill steps, and the default kernels (their prefill
+  attention needs host lengths), run eagerly. On a CPU everything is eager.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from areal_tik.engine.scheduler import ScheduledBatch
 __all__ = ["ModelRunner"]
 
 _BS_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_MIN_PREFILL_BUCKET = 16   # token buckets: powers of two from here to prefill_graph_max_tokens
 
 # Test hook: on a CPU, run the graph path with an emulated graph (capture records the
 # forward without running it, replay re-runs it on the static buffers), so the capture /
@@ -72,10 +81,14 @@ class ModelRunner:
         self.emulate_graphs = self.device.type != "cuda" and EMULATE_GRAPHS_ON_CPU
         self.use_graphs = (self.device.type == "cuda" or self.emulate_graphs) and not cfg.enforce_eager
         self.graph_max_bs = min(cfg.cuda_graph_max_bs or cfg.max_num_seqs, _BS_BUCKETS[-1])
-        self._graphs: dict[tuple[int, int], tuple] = {}
+        self._graphs: dict[tuple, tuple] = {}
         self._pool = None
         self._static = None
-        self.num_graph_steps = 0
+        # prefill graphs: the tik kernels only (the default kernels' prefill attention loops over host lengths)
+        self.prefill_graph_max_tokens = cfg.prefill_graph_max_tokens if self.kernels == "tik" else 0
+        self._pstatic = None
+        self.num_graph_steps = 0           # decode and prefill steps that replayed a graph
+        self.num_prefill_graph_steps = 0   # ... of which prefill
         self.num_eager_steps = 0
 
     # ---- sizing --------------------------------------------------------------------------
@@ -108,6 +121,11 @@ class ModelRunner:
         if not batch.is_prefill and self.use_graphs and len(batch) <= self.graph_max_bs:
             logits = self._run_graph(batch)
             self.num_graph_steps += 1
+        elif batch.is_prefill and self.use_graphs and len(batch) <= self.graph_max_bs \
+                and 0 < batch.num_tokens <= self.prefill_graph_max_tokens:
+            logits = self._run_prefill_graph(batch)
+            self.num_graph_steps += 1
+            self.num_prefill_graph_steps += 1
         else:
             logits = self._run_eager(batch)
             self.num_eager_steps += 1
@@ -170,16 +188,23 @@ class ModelRunner:
         ctx = AttentionContext(slot_mapping=s["slots"][:bs], block_table=table[:bs], cu_seqlens_q=s["cu"][:bs + 1],
                                seqlens_k=s["seqk"][:bs], max_seqlen_q=1, kv_caches=self.kv_caches)
         warm = dataclasses.replace(ctx, slot_mapping=s["noslots"][:bs], seqlens_k=s["ones"][:bs])
+        return self._record((bs, width), ctx, warm, lambda: self._forward(s["ids"][:bs], s["pos"][:bs]))
+
+    def _record(self, key, ctx: AttentionContext, warm: AttentionContext, fwd, warm_fwd=None):
+        """Warm up ``warm_fwd`` (default ``fwd``) eagerly under ``warm`` (which must not store K/V), then capture
+        ``fwd`` under ``ctx`` into ``self._graphs[key]`` (an emulated graph on a CPU). Returns (graph, static
+        output)."""
+        warm_fwd = warm_fwd or fwd
         set_context(warm)
         try:
             if self.emulate_graphs:
-                out = self._forward(s["ids"][:bs], s["pos"][:bs])   # warm-up (runs for real, as on the GPU)
+                out = warm_fwd()   # warm-up (runs for real, as on the GPU)
                 out = torch.empty_like(out)
 
-                def fn(ctx=ctx, bs=bs):
+                def fn(ctx=ctx):
                     set_context(ctx)
                     try:
-                        return self._forward(s["ids"][:bs], s["pos"][:bs])
+                        return fwd()
                     finally:
                         reset_context()
                 graph = _EmulatedGraph(fn, out)
@@ -187,7 +212,7 @@ class ModelRunner:
                 stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    self._forward(s["ids"][:bs], s["pos"][:bs])   # warm-up: compile kernels outside capture
+                    warm_fwd()   # warm-up: compile kernels outside capture
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 set_context(ctx)
                 # On this runner's device, on its own stream: torch.cuda.graph's default capture
@@ -198,12 +223,12 @@ class ModelRunner:
                 with torch.cuda.device(self.device):
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-                        out = self._forward(s["ids"][:bs], s["pos"][:bs])
+                        out = fwd()
                 if self._pool is None:
                     self._pool = graph.pool()
         finally:
             reset_context()
-        self._graphs[(bs, width)] = (graph, out)
+        self._graphs[key] = (graph, out)
         return graph, out
 
     def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -229,3 +254,59 @@ class ModelRunner:
         graph, out = self._graphs.get((bs, width)) or self._capture(bs, width)
         graph.replay()
         return out[:B]
+
+    # ---- prefill graphs ------------------------------------------------------------------------
+    def _alloc_prefill_static(self):
+        n, b, dev = self.prefill_graph_max_tokens, self.graph_max_bs, self.device
+        self._pstatic = dict(
+            ids=torch.zeros(n, dtype=torch.int64, device=dev),
+            pos=torch.zeros(n, dtype=torch.int64, device=dev),
+            slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            noslots=torch.full((n,), -1, dtype=torch.int64, device=dev),   # warm-up: store nothing
+            zeros=torch.zeros(b + 1, dtype=torch.int32, device=dev),       # warm-up: empty chunks ...
+            zrows=torch.zeros(b, dtype=torch.int64, device=dev),           # ... sampling row 0
+            cu=torch.zeros(b + 1, dtype=torch.int32, device=dev),
+            seqk=torch.zeros(b, dtype=torch.int32, device=dev),
+            rows=torch.zeros(b, dtype=torch.int64, device=dev),
+            table=torch.zeros(b, self.max_width, dtype=torch.int32, device=dev),
+        )
+
+    def _capture_prefill(self, tp: int, bp: int):
+        """Capture the prefill forward for tp tokens and bp chunks on the prefill static buffers. The warm-up
+        stores no K/V, attends nowhere (every chunk empty) and samples row 0, so it is safe whatever the
+        buffers hold (e.g. a previous step's 20-token chunk or its row 19, which a 16-token graph cannot hold)."""
+        s = self._pstatic
+        ctx = AttentionContext(slot_mapping=s["slots"][:tp], block_table=s["table"][:bp], cu_seqlens_q=s["cu"][:bp + 1],
+                               seqlens_k=s["seqk"][:bp], max_seqlen_q=tp, kv_caches=self.kv_caches)
+        warm = dataclasses.replace(ctx, slot_mapping=s["noslots"][:tp], cu_seqlens_q=s["zeros"][:bp + 1],
+                                   seqlens_k=s["zeros"][:bp])
+        return self._record(("prefill", tp, bp), ctx, warm,
+                            lambda: self._forward(s["ids"][:tp], s["pos"][:tp], s["rows"][:bp]),
+                            lambda: self._forward(s["ids"][:tp], s["pos"][:tp], s["zrows"][:bp]))
+
+    def _run_prefill_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+        if self._pstatic is None:
+            self._alloc_prefill_static()
+        inp = prepare_step(batch, self.page_size, self.kv_caches, self.device, width=self.max_width)
+        T, B, S = inp.input_ids.shape[0], len(batch), inp.sample_rows.shape[0]
+        tp = max(_MIN_PREFILL_BUCKET, 1 << (T - 1).bit_length())
+        bp = next(b for b in _BS_BUCKETS if b >= B)
+        bp = min(bp, self.graph_max_bs)
+        s = self._pstatic
+        s["ids"][:T].copy_(inp.input_ids)
+        s["ids"][T:tp].zero_()
+        s["pos"][:T].copy_(inp.positions)
+        s["pos"][T:tp].zero_()
+        s["slots"][:T].copy_(inp.ctx.slot_mapping)
+        s["slots"][T:tp].fill_(-1)
+        s["cu"][:B + 1].copy_(inp.ctx.cu_seqlens_q)
+        s["cu"][B + 1:bp + 1].fill_(T)        # padding chunks: no queries ...
+        s["seqk"][:B].copy_(inp.ctx.seqlens_k)
+        s["seqk"][B:bp].zero_()               # ... and no keys
+        s["table"][:B].copy_(inp.ctx.block_table)
+        s["table"][B:bp].zero_()
+        s["rows"][:S].copy_(inp.sample_rows)
+        s["rows"][S:bp].zero_()
+        graph, out = self._graphs.get(("prefill", tp, bp)) or self._capture_prefill(tp, bp)
+        graph.replay()
+        return out[:S]

@@ -116,3 +116,76 @@ def test_graphs_on_a_non_current_device(seed_rng):
     assert e_graph.runner.num_graph_steps > 0
     assert [g[0] for g in got] == [r[0] for r in ref]
     assert all(torch.equal(torch.tensor(g[1]), torch.tensor(r[1])) for g, r in zip(got, ref))
+
+
+def _prefill_graph_case(model, seed, **kw):
+    """Prompts whose prefill steps span several token buckets (16..256) and chunk buckets, prompts split
+    across steps (chunked prefill); graph engine vs eager engine vs training, bit for bit."""
+    lens = [3, 17, 40, 100, 9, 33, 70]
+    params = [SamplingParams(temperature=t, max_new_tokens=12, seed=seed + i, ignore_eos=True)
+              for i, t in enumerate([1.0, 0.7, 0.0, 1.0, 0.7, 1.0, 0.0])]
+    prompts = _prompts(lens, seed)
+    base = dict(max_num_batched_tokens=64, max_num_seqs=4, **kw)
+    e_graph = _engine(model, eager=False, **base)
+    got = _run(e_graph, prompts, params)
+    e_eager = _engine(model, eager=True, **base)
+    ref = _run(e_eager, prompts, params)
+    r = e_graph.runner
+    assert r.num_prefill_graph_steps >= 3 and e_eager.runner.num_prefill_graph_steps == 0
+    assert len({k[1] for k in r._graphs if k[0] == "prefill"}) >= 2, sorted(k for k in r._graphs if k[0] == "prefill")
+    assert [g[0] for g in got] == [x[0] for x in ref]
+    assert all(torch.equal(torch.tensor(g[1]), torch.tensor(x[1])) for g, x in zip(got, ref))
+    for p, sp, (ids, lps) in zip(prompts, params, got):
+        full = torch.tensor(p + ids, device=DEV)
+        train = packed_logprobs(model, full, temperature=sp.temperature)[len(p) - 1:-1].cpu()
+        assert torch.equal(train, torch.tensor(lps, dtype=torch.float32)), "graph prefill != training"
+    for (k0, v0), (k1, v1) in zip(r.kv_caches, e_eager.runner.kv_caches):
+        # same allocation order: the same pages hold the same tokens (the spare last page aside)
+        assert torch.equal(k0[:-1], k1[:-1]) and torch.equal(v0[:-1], v1[:-1]), "graph prefill stored other K/V"
+
+
+def test_prefill_graphs_equal_eager_and_training(graphs, model, seed_rng):
+    _prefill_graph_case(model, seed_rng)
+
+
+@pytest.mark.gpu
+def test_prefill_graphs_equal_eager_and_training_gpu(seed_rng):
+    """The same on real CUDA graphs (the case above runs there too, but the GPU check selects -m gpu)."""
+    if not HAS_GPU:
+        pytest.skip("needs a GPU")
+    _prefill_graph_case(patch_model(build_model("tiny-qwen2", device="cuda", seed=11)), seed_rng)
+
+
+def test_prefill_capture_warmup_leaves_kv_cache_untouched(graphs, model, seed_rng):
+    """Capturing new prefill graphs mid-generation (static buffers holding the last prefill step) must not
+    write the KV cache."""
+    eng = _engine(model, eager=False)
+    for i, p in enumerate(_prompts([20, 30, 9], seed_rng)):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=40, seed=seed_rng + i,
+                                                   ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    runner = eng.runner
+    assert runner.num_prefill_graph_steps == 1
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    for tp, bp in [(16, 1), (64, 2), (128, 4), (256, 8)]:
+        if ("prefill", tp, bp) not in runner._graphs:
+            runner._capture_prefill(tp, bp)
+    for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1), "prefill graph capture wrote the KV cache"
+
+
+def test_prefill_graph_limits(graphs, model, seed_rng):
+    """Steps above prefill_graph_max_tokens, 0 (off) and the default kernels run prefill eagerly."""
+    prompts = _prompts([40, 50], seed_rng)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=seed_rng + i, ignore_eos=True) for i in range(2)]
+    small = _engine(model, eager=False, prefill_graph_max_tokens=64)
+    _run(small, prompts, params)                       # one 90-token prefill step: above 64
+    assert small.runner.num_prefill_graph_steps == 0 and small.runner.num_graph_steps > 0
+    off = _engine(model, eager=False, prefill_graph_max_tokens=0)
+    _run(off, prompts, params)
+    assert off.runner.num_prefill_graph_steps == 0
+    dflt = _engine(patch_model(build_model("tiny-qwen2", device=DEV, seed=11), kernels="default"), eager=False)
+    assert dflt.runner.prefill_graph_max_tokens == 0
+    with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
+        EngineConfig(prefill_graph_max_tokens=-1)
