@@ -51,6 +51,10 @@
 // last steps; tiles by static stride or a device counter) 10-15% slower at 64 x 512 and L 4K, parity at 16K;
 // the P V wait pinned after the softmax (ptxas otherwise hoists it above the MUFU.EX2s; a never-taken
 // branch keeps it there), with or without P packed early: 1-3% slower.
+// Where the time goes (session 11, bench/csrc_ablations.py, bench/results/*_s11-ablations): at L 16K the
+// load/barrier skeleton alone takes 47% of the time, and S, the softmax and P V add nearly in series on top
+// (removing each saves 18%, 17%, 8%); at 64 x 512-token prompts every ablated copy is slower than this kernel:
+// those launches are bound by per-CTA latency.
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define TIK_SM90A_DEVICE 1
