@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import torch
 
@@ -90,6 +91,7 @@ class ModelRunner:
         self.num_graph_steps = 0           # decode and prefill steps that replayed a graph
         self.num_prefill_graph_steps = 0   # ... of which prefill
         self.num_eager_steps = 0
+        self.graph_capture_seconds = 0.0  # wall time of warm-ups + captures (decode and prefill)
 
     # ---- sizing --------------------------------------------------------------------------
     def _page_bytes(self) -> int:
@@ -195,6 +197,7 @@ class ModelRunner:
         ``fwd`` under ``ctx`` into ``self._graphs[key]`` (an emulated graph on a CPU). Returns (graph, static
         output)."""
         warm_fwd = warm_fwd or fwd
+        t0 = time.perf_counter()
         set_context(warm)
         try:
             if self.emulate_graphs:
@@ -229,6 +232,7 @@ class ModelRunner:
         finally:
             reset_context()
         self._graphs[key] = (graph, out)
+        self.graph_capture_seconds += time.perf_counter() - t0
         return graph, out
 
     def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:

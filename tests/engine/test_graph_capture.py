@@ -132,6 +132,9 @@ def _prefill_graph_case(model, seed, **kw):
     ref = _run(e_eager, prompts, params)
     r = e_graph.runner
     assert r.num_prefill_graph_steps >= 3 and e_eager.runner.num_prefill_graph_steps == 0
+    st = e_graph.stats()
+    assert st["prefill_graph_steps"] == r.num_prefill_graph_steps and st["graphs"] == len(r._graphs)
+    assert st["graph_capture_s"] > 0 and e_eager.stats()["graph_capture_s"] == 0
     assert len({k[1] for k in r._graphs if k[0] == "prefill"}) >= 2, sorted(k for k in r._graphs if k[0] == "prefill")
     assert [g[0] for g in got] == [x[0] for x in ref]
     assert all(torch.equal(torch.tensor(g[1]), torch.tensor(x[1])) for g, x in zip(got, ref))
