@@ -26,8 +26,10 @@ class EngineConfig:
     - ``prefill_graph_max_tokens``: prefill steps of at most this many tokens (and at most
       ``cuda_graph_max_bs`` chunks) replay a CUDA graph captured per (token bucket, chunk bucket); 0 = every
       prefill step eager. Only with the tik kernels (the default kernels' prefill needs host lengths). Eager
-      prefill is host-bound: one 512-token prompt at the 1.5B shape took 31-33 ms of wall time for 6.3 ms of
-      device work on the H200 (bench/results/*_s10-host-and-po).
+      prefill is host-bound: one 512-token prompt at the 1.5B shape took 31-57 ms of wall time for 6.3 ms of
+      device work on the H200. Measured step wall time eager -> graph at that shape (bench/results/*_prefill-graphs*):
+      512 tokens 56.5 -> 8.0 ms, 2048 tokens 46.2 -> 13.5, 4096 tokens 34.3 -> 23.7, 8192 tokens 44.8 -> 44.1
+      (device-bound: no gain), hence 4096.
     - ``eos_token_id``: ``None`` = the model config's (first) eos id.
     - ``seed``: draws per-request seeds for requests that give none.
     - ``page_order_seed``: shuffle physical page order (tests: placement must not matter).
@@ -42,7 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enforce_eager: bool = False
     cuda_graph_max_bs: int | None = None
-    prefill_graph_max_tokens: int = 2048
+    prefill_graph_max_tokens: int = 4096
     eos_token_id: int | None = None
     seed: int = 0
     page_order_seed: int | None = None
