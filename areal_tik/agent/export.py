@@ -1,11 +1,17 @@
 """Export the best verified version of a run back into the package, with provenance.
 
-Writes ``areal_tik/kernels/exported/<op>_<arch>.py``: the version's source text, then a
+Writes ``areal_tik/kernels/exported/<op>_<arch>.py``: the version's source, then a
 generated adapter (``EXPORT_META``, ``PROVENANCE``, ``ARCH``, an ``OPS`` table with the
 public op signature and a torch backward). ``areal_tik/backend/registry.py`` registers
-it as the op's ``triton`` implementation on a GPU of that architecture only; the file
-is one of the implementation's sources, so the kernel fingerprint changes with it.
+it as the op's implementation of the adapter's backend on a GPU of that architecture only;
+the file is one of the implementation's sources, so the kernel fingerprint changes with it.
 A JSON twin (``<op>_<arch>.json``) holds the meta-parameters, source and provenance.
+Adapters, by (op, kind):
+- ``linear`` / ``triton``: the Triton source is the module's code; backend ``triton``.
+- ``rms_norm`` / ``cuda_inline`` (the csrc root and its knob moves and transformations): the
+  CUDA source is embedded as ``SOURCE`` with its C++ binding, JIT-built with its defines on
+  first use (``load_inline``, csrc on the include path); backend ``cuda`` (selected where the
+  rms_norm backend is cuda); bf16 only, other dtypes go to the csrc rms_norm as before.
 
 Refused (:class:`ExportRefused`): runs timed with the SIMULATED timer, runs without a GPU
 architecture, versions that are not verified, or a best version with any simulated
@@ -28,7 +34,7 @@ class ExportRefused(RuntimeError):
     pass
 
 
-_ADAPTERS = {"linear": '''
+_LINEAR_TRITON = '''
 
 # ======================= areal-tik agent export adapter (generated) =======================
 import torch as _torch
@@ -76,7 +82,88 @@ def linear_exported(x, weight, bias=None):
 
 
 OPS = {{OP: {{"triton": linear_exported}}}}
-'''}
+'''
+
+_RMS_NORM_CUDA = '''
+
+# ======================= areal-tik agent export adapter (generated) =======================
+import torch as _torch
+
+OP = {op!r}
+ARCH = {arch!r}
+EXPORT_META = {meta}
+META = {{"agent_export": {hash!r}}}
+PROVENANCE = {prov}
+BINDING = {binding!r}
+_ENTRY = None
+
+
+def _entry():
+    """The exported kernel's C++ entry, JIT-built from SOURCE with EXPORT_META's defines once per process."""
+    global _ENTRY
+    if _ENTRY is None:
+        if _torch.version.cuda is None or not _torch.cuda.is_available():
+            raise RuntimeError(f"{{OP}} (agent export {{META['agent_export'][:12]}}) needs a CUDA GPU")
+        from torch.utils.cpp_extension import load_inline
+        from areal_tik.backend.cuda_ext import CSRC_DIR
+        name = EXPORT_META.get("entry", "forward")
+        defines = [f"-D{{k}}={{v}}" for k, v in sorted(EXPORT_META.get("defines", {{}}).items())]
+        ext = load_inline(name="tik_export_" + META["agent_export"][:16], cpp_sources=[BINDING.replace("ENTRY", name)],
+                          cuda_sources=[SOURCE], functions=[name], extra_cuda_cflags=["-O3", "-std=c++17", *defines],
+                          extra_include_paths=[CSRC_DIR], verbose=False)
+        _ENTRY = getattr(ext, name)
+    return _ENTRY
+
+
+def _forward(x2, w, eps):
+    out = _torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+    _entry()(x2, w, out, float(eps))
+    return out
+
+
+class _ExportedRMSNorm(_torch.autograd.Function):
+    """Forward: the exported kernel. Backward: float32 torch maths (as the csrc rms_norm's)."""
+
+    @staticmethod
+    def forward(ctx, x2, w, eps):
+        ctx.save_for_backward(x2, w)
+        ctx.eps = eps
+        return _forward(x2, w, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w = ctx.saved_tensors
+        with _torch.enable_grad():
+            xf = x2.detach().float().requires_grad_(True)
+            wf = w.detach().float().requires_grad_(True)
+            y = wf * (xf * _torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps))
+            gx, gw = _torch.autograd.grad(y, (xf, wf), dy.float())
+        return gx.to(x2.dtype), gw.to(w.dtype), None
+
+
+def rms_norm_exported(x, weight, eps, out=None):
+    """``rms_norm(x, weight, eps)`` (HF semantics) with the agent-exported kernel for bf16 (see PROVENANCE);
+    other dtypes, or an ``out`` buffer, run the csrc rms_norm."""
+    from areal_tik.kernels.cuda_ops import rms_norm_cuda
+    if x.dtype != _torch.bfloat16 or weight.dtype != _torch.bfloat16 or out is not None:
+        return rms_norm_cuda(x, weight, eps, out=out)
+    if weight.dim() != 1 or x.dim() < 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"rms_norm: x {{tuple(x.shape)}} and weight {{tuple(weight.shape)}} need x[..., N], weight[N]")
+    shp = x.shape
+    x2 = x.reshape(-1, shp[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight.contiguous()
+    if _torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _ExportedRMSNorm.apply(x2, w, float(eps)).reshape(shp)
+    return _forward(x2, w, eps).reshape(shp)
+
+
+OPS = {{OP: {{"cuda": rms_norm_exported}}}}
+'''
+
+# (op, kind) -> (adapter template, whether the source is Python code that opens the module)
+_ADAPTERS = {("linear", "triton"): (_LINEAR_TRITON, True), ("rms_norm", "cuda_inline"): (_RMS_NORM_CUDA, False)}
 
 
 def _arch_tag(arch: str) -> str:
@@ -98,8 +185,8 @@ def export_best(store, run_name: str, out_dir: str | None = None) -> dict:
     meas = store.measurements(best.id)
     if any(m.simulated for m in meas):
         raise ExportRefused(f"version {best.id} has SIMULATED measurements; refusing")
-    if run.op not in _ADAPTERS:
-        raise ExportRefused(f"no export adapter for op {run.op!r}")
+    if (run.op, best.kind) not in _ADAPTERS:
+        raise ExportRefused(f"no export adapter for op {run.op!r} with kind {best.kind!r}; adapters: {sorted(_ADAPTERS)}")
     checks = store.checks(best.id)
     wls = {w.id: w for w in store.workloads(run.id)}
     final = next((d for d in reversed(store.decisions(run.id)) if d.action == "stop"), None)
@@ -124,9 +211,14 @@ def export_best(store, run_name: str, out_dir: str | None = None) -> dict:
     stem = f"{run.op}_{_arch_tag(arch)}"
     header = (f"# Exported by `areal-tik agent export` from run {run.name!r}, version {best.id} "
               f"(hash {best.hash}), GPU arch {arch}. Do not edit by hand: re-export instead.\n")
-    body = header + best.source + _ADAPTERS[run.op].format(
+    template, source_is_code = _ADAPTERS[(run.op, best.kind)]
+    binding = None
+    if best.kind == "cuda_inline":
+        from areal_tik.agent.kinds import BINDINGS
+        binding = BINDINGS[best.meta["binding"]]
+    body = header + (best.source if source_is_code else f"SOURCE = {best.source!r}\n") + template.format(
         op=run.op, arch=arch, meta=repr(json.loads(canonical_json(best.meta))), hash=best.hash,
-        prov=repr(json.loads(canonical_json(prov))))
+        prov=repr(json.loads(canonical_json(prov))), binding=binding)
     py = os.path.join(out_dir, stem + ".py")
     with open(py + ".tmp", "w") as f:
         f.write(body)

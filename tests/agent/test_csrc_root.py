@@ -207,3 +207,98 @@ def test_agent_loop_on_the_csrc_root_gpu(tmp_path):
     assert not summ["SIMULATED"] and summ["status"] == "stopped"
     final = next(d for d in reversed(store.decisions(run.id)) if d.action == "stop")
     assert final.data.get("speedup", 0) > 0
+
+
+def _rms_gpu_store(tmp_path, source=None, defines=None, kind=None):
+    """A store holding one verified, GPU-timed rms_norm version (the csrc root, or `source` / `defines` / `kind`)."""
+    from areal_tik.agent.records import Contract, KernelVersion, Measurement, Run, Workload
+    from areal_tik.agent.store import Store
+    root_kind, src, meta = load_root("rms_norm")
+    kind = kind or root_kind
+    if defines:
+        meta["defines"].update(defines)
+    s = Store(str(tmp_path / "ir.sqlite"))
+    run = s.add_run(Run(name="r", op="rms_norm", kind=kind, timer="gpu", env={"gpu": {"arch": "sm_90"}}))
+    s.freeze_contract(Contract(run_id=run.id, op="rms_norm", spec={"rtol": 1e-2}))
+    w = s.add_workload(Workload(run_id=run.id, name="w", shape={"M": 4, "N": 1536}))
+    v = s.add_version(KernelVersion(run_id=run.id, op="rms_norm", kind=kind, source=source or src, meta=meta,
+                                    status="verified"))
+    s.add_measurement(Measurement(run_id=run.id, version_id=v.id, workload_id=w.id, session="s", latency_us=3.0,
+                                  simulated=False))
+    s.update_run(run.id, root_version=v.id, best_version=v.id)
+    return s, (source or src), meta
+
+
+def _import(path, name):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rms_export_module_and_registry_hook(tmp_path, monkeypatch):
+    """Export of a csrc-rooted version: the module embeds the CUDA source and its binding verbatim, imports on a
+    CPU (the build is lazy), says why it cannot run without CUDA, and registers as rms_norm's cuda implementation
+    on its arch only, its file first among the fingerprinted sources."""
+    from areal_tik.agent.export import export_best
+    from areal_tik.agent.proposers import apply_transform
+    src = apply_transform(load_root("rms_norm")[1], "vector-loads")
+    s, src, meta = _rms_gpu_store(tmp_path, source=src, defines={"TIK_RMS_WARPS": 8})
+    out = tmp_path / "exported"
+    r = export_best(s, "r", out_dir=str(out))
+    assert r["py"].endswith("rms_norm_sm90.py")
+    mod = _import(r["py"], "tik_exp_rms_test")
+    assert mod.SOURCE == src and mod.BINDING == BINDINGS["rms_norm"] and mod.EXPORT_META == meta
+    assert mod.EXPORT_META["defines"]["TIK_RMS_WARPS"] == 8 and mod.PROVENANCE["version_hash"] == r["hash"]
+    fn = mod.OPS["rms_norm"]["cuda"]
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            fn(torch.randn(3, 16).bfloat16(), torch.ones(16).bfloat16(), 1e-6)
+    from areal_tik.backend import registry
+    import areal_tik.kernels.exported as exp_pkg
+    monkeypatch.setattr(exp_pkg, "__path__", [str(out)])
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    avail = {"triton": lambda: (True, ""), "cuda": lambda: (False, ""), "torch_ref": lambda: (True, "")}
+    monkeypatch.setattr(registry, "_gpu_arch", lambda: "sm80")
+    registry._load_exported(avail)
+    assert "rms_norm" not in registry._REGISTRY
+    monkeypatch.setattr(registry, "_gpu_arch", lambda: "sm90")
+    registry._load_exported(avail)
+    info = registry._REGISTRY["rms_norm"]["cuda"]
+    assert info.sources[0].endswith("rms_norm_sm90.py") and ("agent_export", r["hash"]) in info.meta
+
+
+def test_export_refuses_an_op_kind_without_adapter(tmp_path):
+    from areal_tik.agent.export import ExportRefused, export_best
+    s, _, _ = _rms_gpu_store(tmp_path, kind="triton")   # rms_norm has no Triton-kind adapter
+    with pytest.raises(ExportRefused, match="no export adapter for op 'rms_norm' with kind 'triton'"):
+        export_best(s, "r", out_dir=str(tmp_path / "x"))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)  # one load_inline build
+def test_rms_export_runs_the_version_gpu(tmp_path):
+    """The exported module's bf16 forward is the exported version's kernel: the csrc root's bits are the cuda
+    backend's rms_norm bits (same kernel, same knob), on NaN-poisoned outputs; its backward matches float64; other
+    dtypes take the csrc rms_norm."""
+    from areal_tik import ops
+    from areal_tik.agent.export import export_best
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    s, _, _ = _rms_gpu_store(tmp_path)
+    mod = _import(export_best(s, "r", out_dir=str(tmp_path / "exported"))["py"], "tik_exp_rms_gpu")
+    fn = mod.OPS["rms_norm"]["cuda"]
+    g = torch.Generator(device="cpu").manual_seed(5)
+    for shape in [(1, 1536), (3, 37, 1536), (300, 8960), (5, 200)]:
+        x = torch.randn(*shape, generator=g).bfloat16().cuda()
+        w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).bfloat16().cuda()
+        assert torch.equal(fn(x, w, 1e-6), ops.rms_norm(x, w, 1e-6, backend="cuda")), shape
+    x = torch.randn(7, 64, generator=g).bfloat16().cuda().requires_grad_(True)
+    w = torch.ones(64).bfloat16().cuda().requires_grad_(True)
+    fn(x, w, 1e-6).float().sum().backward()
+    xd = x.detach().double().requires_grad_(True)
+    (w.detach().double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)).sum().backward()
+    assert torch.allclose(x.grad.double(), xd.grad, rtol=2e-2, atol=2e-2)
+    xf = torch.randn(4, 64, generator=g).cuda()
+    assert torch.equal(fn(xf, torch.ones(64).cuda(), 1e-6), ops.rms_norm(xf, torch.ones(64).cuda(), 1e-6, backend="cuda"))
