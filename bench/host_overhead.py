@@ -8,8 +8,8 @@ Part 1 (``ops``): for each tik op at the engine's prefill shapes (T tokens, Qwen
 widths) and its torch counterpart: ``issue_us``, the host time to issue one call (N calls
 back to back, timed before the synchronize; the launch queue never fills at these N), and
 ``total_us``, N calls including the synchronize, per call.
-Part 2 (``cprofile``): cProfile of eager engine steps (B prompts of T tokens, no CUDA graphs:
-prefill steps always run eager), functions by self time.
+Part 2 (``cprofile``): cProfile of eager engine steps (B prompts of T tokens, ``enforce_eager``: since
+session 11 the engine replays prefill graphs up to ``prefill_graph_max_tokens``), functions by self time.
 
     python bench/host_overhead.py --out DIR [--tokens 512] [--calls 200] [--batch 1]
 
@@ -104,7 +104,7 @@ def profile_engine_steps(T: int, B: int, dev: str, model_name: str, reps: int) -
 
     model = patch_model(build_model(model_name, device=dev), kernels="tik")
     eng = LLMEngine(model, EngineConfig(max_num_seqs=B, max_model_len=T + 64, max_num_batched_tokens=B * T,
-                                        chunked_prefill=False, gpu_memory_utilization=0.3))
+                                        chunked_prefill=False, gpu_memory_utilization=0.3, enforce_eager=True))
     vocab = model.config.vocab_size
     sp = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=1)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)

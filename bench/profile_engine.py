@@ -51,10 +51,10 @@ def _phased_step(eng: LLMEngine, acc: dict) -> None:
 
     batch = timed("schedule", eng.scheduler.schedule)
     runner = eng.runner
-    if not batch.is_prefill and runner.use_graphs and len(batch) <= runner.graph_max_bs:
-        logits = timed("forward (graph: prepare + replay)", runner._run_graph, batch)
-    else:
-        logits = timed("forward (eager)", runner._run_eager, batch)
+    mode = runner.step_mode(batch)
+    label = {"graph": "forward (graph: prepare + replay)", "prefill_graph": "forward (prefill graph: prepare + replay)",
+             "eager": "forward (eager)"}[mode]
+    logits = timed(label, runner.forward_logits, batch, mode)
     chunks = [c for c in batch.chunks if c.sample]
     tokens, lps = timed("sample", runner.sampler, logits, [c.seq.params for c in chunks],
                         [c.seq.seed for c in chunks], [c.seq.num_tokens for c in chunks])
@@ -90,7 +90,8 @@ def profile(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int) -> 
 
 
 def profile_prefill(eng: LLMEngine, B: int, prompt_len: int, vocab: int, reps: int = 3) -> dict:
-    """B fresh prompts of prompt_len tokens prefilled (eager steps), phase by phase: one unmeasured
+    """B fresh prompts of prompt_len tokens prefilled (graph-replayed up to the engine's prefill_graph_max_tokens,
+    else eager), phase by phase: one unmeasured
     pass, then `reps` timed passes and one under torch.profiler (the prefill step's host work:
     scheduling, building the step's tensors, launches)."""
     sp = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=B)
@@ -168,7 +169,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="KV page size of every arm's engine")
     ap.add_argument("--prefill", action="store_true",
-                    help="also profile a prefill of B fresh prompts per batch size (eager steps)")
+                    help="also profile a prefill of B fresh prompts per batch size (prefill graphs where the engine uses them)")
     ap.add_argument("--emulate-graphs-on-cpu", action="store_true",
                     help="CPU test hook: run the CUDA-graph code path with the engine's CPU graph emulation")
     a = ap.parse_args()

@@ -119,18 +119,29 @@ class ModelRunner:
                 return self._run_and_sample(batch)
         return self._run_and_sample(batch)
 
-    def _run_and_sample(self, batch: ScheduledBatch):
-        if not batch.is_prefill and self.use_graphs and len(batch) <= self.graph_max_bs:
+    def step_mode(self, batch: ScheduledBatch) -> str:
+        """How ``run`` executes ``batch``'s forward: "graph" (decode graph), "prefill_graph" or "eager"."""
+        if not (self.use_graphs and len(batch) <= self.graph_max_bs):
+            return "eager"
+        if not batch.is_prefill:
+            return "graph"
+        return "prefill_graph" if 0 < batch.num_tokens <= self.prefill_graph_max_tokens else "eager"
+
+    def forward_logits(self, batch: ScheduledBatch, mode: str) -> torch.Tensor:
+        """The logits of ``batch``'s sampling rows, by ``mode`` (:meth:`step_mode`); counts the step."""
+        if mode == "graph":
             logits = self._run_graph(batch)
-            self.num_graph_steps += 1
-        elif batch.is_prefill and self.use_graphs and len(batch) <= self.graph_max_bs \
-                and 0 < batch.num_tokens <= self.prefill_graph_max_tokens:
+        elif mode == "prefill_graph":
             logits = self._run_prefill_graph(batch)
-            self.num_graph_steps += 1
             self.num_prefill_graph_steps += 1
         else:
-            logits = self._run_eager(batch)
             self.num_eager_steps += 1
+            return self._run_eager(batch)
+        self.num_graph_steps += 1
+        return logits
+
+    def _run_and_sample(self, batch: ScheduledBatch):
+        logits = self.forward_logits(batch, self.step_mode(batch))
         chunks = [c for c in batch.chunks if c.sample]
         if not chunks:
             return [], []
