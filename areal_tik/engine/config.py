@@ -29,7 +29,9 @@ class EngineConfig:
       prefill is host-bound: one 512-token prompt at the 1.5B shape took 31-57 ms of wall time for 6.3 ms of
       device work on the H200. Measured step wall time eager -> graph at that shape (bench/results/*_prefill-graphs*):
       512 tokens 56.5 -> 8.0 ms, 2048 tokens 46.2 -> 13.5, 4096 tokens 34.3 -> 23.7, 8192 tokens 44.8 -> 44.1
-      (device-bound: no gain), hence 4096.
+      (device-bound: no gain), hence 4096. Each graph keeps its logits buffer ([chunk bucket, vocab]; 78 MB at 256
+      chunks and Qwen2.5's 151,936-token vocabulary) for the engine's lifetime; captures are lazy, one per
+      (token bucket, chunk bucket) the workload reaches.
     - ``eos_token_id``: ``None`` = the model config's (first) eos id.
     - ``seed``: draws per-request seeds for requests that give none.
     - ``page_order_seed``: shuffle physical page order (tests: placement must not matter).
