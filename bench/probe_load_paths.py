@@ -13,6 +13,8 @@ an S-stage shared-memory ring (rows padded to 136 columns, as the decode kernel'
     bulk256  one warp issues 128 cp.async.bulk copies of one 256-byte row each (K and V), mbarrier completion
     bulk16k  one thread issues 2 bulk copies of 16 KB (a head-major page: NOT the engine's layout; the
              size ceiling of the bulk path)
+    tma_box  one thread issues 4 TMA tensor boxes (64 columns x 1 head x 64 rows, 128-byte swizzle) over the
+             engine's layout, as the wgmma prefill loads K/V (not yet run on a GPU: written in session 11)
 The consumer touches two values per block; each CTA writes one float so nothing is elided. Bytes moved
 are the same in every row of the output: 2 x B x ctx x Hkv x 128 x 2.
 """
@@ -26,7 +28,8 @@ import torch
 
 _SRC = r"""
 #include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cstdint>
 constexpr int BN = 64, D = 128, LDS = D + 8;
@@ -135,12 +138,100 @@ void launch(const at::Tensor& K, const at::Tensor& V, const at::Tensor& bt, int6
   auto k = probe<MODE, S>;
   TORCH_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess, "smem");
   dim3 grid((npg + bpc - 1) / bpc, hkv, B);
-  k<<<grid, 128, smem, at::cuda::getCurrentCUDAStream()>>>(
+  k<<<grid, 128, smem, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(K.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(V.data_ptr()),
       bt.data_ptr<int>(), npg, hkv, (int)bpc, out.data_ptr<float>());
 }
 
+// TMA boxes over the engine's layout: a block of one head = 2 boxes (64 columns x 1 head x 64 rows, 128-byte
+// swizzle) for K and 2 for V, issued by one thread, completion on the stage's mbarrier (the wgmma prefill's way).
+__device__ __forceinline__ void tma3(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+
+template <int S>
+__global__ void __launch_bounds__(128) probe_tma(const __grid_constant__ CUtensorMap mk, const __grid_constant__ CUtensorMap mv,
+                                                 const int* bt, int npg, int bpc, float* out) {
+  extern __shared__ __align__(1024) unsigned char sm_raw[];
+  unsigned char* sm = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(sm_raw) + 1023) & ~uintptr_t(1023));
+  const int b = blockIdx.z, hk = blockIdx.y, blk0 = blockIdx.x * bpc;
+  const int nb = min(bpc, npg - blk0);
+  constexpr int STAGE = 4 * 8192;  // K halves, V halves
+  const uint32_t s0 = (uint32_t)__cvta_generic_to_shared(sm), bar0 = s0 + S * STAGE;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) mbar_init(bar0 + 8 * s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  auto issue = [&](int i) {
+    if (threadIdx.x != 0) return;
+    const int st = i % S, row = __ldg(bt + (int64_t)b * npg + blk0 + i) * BN;
+    const uint32_t bar = bar0 + 8 * st, d = s0 + st * STAGE;
+    mbar_expect(bar, STAGE);
+    tma3(d, &mk, 0, hk, row, bar);
+    tma3(d + 8192, &mk, 64, hk, row, bar);
+    tma3(d + 16384, &mv, 0, hk, row, bar);
+    tma3(d + 24576, &mv, 64, hk, row, bar);
+  };
+  float acc = 0.f;
+  for (int i = 0; i < S - 1; ++i)
+    if (i < nb) issue(i);
+  for (int i = 0; i < nb; ++i) {
+    const int st = i % S;
+    mbar_wait(bar0 + 8 * st, (i / S) & 1);
+    __syncthreads();
+    if (i + S - 1 < nb) issue(i + S - 1);
+    const __nv_bfloat16* blk = reinterpret_cast<const __nv_bfloat16*>(sm + st * STAGE);
+    acc += __bfloat162float(blk[threadIdx.x * 64]) + __bfloat162float(blk[8192 + threadIdx.x * 64]);
+  }
+  if (threadIdx.x == 0) out[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = acc;
+}
+
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                                const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static void kv_map(CUtensorMap* map, const at::Tensor& t) {
+  static EncodeTiled enc = nullptr;
+  if (enc == nullptr) {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    TORCH_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+                q == cudaDriverEntryPointSuccess, "no cuTensorMapEncodeTiled");
+    enc = reinterpret_cast<EncodeTiled>(f);
+  }
+  const int64_t rows = t.size(0) * t.size(1);
+  const int hkv = t.size(2);
+  const cuuint64_t dims[3] = {128, (cuuint64_t)hkv, (cuuint64_t)rows};
+  const cuuint64_t strides[2] = {128 * 2, (cuuint64_t)hkv * 128 * 2};
+  const cuuint32_t box[3] = {64, 1, 64};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  TORCH_CHECK(enc(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, t.data_ptr(), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS,
+              "tensor map");
+}
+
+template <int S>
+void launch_tma(const at::Tensor& K, const at::Tensor& V, const at::Tensor& bt, int64_t bpc, at::Tensor& out) {
+  const int B = bt.size(0), npg = bt.size(1), hkv = K.size(2);
+  CUtensorMap mk, mv;
+  kv_map(&mk, K);
+  kv_map(&mv, V);
+  const int smem = S * 4 * 8192 + S * 8 + 1024;
+  auto k = probe_tma<S>;
+  TORCH_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess, "smem");
+  dim3 grid((npg + bpc - 1) / bpc, hkv, B);
+  k<<<grid, 128, smem, c10::cuda::getCurrentCUDAStream()>>>(mk, mv, bt.data_ptr<int>(), npg, (int)bpc, out.data_ptr<float>());
+}
+
 void run(at::Tensor K, at::Tensor V, at::Tensor bt, int64_t mode, int64_t stages, int64_t bpc, at::Tensor out) {
+  if (mode == 6) {
+    if (stages == 2) return launch_tma<2>(K, V, bt, bpc, out);
+    if (stages == 3) return launch_tma<3>(K, V, bt, bpc, out);
+    if (stages == 4) return launch_tma<4>(K, V, bt, bpc, out);
+    if (stages == 6) return launch_tma<6>(K, V, bt, bpc, out);
+  }
 #define TIK_PROBE_CASE(M, S) if (mode == M && stages == S) return launch<M, S>(K, V, bt, bpc, out);
   TIK_PROBE_CASE(0, 2) TIK_PROBE_CASE(0, 3) TIK_PROBE_CASE(0, 4) TIK_PROBE_CASE(0, 6)
   TIK_PROBE_CASE(1, 2) TIK_PROBE_CASE(1, 3) TIK_PROBE_CASE(1, 4) TIK_PROBE_CASE(1, 6)
@@ -150,7 +241,8 @@ void run(at::Tensor K, at::Tensor V, at::Tensor bt, int64_t mode, int64_t stages
 }
 """
 _CPP = "void run(at::Tensor K, at::Tensor V, at::Tensor bt, int64_t mode, int64_t stages, int64_t bpc, at::Tensor out);"
-MODES = {"cpasync": 0, "bulk256": 1, "bulk16k": 2, "cpasync_L2_128B": 3, "cpasync_L2_256B": 4, "cpasync_srcsize": 5}
+MODES = {"cpasync": 0, "bulk256": 1, "bulk16k": 2, "cpasync_L2_128B": 3, "cpasync_L2_256B": 4, "cpasync_srcsize": 5,
+         "tma_box": 6}
 
 
 def _ms(fn, reps=20):
@@ -173,6 +265,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", default="16x8192,64x1024", help="BATCHxCONTEXT, 8 KV heads, pages of 64")
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4, 6])
     ap.add_argument("--bpc", type=int, nargs="+", default=[4, 16, 128], help="blocks (pages) per CTA")
+    ap.add_argument("--paths", nargs="+", choices=list(MODES), default=list(MODES), help="copy paths to time")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("probe_load_paths needs an sm_90 GPU (cp.async.bulk)")
@@ -191,8 +284,8 @@ def main(argv=None) -> int:
             if bpc > npg:
                 continue
             out = torch.empty(B * hkv * (-(-npg // bpc)), device="cuda")
-            for name, mode in MODES.items():
-                for st in (a.stages if mode < 3 else [s for s in a.stages if s in (2, 3)]):
+            for name, mode in ((n, MODES[n]) for n in a.paths):
+                for st in (a.stages if mode < 3 or mode == 6 else [s for s in a.stages if s in (2, 3)]):
                     ms = _ms(lambda: mod.run(K, V, bt, mode, st, bpc, out))
                     rows.append({"cell": cell, "bpc": bpc, "path": name, "stages": st, "us": round(ms * 1e3, 2),
                                  "TB_s": round(nbytes / ms / 1e9, 3)})
