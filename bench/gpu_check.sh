@@ -11,6 +11,8 @@
 #   backend vs forced Triton (bench/kernel_arms.py; compare device-busy times, the engine step is host-bound);
 #   part "ablations" times copies of the csrc attention kernels with one part removed (bench/csrc_ablations.py);
 #   part "host" measures the host cost per op call and cProfiles an eager engine prefill (bench/host_overhead.py);
+#   part "prefill_graphs" times engine prefill steps eager vs graph-replayed (bench_engine arms pg0 / pg4096);
+#   part "load_paths" times the decode copy paths alone (bench/probe_load_paths.py: cp.async, bulk, TMA boxes);
 #   PART_TIMEOUT (s, default 900) bounds each bench/profile part, so one slow part cannot cost the archive; BENCH_ARGS is passed to every bench script (e.g. --quick)
 # Locally, copy $OUT into bench/results/<date>_<gpu>_<commit>/ (bench/collect_results.py).
 set -uo pipefail
@@ -48,6 +50,8 @@ for part in "${PARTS[@]}"; do
          $B --decode --variants H DECLOAD --cells 16x8192,8x4096,64x1024 --out "$OUT/ablations/dec" 2>&1 | tail -3
          $B --decode --variants H DECLOAD --heads 12/2 --page-size 64 --table-pages 16 --cells 1x550,64x550 --out "$OUT/ablations/dec_engine" 2>&1 | tail -2
          rm -rf "$OUT/ablation_trees" ;;  # (the variants' bits differ by design: bisect's exit status is not a failure here)
+    prefill_graphs) timeout "${PART_TIMEOUT:-900}" python bench/bench_engine.py --arms tik --prefill-graph-max-tokens 0 4096 --batches 1 2 4 8 --out "$OUT/prefill_graphs" 2>&1 | tee "$OUT/prefill_graphs.log" | tail -6; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    load_paths) timeout "${PART_TIMEOUT:-900}" python bench/probe_load_paths.py --out "$OUT/load_paths" 2>&1 | tee "$OUT/load_paths.log" | tail -4; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     host) timeout "${PART_TIMEOUT:-900}" python bench/host_overhead.py --out "$OUT/host" 2>&1 | tee "$OUT/host_overhead.log" | grep -v "^  self" | tail -14; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     profile_train) timeout "${PART_TIMEOUT:-900}" python bench/profile_train.py --out "$OUT" 2>&1 | tee "$OUT/profile_train.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     *) timeout "${PART_TIMEOUT:-900}" python "bench/bench_${part}.py" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_${part}.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
