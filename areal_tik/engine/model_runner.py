@@ -271,8 +271,13 @@ class ModelRunner:
         return out[:B]
 
     # ---- prefill graphs ------------------------------------------------------------------------
+    @staticmethod
+    def _token_bucket(t: int) -> int:
+        return max(_MIN_PREFILL_BUCKET, 1 << (t - 1).bit_length())
+
     def _alloc_prefill_static(self):
-        n, b, dev = self.prefill_graph_max_tokens, self.graph_max_bs, self.device
+        # rows for the largest bucket (a limit that is no power of two still pads up to one)
+        n, b, dev = self._token_bucket(self.prefill_graph_max_tokens), self.graph_max_bs, self.device
         self._pstatic = dict(
             ids=torch.zeros(n, dtype=torch.int64, device=dev),
             pos=torch.zeros(n, dtype=torch.int64, device=dev),
@@ -304,7 +309,7 @@ class ModelRunner:
             self._alloc_prefill_static()
         inp = prepare_step(batch, self.page_size, self.kv_caches, self.device, width=self.max_width)
         T, B, S = inp.input_ids.shape[0], len(batch), inp.sample_rows.shape[0]
-        tp = max(_MIN_PREFILL_BUCKET, 1 << (T - 1).bit_length())
+        tp = self._token_bucket(T)
         bp = next(b for b in _BS_BUCKETS if b >= B)
         bp = min(bp, self.graph_max_bs)
         s = self._pstatic

@@ -185,6 +185,10 @@ def test_prefill_graph_limits(graphs, model, seed_rng):
     small = _engine(model, eager=False, prefill_graph_max_tokens=64)
     _run(small, prompts, params)                       # one 90-token prefill step: above 64
     assert small.runner.num_prefill_graph_steps == 0 and small.runner.num_graph_steps > 0
+    odd = _engine(model, eager=False, prefill_graph_max_tokens=100)   # no power of two: 90 tokens run as 128
+    assert _run(odd, prompts, params) == _run(_engine(model, eager=True), prompts, params)
+    assert odd.runner.num_prefill_graph_steps == 1 and ("prefill", 128, 2) in odd.runner._graphs
+    assert odd.runner._pstatic["ids"].shape[0] == 128
     off = _engine(model, eager=False, prefill_graph_max_tokens=0)
     _run(off, prompts, params)
     assert off.runner.num_prefill_graph_steps == 0
