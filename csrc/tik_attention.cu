@@ -629,8 +629,8 @@ constexpr int DEC_WARPS = 4;
 // not bits; TikAttnParams::decode_stages forces either (session 8: 3 stages within 3% at large grids,
 // 4 stages 20-50% slower). Session 11 (bench/results/*_s11-*): in the bandwidth cells the kernel is
 // loader-bound (no compute: 1.5% faster) at ~3.6 TB/s; 4- or 6-stage rings at one CTA per SM, 8-32 chunks
-// per CTA, L2 prefetch hints and head-major addressing move it by at most 2%. A bare cp.async ring reaches
-// ~4.0 TB/s (bench/probe_load_paths.py); only 16 KB bulk copies of head-major pages reach SDPA's 4.3.
+// per CTA, L2 prefetch hints and head-major addressing move it by at most 2%. A bare cp.async ring is ~4%
+// faster (bench/probe_load_paths.py), 16 KB bulk copies of head-major pages ~10%; SDPA ~20%.
 constexpr int DEC_STAGES_DEEP = 3;
 constexpr int DEC_STAGES_WIDE = 2;
 // chunk partials in flight per thread in the fused merge: 8 (session 8: 16 at D = 128 spilled once
