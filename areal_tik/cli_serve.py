@@ -20,6 +20,13 @@ def add_parser(sub):
                    help="longest prompt + output (default: the model's, capped at 8192)")
     p.add_argument("--mem-fraction", type=float, default=0.5,
                    help="share of the free GPU memory the KV cache may take at start-up")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="every engine step eager (SGLang's flag)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch (and prefill chunk count) replayed from a CUDA graph "
+                        "(default: --max-running-requests)")
+    p.add_argument("--prefill-graph-max-tokens", type=int, default=None,
+                   help="prefill steps of at most this many tokens replay a CUDA graph (0: eager; default: the "
+                        "engine's, EngineConfig.prefill_graph_max_tokens)")
     p.set_defaults(func=run)
     return p
 
@@ -31,7 +38,8 @@ def run(args) -> int:
     cfg = ServerConfig(model=args.model, kernels=args.kernels, host=args.host, port=args.port,
                        served_model_name=args.served_model_name, seed=args.seed,
                        max_running_requests=args.max_running_requests, context_length=args.context_length,
-                       mem_fraction=args.mem_fraction)
+                       mem_fraction=args.mem_fraction, disable_cuda_graph=args.disable_cuda_graph,
+                       cuda_graph_max_bs=args.cuda_graph_max_bs, prefill_graph_max_tokens=args.prefill_graph_max_tokens)
     server = build(cfg, device=args.device, dtype=args.dtype)
     run_server(server)
     return 0

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal.utils.hf_utils import load_hf_tokenizer
     from areal.workflow.rlvr import RLVRWorkflow
 
-    from areal_tik.areal.rollout import launch_local_server, server_sizing
+    from areal_tik.areal.rollout import launch_local_server, server_settings
     from areal_tik.areal.trainer import TikPPOTrainer, use_tik_server
 
     tokenizer = load_hf_tokenizer(config.tokenizer_path)
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(log_dir, exist_ok=True)
         server, addr = launch_local_server(model_dir, config.actor.kernel_backend, dtype=config.actor.dtype,
                                            seed=config.seed, device=os.getenv("AREAL_TIK_SERVER_DEVICE"),
-                                           log_path=os.path.join(log_dir, "tik_server.log"), **server_sizing(config))
+                                           log_path=os.path.join(log_dir, "tik_server.log"), **server_settings(config))
         os.environ["AREAL_LLM_SERVER_ADDRS"] = addr
         stamp(f"rollout server up at {addr}")
     try:

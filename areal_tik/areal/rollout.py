@@ -22,13 +22,14 @@ from areal.api.cli_args import InferenceEngineConfig
 from areal.engine.sglang_remote import RemoteSGLangEngine, SGLangBackend
 from areal.infra import RemoteInfEngine
 
-__all__ = ["TikServerBackend", "TikRemoteSGLangEngine", "server_args", "server_sizing", "serve_cmd",
+__all__ = ["TikServerBackend", "TikRemoteSGLangEngine", "server_args", "server_settings", "serve_cmd",
            "launch_local_server", "wait_healthy"]
 
 
 def server_args(model_path: str, kernels: str, dtype: str = "bfloat16", seed: int = 0,
                 device: str | None = None, context_length: int | None = None,
-                max_running_requests: int | None = None) -> dict[str, Any]:
+                max_running_requests: int | None = None, disable_cuda_graph: bool = False,
+                cuda_graph_max_bs: int | None = None) -> dict[str, Any]:
     """The dict ``launch_server`` receives (AReaL adds ``host`` and ``port``)."""
     args = {"model_path": model_path, "kernels": kernels, "dtype": dtype, "random_seed": seed}
     if device:
@@ -37,16 +38,23 @@ def server_args(model_path: str, kernels: str, dtype: str = "bfloat16", seed: in
         args["context_length"] = int(context_length)
     if max_running_requests:
         args["max_running_requests"] = int(max_running_requests)
+    if disable_cuda_graph:
+        args["disable_cuda_graph"] = True
+    if cuda_graph_max_bs:
+        args["cuda_graph_max_bs"] = int(cuda_graph_max_bs)
     return args
 
 
-def server_sizing(config) -> dict[str, Any]:
-    """``context_length`` / ``max_running_requests`` for the server from an AReaL experiment
-    config: ``sglang.context_length``; ``sglang.max_running_requests``, else
-    ``rollout.max_concurrent_rollouts`` (what AReaL may send at once)."""
+def server_settings(config) -> dict[str, Any]:
+    """The server's settings from an AReaL experiment config, under SGLang's names: ``context_length``
+    (``sglang.context_length``); ``max_running_requests`` (``sglang.max_running_requests``, else
+    ``rollout.max_concurrent_rollouts``: what AReaL may send at once); ``disable_cuda_graph`` and
+    ``cuda_graph_max_bs`` (``sglang.*``: no CUDA graphs at all; the largest decode batch captured)."""
     sg, ro = getattr(config, "sglang", None), getattr(config, "rollout", None)
     mrr = getattr(sg, "max_running_requests", None) or getattr(ro, "max_concurrent_rollouts", None)
-    return {"context_length": getattr(sg, "context_length", None), "max_running_requests": mrr}
+    return {"context_length": getattr(sg, "context_length", None), "max_running_requests": mrr,
+            "disable_cuda_graph": bool(getattr(sg, "disable_cuda_graph", False)),
+            "cuda_graph_max_bs": getattr(sg, "cuda_graph_max_bs", None)}
 
 
 def serve_cmd(args: dict[str, Any]) -> list[str]:
@@ -60,6 +68,10 @@ def serve_cmd(args: dict[str, Any]) -> list[str]:
         cmd += ["--context-length", str(args["context_length"])]
     if args.get("max_running_requests"):
         cmd += ["--max-running-requests", str(args["max_running_requests"])]
+    if args.get("disable_cuda_graph"):
+        cmd += ["--disable-cuda-graph"]
+    if args.get("cuda_graph_max_bs"):
+        cmd += ["--cuda-graph-max-bs", str(args["cuda_graph_max_bs"])]
     return cmd
 
 
@@ -97,13 +109,15 @@ def launch_local_server(model_path: str, kernels: str, port: int | None = None, 
                         dtype: str = "bfloat16", seed: int = 0, device: str | None = None,
                         log_path: str | None = None, timeout: float = 600.0,
                         env: dict | None = None, context_length: int | None = None,
-                        max_running_requests: int | None = None) -> tuple[subprocess.Popen, str]:
+                        max_running_requests: int | None = None, disable_cuda_graph: bool = False,
+                        cuda_graph_max_bs: int | None = None) -> tuple[subprocess.Popen, str]:
     """Start ``areal-tik serve`` as a child process and wait for ``/health``; return (proc, "host:port")."""
     if port is None:
         from areal.utils.network import find_free_ports
         port = find_free_ports(1)[0]
     args = server_args(model_path, kernels, dtype=dtype, seed=seed, device=device, context_length=context_length,
-                       max_running_requests=max_running_requests)
+                       max_running_requests=max_running_requests, disable_cuda_graph=disable_cuda_graph,
+                       cuda_graph_max_bs=cuda_graph_max_bs)
     args.update(host=host, port=port)
     out = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(serve_cmd(args), env={**os.environ, **(env or {})},

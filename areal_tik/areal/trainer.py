@@ -33,7 +33,7 @@ from areal.utils.environ import is_single_controller
 from areal_tik.areal.actor import TikFSDPPPOActor
 from areal_tik.areal.config import TikPPOActorConfig, TikPPOCriticConfig
 from areal_tik.areal.critic import TikFSDPPPOCritic
-from areal_tik.areal.rollout import TikRemoteSGLangEngine, server_args, server_sizing
+from areal_tik.areal.rollout import TikRemoteSGLangEngine, server_args, server_settings
 from areal_tik.kernels import jit_watch
 
 logger = logging.getLogger("TikTrainer")
@@ -124,7 +124,7 @@ class TikPPOTrainer(PPOTrainer):
                 spec.gpu = 0
         kernels = getattr(self.config.actor, "kernel_backend", "default")
         args = server_args(self.config.sglang.model_path or self.config.actor.path, kernels,
-                           dtype=self.config.actor.dtype, seed=self.config.seed, **server_sizing(self.config))
+                           dtype=self.config.actor.dtype, seed=self.config.seed, **server_settings(self.config))
         if not is_single_controller():
             engine = TikRemoteSGLangEngine(config)
             engine.initialize(train_data_parallel_size=self.actor_alloc.parallel.dp_size)

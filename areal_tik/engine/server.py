@@ -61,7 +61,9 @@ class ServerConfig:
     ``context_length``: longest prompt + output (SGLang's name; ``None``: the model's, capped at
     8192); it and ``max_running_requests`` bound the KV cache. ``mem_fraction``: share of the
     GPU memory free at start-up the KV cache may take (the trainer shares the GPU in an SPMD
-    world of one, so SGLang's ``mem_fraction_static`` = 0.9 is not taken over)."""
+    world of one, so SGLang's ``mem_fraction_static`` = 0.9 is not taken over).
+    ``disable_cuda_graph`` / ``cuda_graph_max_bs`` (SGLang's names): ``EngineConfig.enforce_eager`` /
+    ``cuda_graph_max_bs``; ``prefill_graph_max_tokens``: ``EngineConfig``'s (``None``: its default)."""
     model: str
     kernels: str = "tik"
     host: str = "127.0.0.1"
@@ -71,6 +73,9 @@ class ServerConfig:
     max_running_requests: int = 256
     context_length: int | None = None
     mem_fraction: float = 0.5
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    prefill_graph_max_tokens: int | None = None
 
 
 class _Pending:
@@ -668,10 +673,13 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     model.eval()
     t1 = time.perf_counter()
     max_pos = int(getattr(model.config, "max_position_embeddings", 8192))
+    graphs = {} if cfg.prefill_graph_max_tokens is None else {"prefill_graph_max_tokens": int(cfg.prefill_graph_max_tokens)}
     engine = LLMEngine(model, EngineConfig(max_num_seqs=int(cfg.max_running_requests),
                                            max_model_len=min(int(cfg.context_length), max_pos)
                                            if cfg.context_length else None,
-                                           gpu_memory_utilization=float(cfg.mem_fraction)))
+                                           gpu_memory_utilization=float(cfg.mem_fraction),
+                                           enforce_eager=bool(cfg.disable_cuda_graph),
+                                           cuda_graph_max_bs=cfg.cuda_graph_max_bs, **graphs))
     _attach_score(engine, model)
     logger.info("start-up: model built/loaded + patched in %.1fs, engine (KV cache) in %.1fs",
                 t1 - t0, time.perf_counter() - t1)

@@ -55,19 +55,24 @@ def test_tik_inconsistencies_fail_at_load(overrides, key):
     _load("actor.kernel_backend=default", *overrides)  # AReaL as is: accepted
 
 
-def test_server_sizing_from_the_recipe():
+def test_server_settings_from_the_recipe():
     """The rollout server is sized from AReaL's own keys: sglang.context_length and
     sglang.max_running_requests, else rollout.max_concurrent_rollouts (AReaL sends a whole RL
     batch at once); the flags reach the server command line."""
-    from areal_tik.areal.rollout import serve_cmd, server_args, server_sizing
+    from areal_tik.areal.rollout import serve_cmd, server_args, server_settings
     grpo = os.path.join(os.path.dirname(RECIPE), "grpo_qwen2.5-1.5b_gsm8k.yaml")
     c = load_config(["--config", grpo, "stats_logger.fileroot=/tmp/areal_tik/test_cfg"])
-    assert server_sizing(c) == {"context_length": 2048, "max_running_requests": 256}
+    assert server_settings(c) == {"context_length": 2048, "max_running_requests": 256, "disable_cuda_graph": False,
+                                  "cuda_graph_max_bs": None}
+    cmd = serve_cmd({**server_args("/m", "tik", **server_settings(c)), "port": 1})
+    assert "--disable-cuda-graph" not in cmd and "--cuda-graph-max-bs" not in cmd
     c = load_config(["--config", grpo, "stats_logger.fileroot=/tmp/areal_tik/test_cfg", "sglang.context_length=768",
-                     "+sglang.max_running_requests=96"])
-    assert server_sizing(c) == {"context_length": 768, "max_running_requests": 96}
-    cmd = serve_cmd({**server_args("/m", "tik", **server_sizing(c)), "port": 1})
+                     "+sglang.max_running_requests=96", "+sglang.disable_cuda_graph=true", "+sglang.cuda_graph_max_bs=32"])
+    assert server_settings(c) == {"context_length": 768, "max_running_requests": 96, "disable_cuda_graph": True,
+                                  "cuda_graph_max_bs": 32}
+    cmd = serve_cmd({**server_args("/m", "tik", **server_settings(c)), "port": 1})
     assert cmd[cmd.index("--context-length") + 1] == "768" and cmd[cmd.index("--max-running-requests") + 1] == "96"
+    assert "--disable-cuda-graph" in cmd and cmd[cmd.index("--cuda-graph-max-bs") + 1] == "32"
 
 
 def test_server_cli_flags_size_the_engine():
@@ -77,11 +82,19 @@ def test_server_cli_flags_size_the_engine():
     from areal_tik.engine.server import ServerConfig, build
     sub = argparse.ArgumentParser().add_subparsers()
     args = cli_serve.add_parser(sub).parse_args(["--model", "tiny-qwen2", "--max-running-requests", "7",
-                                                 "--context-length", "100", "--mem-fraction", "0.25"])
+                                                 "--context-length", "100", "--mem-fraction", "0.25",
+                                                 "--cuda-graph-max-bs", "4", "--prefill-graph-max-tokens", "512"])
     assert (args.max_running_requests, args.context_length, args.mem_fraction) == (7, 100, 0.25)
-    server = build(ServerConfig(model="tiny-qwen2", max_running_requests=7, context_length=100), device="cpu")
+    assert (args.disable_cuda_graph, args.cuda_graph_max_bs, args.prefill_graph_max_tokens) == (False, 4, 512)
+    server = build(ServerConfig(model="tiny-qwen2", max_running_requests=7, context_length=100, cuda_graph_max_bs=4,
+                                prefill_graph_max_tokens=512), device="cpu")
     eng = server.worker.engine
     assert eng.config.max_num_seqs == 7 and eng.max_model_len == 100
+    assert (eng.config.cuda_graph_max_bs, eng.config.prefill_graph_max_tokens, eng.config.enforce_eager) == (4, 512, False)
+    eager = build(ServerConfig(model="tiny-qwen2", max_running_requests=2, disable_cuda_graph=True), device="cpu")
+    from areal_tik.engine import EngineConfig
+    assert eager.worker.engine.config.enforce_eager
+    assert eager.worker.engine.config.prefill_graph_max_tokens == EngineConfig.prefill_graph_max_tokens
     assert ServerConfig(model="m").max_running_requests == 256   # a whole RL batch, not waves of 64
 
 
