@@ -34,7 +34,8 @@ class ExportRefused(RuntimeError):
     pass
 
 
-_LINEAR_TRITON = '''
+# What every adapter opens with, after the exported source: its op, arch, meta-parameters and provenance.
+_ADAPTER_HEADER = '''
 
 # ======================= areal-tik agent export adapter (generated) =======================
 import torch as _torch
@@ -44,7 +45,9 @@ ARCH = {arch!r}
 EXPORT_META = {meta}
 META = {{"agent_export": {hash!r}}}
 PROVENANCE = {prov}
+'''
 
+_LINEAR_TRITON = _ADAPTER_HEADER + '''
 
 class _ExportedLinear(_torch.autograd.Function):
     """Forward: the exported kernel (the contract above). Backward: plain torch matmuls
@@ -84,17 +87,7 @@ def linear_exported(x, weight, bias=None):
 OPS = {{OP: {{"triton": linear_exported}}}}
 '''
 
-_RMS_NORM_CUDA = '''
-
-# ======================= areal-tik agent export adapter (generated) =======================
-import torch as _torch
-
-OP = {op!r}
-ARCH = {arch!r}
-EXPORT_META = {meta}
-META = {{"agent_export": {hash!r}}}
-PROVENANCE = {prov}
-BINDING = {binding!r}
+_RMS_NORM_CUDA = _ADAPTER_HEADER + '''BINDING = {binding!r}
 _ENTRY = None
 
 
@@ -122,7 +115,7 @@ def _forward(x2, w, eps):
 
 
 class _ExportedRMSNorm(_torch.autograd.Function):
-    """Forward: the exported kernel. Backward: float32 torch maths (as the csrc rms_norm's)."""
+    """Forward: the exported kernel. Backward: the csrc rms_norm's float32 torch maths."""
 
     @staticmethod
     def forward(ctx, x2, w, eps):
@@ -132,13 +125,9 @@ class _ExportedRMSNorm(_torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        from areal_tik.kernels.cuda_ops import rms_norm_backward_torch
         x2, w = ctx.saved_tensors
-        with _torch.enable_grad():
-            xf = x2.detach().float().requires_grad_(True)
-            wf = w.detach().float().requires_grad_(True)
-            y = wf * (xf * _torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps))
-            gx, gw = _torch.autograd.grad(y, (xf, wf), dy.float())
-        return gx.to(x2.dtype), gw.to(w.dtype), None
+        return (*rms_norm_backward_torch(x2, w, ctx.eps, dy), None)
 
 
 def rms_norm_exported(x, weight, eps, out=None):

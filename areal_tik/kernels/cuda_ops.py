@@ -352,6 +352,17 @@ def kv_cache_write_cuda(k, v, k_cache, v_cache, slot_mapping):
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def rms_norm_backward_torch(x, w, eps, dy):
+    """(dx, dw) of HF RMSNorm in float32 torch maths, cast to x's / w's dtypes: the backward of the csrc
+    rms_norm and of an agent-exported one (areal_tik.agent.export)."""
+    with torch.enable_grad():
+        xf = x.detach().float().requires_grad_(True)
+        wf = w.detach().float().requires_grad_(True)
+        y = wf * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+        gx, gw = torch.autograd.grad(y, (xf, wf), dy.float())
+    return gx.to(x.dtype), gw.to(w.dtype)
+
+
 class _RMSNormCudaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, eps):
@@ -362,12 +373,7 @@ class _RMSNormCudaFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        with torch.enable_grad():
-            xf = x.detach().float().requires_grad_(True)
-            wf = w.detach().float().requires_grad_(True)
-            y = wf * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps))
-            gx, gw = torch.autograd.grad(y, (xf, wf), dy.float())
-        return gx.to(x.dtype), gw.to(w.dtype), None
+        return (*rms_norm_backward_torch(x, w, ctx.eps, dy), None)
 
 
 def rms_norm_cuda(x, weight, eps, out=None):
