@@ -237,7 +237,7 @@ def _import(path, name):
     return mod
 
 
-def test_rms_export_module_and_registry_hook(tmp_path, monkeypatch):
+def test_rms_export_module_and_registry_hook(tmp_path, export_registration):
     """Export of a csrc-rooted version: the module embeds the CUDA source and its binding verbatim, imports on a
     CPU (the build is lazy), says why it cannot run without CUDA, and registers as rms_norm's cuda implementation
     on its arch only, its file first among the fingerprinted sources."""
@@ -255,18 +255,7 @@ def test_rms_export_module_and_registry_hook(tmp_path, monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             fn(torch.randn(3, 16).bfloat16(), torch.ones(16).bfloat16(), 1e-6)
-    from areal_tik.backend import registry
-    import areal_tik.kernels.exported as exp_pkg
-    monkeypatch.setattr(exp_pkg, "__path__", [str(out)])
-    monkeypatch.setattr(registry, "_REGISTRY", {})
-    avail = {"triton": lambda: (True, ""), "cuda": lambda: (False, ""), "torch_ref": lambda: (True, "")}
-    monkeypatch.setattr(registry, "_gpu_arch", lambda: "sm80")
-    registry._load_exported(avail)
-    assert "rms_norm" not in registry._REGISTRY
-    monkeypatch.setattr(registry, "_gpu_arch", lambda: "sm90")
-    registry._load_exported(avail)
-    info = registry._REGISTRY["rms_norm"]["cuda"]
-    assert info.sources[0].endswith("rms_norm_sm90.py") and ("agent_export", r["hash"]) in info.meta
+    export_registration(out, "rms_norm", "cuda", r["hash"])
 
 
 def test_export_refuses_an_op_kind_without_adapter(tmp_path):

@@ -48,7 +48,7 @@ def _gpu_run(tmp_path, timer="gpu"):
     return s
 
 
-def test_export_module_provenance_and_registry_hook(tmp_path, monkeypatch):
+def test_export_module_provenance_and_registry_hook(tmp_path, export_registration):
     s = _gpu_run(tmp_path)
     out = tmp_path / "exported"
     r = export_best(s, "g", out_dir=str(out))
@@ -66,18 +66,7 @@ def test_export_module_provenance_and_registry_hook(tmp_path, monkeypatch):
     assert float((y.double() - ref).norm() / ref.norm()) < 1e-2
 
     # registry: picked up on an sm90 GPU only, and the exported file joins the fingerprinted sources
-    from areal_tik.backend import registry
-    import areal_tik.kernels.exported as exp_pkg
-    monkeypatch.setattr(exp_pkg, "__path__", [str(out)])
-    monkeypatch.setattr(registry, "_REGISTRY", {})
-    avail = {"triton": lambda: (True, ""), "cuda": lambda: (False, ""), "torch_ref": lambda: (True, "")}
-    monkeypatch.setattr(registry, "_gpu_arch", lambda: "sm80")
-    registry._load_exported(avail)
-    assert "linear" not in registry._REGISTRY
-    monkeypatch.setattr(registry, "_gpu_arch", lambda: "sm90")
-    registry._load_exported(avail)
-    info = registry._REGISTRY["linear"]["triton"]
-    assert info.sources[0].endswith("linear_sm90.py") and ("agent_export", r["hash"]) in info.meta
+    export_registration(out, "linear", "triton", r["hash"])
 
 
 def test_export_refuses_simulated(tmp_path):

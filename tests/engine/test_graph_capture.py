@@ -51,6 +51,17 @@ def _prompts(lens, seed=0):
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
 
 
+def _assert_same_as_eager_and_training(model, prompts, params, got, ref, what):
+    """Graph-engine outputs ``got`` == eager outputs ``ref`` (tokens, log-prob bits), and every sequence's
+    log-probs == the training forward's over prompt + output."""
+    assert [g[0] for g in got] == [r[0] for r in ref]
+    assert all(torch.equal(torch.tensor(g[1]), torch.tensor(r[1])) for g, r in zip(got, ref))
+    for p, sp, (ids, lps) in zip(prompts, params, got):
+        full = torch.tensor(p + ids, device=DEV)
+        train = packed_logprobs(model, full, temperature=sp.temperature)[len(p) - 1:-1].cpu()
+        assert torch.equal(train, torch.tensor(lps, dtype=torch.float32)), f"{what} != training"
+
+
 def test_capture_warmup_leaves_kv_cache_untouched(graphs, model, seed_rng):
     """Capturing a new (bucket, width) graph mid-generation must not write the KV cache."""
     eng = _engine(model, eager=False)
@@ -80,12 +91,7 @@ def test_graphs_equal_eager_and_training_across_width_buckets(graphs, model, see
     got = _run(e_graph, prompts, params)
     ref = _run(_engine(model, eager=True), prompts, params)
     assert e_graph.runner.num_graph_steps > 0 and len(e_graph.runner._graphs) >= 3
-    assert [g[0] for g in got] == [r[0] for r in ref]
-    assert all(torch.equal(torch.tensor(g[1]), torch.tensor(r[1])) for g, r in zip(got, ref))
-    for p, sp, (ids, lps) in zip(prompts, params, got):
-        full = torch.tensor(p + ids, device=DEV)
-        train = packed_logprobs(model, full, temperature=sp.temperature)[len(p) - 1:-1].cpu()
-        assert torch.equal(train, torch.tensor(lps, dtype=torch.float32)), "graph decode != training"
+    _assert_same_as_eager_and_training(model, prompts, params, got, ref, "graph decode")
 
 
 def test_parity_all_regimes_with_graphs(graphs, model, seed_rng):
@@ -136,12 +142,7 @@ def _prefill_graph_case(model, seed, **kw):
     assert st["prefill_graph_steps"] == r.num_prefill_graph_steps and st["graphs"] == len(r._graphs)
     assert st["graph_capture_s"] > 0 and e_eager.stats()["graph_capture_s"] == 0
     assert len({k[1] for k in r._graphs if k[0] == "prefill"}) >= 2, sorted(k for k in r._graphs if k[0] == "prefill")
-    assert [g[0] for g in got] == [x[0] for x in ref]
-    assert all(torch.equal(torch.tensor(g[1]), torch.tensor(x[1])) for g, x in zip(got, ref))
-    for p, sp, (ids, lps) in zip(prompts, params, got):
-        full = torch.tensor(p + ids, device=DEV)
-        train = packed_logprobs(model, full, temperature=sp.temperature)[len(p) - 1:-1].cpu()
-        assert torch.equal(train, torch.tensor(lps, dtype=torch.float32)), "graph prefill != training"
+    _assert_same_as_eager_and_training(model, prompts, params, got, ref, "graph prefill")
     for (k0, v0), (k1, v1) in zip(r.kv_caches, e_eager.runner.kv_caches):
         # same allocation order: the same pages hold the same tokens (the spare last page aside)
         assert torch.equal(k0[:-1], k1[:-1]) and torch.equal(v0[:-1], v1[:-1]), "graph prefill stored other K/V"
