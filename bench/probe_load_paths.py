@@ -245,20 +245,6 @@ MODES = {"cpasync": 0, "bulk256": 1, "bulk16k": 2, "cpasync_L2_128B": 3, "cpasyn
          "tma_box": 6}
 
 
-def _ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return sorted(ts)[reps // 2]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -270,6 +256,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("probe_load_paths needs an sm_90 GPU (cp.async.bulk)")
     from torch.utils.cpp_extension import load_inline
+
+    from bench_cuda import _median_ms as _ms  # the bench scripts' CUDA-event timer
     mod = load_inline("tik_probe_load_paths", cpp_sources=_CPP, cuda_sources=_SRC, functions=["run"],
                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"])
     rows = []
