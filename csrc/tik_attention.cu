@@ -692,6 +692,16 @@ template <int D, int STAGES>
 constexpr int decode_smem_bytes() {
   return STAGES * 2 * BN * (D + 8) * 2 + BN * 16 * 4;  // K/V ring + the S exchange (16 rows x BN fp32)
 }
+// TMA loader (sm_90a, D = 128; EXPERIMENT, session 11): a stage is K then V, each two 64-column halves of BN
+// rows in the 128-byte swizzle (no padding), + the S exchange, one mbarrier per stage, 1024-byte alignment.
+#ifndef TIK_DECODE_TMA
+#define TIK_DECODE_TMA 1
+#endif
+constexpr int DEC_TMA_STAGE_BYTES = 4 * BN * 128;
+template <int STAGES>
+constexpr int decode_tma_smem_bytes() {
+  return STAGES * DEC_TMA_STAGE_BYTES + BN * 16 * 4 + 8 * STAGES + 1024;
+}
 
 // Split chunks per decode CTA in SPLIT mode (p.decode_cpc, or picked from the grid), and the CTAs per 16-row tile.
 __host__ __device__ __forceinline__ int decode_ctas_per_tile(int maxc, int cpc) { return (maxc + cpc - 1) / cpc; }
@@ -700,8 +710,16 @@ __host__ __device__ __forceinline__ int decode_ctas_per_tile(int maxc, int cpc) 
 // query heads per KV head), so a thread's second row (g + 8) is always empty; the kernel then skips
 // every operation on it (softmax, alpha scaling, the exchange of its scores), leaving row g's operations
 // as they are.
-template <int D, bool SPLITM, bool FUSED = false, int DEC_STAGES = DEC_STAGES_DEEP, bool HALF = false>
-__global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const TikAttnParams p, int cpc) {
+// TMA (sm_90a, D = 128): K/V blocks arrive by TMA boxes (thread 0, one mbarrier per stage) in the 128-byte
+// swizzle instead of cp.async into padded rows; ldmatrix reads the same values from the swizzled addresses,
+// V rows at or past kv_len are zeroed after landing (the cp.async zero-fill), K rows there stay unloaded or
+// stale: every such column is past every valid row's position, so the causal select replaces its score.
+template <int D, bool SPLITM, bool FUSED = false, int DEC_STAGES = DEC_STAGES_DEEP, bool HALF = false, bool TMA = false>
+__global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const TikAttnParams p, int cpc,
+                                                                        const __grid_constant__ CUtensorMap tm_k,
+                                                                        const __grid_constant__ CUtensorMap tm_v,
+                                                                        int box_rows) {
+  static_assert(!TMA || D == 128, "the TMA loader serves D = 128");
   static_assert(SPLITM || !FUSED, "the fused merge exists only in SPLIT mode");
   constexpr int NR = HALF ? 1 : 2;  // rows per thread that can hold a query
   constexpr int NT = BN / 8;
@@ -722,7 +740,12 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* Ks = reinterpret_cast<bf16*>(smem_raw);   // [STAGES][BN][LDS]
   bf16* Vs = Ks + DEC_STAGES * BN * LDS;          // [STAGES][BN][LDS]
-  float4* Sx = reinterpret_cast<float4*>(Vs + DEC_STAGES * BN * LDS);  // [NT][32 lanes]: S fragments
+  // TMA: the ring from the first 1024-byte boundary, then the S exchange, then the stages' mbarriers
+  const uint32_t raw_s = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  const uint32_t tbase = TMA ? ((raw_s + 1023u) & ~1023u) : raw_s;
+  float4* Sx = TMA ? reinterpret_cast<float4*>(smem_raw + (tbase - raw_s) + DEC_STAGES * DEC_TMA_STAGE_BYTES)
+                   : reinterpret_cast<float4*>(Vs + DEC_STAGES * BN * LDS);  // [NT][32 lanes]: S fragments
+  [[maybe_unused]] const uint32_t bars = tbase + (uint32_t)(DEC_STAGES * DEC_TMA_STAGE_BYTES + BN * 16 * 4);
 
   const int b = blockIdx.z, hk = blockIdx.y, bx = blockIdx.x;
   const int G = p.Hq / p.Hkv;
@@ -907,28 +930,94 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
     }
   };
 
-  const float sl2 = p.scale_log2;
-  fetch_pages(blk(0));
-#pragma unroll 1
-  for (int s = 0; s < DEC_STAGES - 1; ++s) {
-    if (s < ns) {
-      issue_tile(blk(s), s);
-      fetch_pages(s + 1 < ns ? blk(s + 1) : -1);
+  // TMA: block j -> stage buf (thread 0): per 64-column half, boxes of box_rows rows (64, or the page size
+  // when pages are smaller); boxes starting at or past kv_len are not loaded (their block-table entries may
+  // be garbage). The wgmma prefill's load_tile, on this kernel's ring.
+  auto tma_tile = [&](int j, int buf) {
+#ifdef TIK_SM90A_DEVICE
+    const uint32_t ks = tbase + (uint32_t)(buf * DEC_TMA_STAGE_BYTES), bar = bars + 8 * buf;
+    if (box_rows == BN) {  // one box per half (contiguous K/V, or pages of >= 64 rows; the block starts before kv_len)
+      const int pos = j * BN;
+      const int64_t slot = p.paged ? (int64_t)__ldg(bt_row + (pos >> ps_shift)) * ps + (pos & (ps - 1)) : kv_base + pos;
+      mbar_expect_tx(bar, (uint32_t)(BN * 128 * 4));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tma_load_3d(ks + h * WG_HALF_BYTES, &tm_k, h * 64, hk, (int)slot, bar);
+        tma_load_3d(ks + 2 * WG_HALF_BYTES + h * WG_HALF_BYTES, &tm_v, h * 64, hk, (int)slot, bar);
+      }
+      return;
     }
-    cp_async_commit();
+    const int nbox = BN / box_rows;
+    int nload = 0;
+    for (int u = 0; u < nbox; ++u) nload += (j * BN + u * box_rows < kv_len);
+    mbar_expect_tx(bar, (uint32_t)(nload * box_rows * 128 * 4));
+    for (int u = 0; u < nbox; ++u) {
+      const int pos = j * BN + u * box_rows;
+      if (pos >= kv_len) break;
+      const int64_t slot = p.paged ? (int64_t)__ldg(bt_row + (pos >> ps_shift)) * ps + (pos & (ps - 1)) : kv_base + pos;
+      const uint32_t ro = (uint32_t)(u * box_rows * 128);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tma_load_3d(ks + h * WG_HALF_BYTES + ro, &tm_k, h * 64, hk, (int)slot, bar);
+        tma_load_3d(ks + 2 * WG_HALF_BYTES + h * WG_HALF_BYTES + ro, &tm_v, h * 64, hk, (int)slot, bar);
+      }
+    }
+#endif
+  };
+
+  const float sl2 = p.scale_log2;
+  if constexpr (TMA) {
+#ifdef TIK_SM90A_DEVICE
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < DEC_STAGES; ++s) mbar_init(bars + 8 * s, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      for (int s = 0; s < DEC_STAGES - 1 && s < ns; ++s) tma_tile(blk(s), s);
+    }
+    __syncthreads();  // barriers initialised before anyone waits on them
+#endif
+  } else {
+    fetch_pages(blk(0));
+#pragma unroll 1
+    for (int s = 0; s < DEC_STAGES - 1; ++s) {
+      if (s < ns) {
+        issue_tile(blk(s), s);
+        fetch_pages(s + 1 < ns ? blk(s + 1) : -1);
+      }
+      cp_async_commit();
+    }
   }
   for (int st = 0; st < ns; ++st) {
     const int j = blk(st);
     const int buf = st % DEC_STAGES;
-    cp_async_wait<DEC_STAGES - 2>();  // tile j has landed (this thread's copies)
+    if constexpr (TMA) {
+#ifdef TIK_SM90A_DEVICE
+      mbar_wait(bars + 8 * buf, (uint32_t)((st / DEC_STAGES) & 1));  // block j landed
+      if (j * BN + BN > kv_len) {  // V rows at or past kv_len -> 0 (the cp.async path's zero-fill)
+        const uint32_t vs = tbase + (uint32_t)(buf * DEC_TMA_STAGE_BYTES + 2 * WG_HALF_BYTES);
+        const int r0 = kv_len - j * BN;
+        for (int i = threadIdx.x; i < (BN - r0) * SEGS; i += NTH) {
+          const int r = r0 + i / SEGS, sg = i % SEGS;
+          const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + ((sg & 7) << 4));
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // before a later TMA refill of this stage
+      }
+#endif
+    } else {
+      cp_async_wait<DEC_STAGES - 2>();  // tile j has landed (this thread's copies)
+    }
     __syncthreads();                  // ... everyone's; and everyone is done with tile j-1
     {
       const int sn = st + DEC_STAGES - 1;
-      if (sn < ns) {
-        issue_tile(blk(sn), sn % DEC_STAGES);
-        fetch_pages(sn + 1 < ns ? blk(sn + 1) : -1);
+      if constexpr (TMA) {
+        if (threadIdx.x == 0 && sn < ns) tma_tile(blk(sn), sn % DEC_STAGES);
+      } else {
+        if (sn < ns) {
+          issue_tile(blk(sn), sn % DEC_STAGES);
+          fetch_pages(sn + 1 < ns ? blk(sn + 1) : -1);
+        }
+        cp_async_commit();
       }
-      cp_async_commit();
     }
 
     if (warp_max_pos >= j * BN) {
@@ -944,14 +1033,20 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
       for (int u = 0; u < NTW; ++u)
 #pragma unroll
         for (int e = 0; e < 4; ++e) so[u][e] = 0.f;
-      const uint32_t kbase = ks_s + (uint32_t)((buf * BN + (lane & 7)) * LDS * 2 + (lane >> 3) * 16);
+      const uint32_t kbase = TMA ? tbase + (uint32_t)(buf * DEC_TMA_STAGE_BYTES + (lane & 7) * 128)
+                                 : ks_s + (uint32_t)((buf * BN + (lane & 7)) * LDS * 2 + (lane >> 3) * 16);
 #pragma unroll
       for (int kp = 0; kp < KC / 2; ++kp) {
 #pragma unroll
         for (int u = 0; u < NTW; ++u) {
           const int nt = warp * NTW + u;
           uint32_t b0, b1, b2, b3;
-          ldsm_x4(b0, b1, b2, b3, kbase + (uint32_t)((nt * 8 * LDS + kp * 32) * 2));
+          // TMA: row nt * 8 + (lane & 7) (its low 3 bits are lane & 7), 16-byte chunk (kp & 1) * 4 + (lane >> 3)
+          // of half kp >> 1, swizzled by the row
+          const uint32_t ka = TMA ? kbase + (uint32_t)((kp >> 1) * WG_HALF_BYTES + nt * 8 * 128 +
+                                                       (((((kp & 1) << 2) + (lane >> 3)) ^ (lane & 7)) << 4))
+                                  : kbase + (uint32_t)((nt * 8 * LDS + kp * 32) * 2);
+          ldsm_x4(b0, b1, b2, b3, ka);
           mma16816(so[u], qa[2 * kp], b0, b1);
           mma16816(so[u], qa[2 * kp + 1], b2, b3);
         }
@@ -1011,7 +1106,12 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
           const int vr = kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
           const int vc = np * 16 + (lane >> 4) * 8;
           uint32_t r0, r1, r2, r3;
-          ldsm_x4_trans(r0, r1, r2, r3, vbase + (uint32_t)((vr * LDS + vc) * 2));
+          // TMA: row vr (low 3 bits lane & 7), 16-byte chunk (np & 3) * 2 + (lane >> 4) of half np >> 2, swizzled
+          const uint32_t va = TMA ? tbase + (uint32_t)(buf * DEC_TMA_STAGE_BYTES + 2 * WG_HALF_BYTES +
+                                                       (np >> 2) * WG_HALF_BYTES + vr * 128 +
+                                                       (((((np & 3) << 1) + (lane >> 4)) ^ (lane & 7)) << 4))
+                                  : vbase + (uint32_t)((vr * LDS + vc) * 2);
+          ldsm_x4_trans(r0, r1, r2, r3, va);
           mma16816(acc[2 * npl], pa, r0, r1);
           mma16816(acc[2 * npl + 1], pa, r2, r3);
         }
@@ -1169,24 +1269,41 @@ __host__ __device__ __forceinline__ int64_t decode_counters_needed(const TikAttn
   return (int64_t)p.batch * p.Hkv * ((rows + 15) / 16);
 }
 
-template <int D, bool SPLITM, int STAGES, bool HALF>
-cudaError_t launch_decode_rows(const TikAttnParams& p, int64_t gx, int cpc, cudaStream_t stream) {
-  constexpr int SMEM = decode_smem_bytes<D, STAGES>();
+template <int D, bool SPLITM, int STAGES, bool HALF, bool TMA>
+cudaError_t launch_decode_kern(const TikAttnParams& p, int64_t gx, int cpc, cudaStream_t stream, const CUtensorMap& mk,
+                               const CUtensorMap& mv, int box_rows) {
+  constexpr int SMEM = TMA ? decode_tma_smem_bytes<STAGES>() : decode_smem_bytes<D, STAGES>();
   if (SPLITM && p.counters != nullptr && decode_counters_needed(p) <= p.counters_cap) {
-    auto fk = attn_decode_kernel<D, true, true, STAGES, HALF>;  // one launch: merge in the last CTA of each tile
+    auto fk = attn_decode_kernel<D, true, true, STAGES, HALF, TMA>;  // one launch: merge in the last CTA of each tile
     cudaError_t e = cudaFuncSetAttribute(fk, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     if (e != cudaSuccess) return e;
-    fk<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p, cpc);
+    fk<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p, cpc, mk, mv, box_rows);
     return cudaGetLastError();
   }
-  auto kern = attn_decode_kernel<D, SPLITM, false, STAGES, HALF>;
+  auto kern = attn_decode_kernel<D, SPLITM, false, STAGES, HALF, TMA>;
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
   if (err != cudaSuccess) return err;
-  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p, cpc);
+  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), DEC_WARPS * 32, SMEM, stream>>>(p, cpc, mk, mv, box_rows);
   err = cudaGetLastError();
   if (err != cudaSuccess || !SPLITM) return err;
   attn_decode_merge_kernel<D><<<(unsigned)p.total_q * p.Hq, D, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+// The TMA loader where it can run (sm_90a, D = 128, TMA descriptors, power-of-two pages), else cp.async.
+template <int D, bool SPLITM, int STAGES, bool HALF>
+cudaError_t launch_decode_rows(const TikAttnParams& p, int64_t gx, int cpc, cudaStream_t stream) {
+  CUtensorMap mk{}, mv{};
+  if constexpr (D == 128) {
+    if (TIK_DECODE_TMA && wgmma_prefill_available()) {
+      const int box_rows = p.paged ? std::min(p.page_size, BN) : BN;
+      const bool pow2 = !p.paged || (p.page_size > 0 && (p.page_size & (p.page_size - 1)) == 0);
+      if (pow2 && box_rows > 0 && BN % box_rows == 0 && make_kv_map(&mk, p.k, p.kv_rows, p.Hkv, box_rows) &&
+          make_kv_map(&mv, p.v, p.kv_rows, p.Hkv, box_rows))
+        return launch_decode_kern<D, SPLITM, STAGES, HALF, true>(p, gx, cpc, stream, mk, mv, box_rows);
+    }
+  }
+  return launch_decode_kern<D, SPLITM, STAGES, HALF, false>(p, gx, cpc, stream, mk, mv, BN);
 }
 
 // Tiles of at most 8 rows (max_seqlen_q * G <= 8) run the HALF instantiation (same bits, less work).
