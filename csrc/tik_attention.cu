@@ -692,10 +692,16 @@ template <int D, int STAGES>
 constexpr int decode_smem_bytes() {
   return STAGES * 2 * BN * (D + 8) * 2 + BN * 16 * 4;  // K/V ring + the S exchange (16 rows x BN fp32)
 }
-// TMA loader (sm_90a, D = 128; EXPERIMENT, session 11): a stage is K then V, each two 64-column halves of BN
-// rows in the 128-byte swizzle (no padding), + the S exchange, one mbarrier per stage, 1024-byte alignment.
+// TMA loader (sm_90a, D = 128): a stage is K then V, each two 64-column halves of BN rows in the 128-byte
+// swizzle (no padding), + the S exchange, one mbarrier per stage, 1024-byte alignment. Measured on the H200
+// (bench/results/2026-11-30T1825_*): same bits as the cp.async loader, 4-9% faster with pages of 64 (16 x 8K
+// 150 -> 143.5 us, 64 x 550 at the 1.5B shape 15.7 -> 13.3 us), 2% slower with pages of 16 (4 boxes per
+// block), so by default it serves boxes of at least TIK_DECODE_TMA_MIN_ROWS rows.
 #ifndef TIK_DECODE_TMA
 #define TIK_DECODE_TMA 1
+#endif
+#ifndef TIK_DECODE_TMA_MIN_ROWS
+#define TIK_DECODE_TMA_MIN_ROWS 64
 #endif
 constexpr int DEC_TMA_STAGE_BYTES = 4 * BN * 128;
 template <int STAGES>
@@ -1298,7 +1304,7 @@ cudaError_t launch_decode_rows(const TikAttnParams& p, int64_t gx, int cpc, cuda
     if (TIK_DECODE_TMA && wgmma_prefill_available()) {
       const int box_rows = p.paged ? std::min(p.page_size, BN) : BN;
       const bool pow2 = !p.paged || (p.page_size > 0 && (p.page_size & (p.page_size - 1)) == 0);
-      if (pow2 && box_rows > 0 && BN % box_rows == 0 && make_kv_map(&mk, p.k, p.kv_rows, p.Hkv, box_rows) &&
+      if (pow2 && box_rows >= TIK_DECODE_TMA_MIN_ROWS && BN % box_rows == 0 && make_kv_map(&mk, p.k, p.kv_rows, p.Hkv, box_rows) &&
           make_kv_map(&mv, p.v, p.kv_rows, p.Hkv, box_rows))
         return launch_decode_kern<D, SPLITM, STAGES, HALF, true>(p, gx, cpc, stream, mk, mv, box_rows);
     }
