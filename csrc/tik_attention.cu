@@ -561,7 +561,7 @@ cudaError_t launch_wgmma(const TikAttnParams& p, cudaStream_t stream) {
   auto kern = attn_kernel_wgmma<128>;
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
   if (err != cudaSuccess) return err;
-  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), WG_THREADS, SMEM, stream>>>(p, mk, mv, box_rows);
+  kern<<<dim3((unsigned)gx, p.Hkv, p.batch), WG_CTA_THREADS, SMEM, stream>>>(p, mk, mv, box_rows);
   return cudaGetLastError();
 }
 
@@ -1476,7 +1476,7 @@ int tik_attention_describe(char* buf, int buflen) {
                attn_decode_kernel<128, true, true, DEC_STAGES_WIDE>, decode_smem_bytes<128, DEC_STAGES_WIDE>());
   describe_one(buf, buflen, used, "attn_decode_merge<D64>", attn_decode_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_decode_merge<D128>", attn_decode_merge_kernel<128>, 0);
-  describe_one(buf, buflen, used, "attn_wgmma<D128,2warpgroups,fold,tma>", attn_kernel_wgmma<128>, wg_smem_bytes());
+  describe_one(buf, buflen, used, "attn_wgmma<D128,2+1warpgroups,fold,tma>", attn_kernel_wgmma<128>, wg_smem_bytes());
   describe_one(buf, buflen, used, "attn_merge<D64>", attn_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_merge<D128>", attn_merge_kernel<128>, 0);
   return used;

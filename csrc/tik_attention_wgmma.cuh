@@ -6,8 +6,8 @@
 // bf16, on sm_90a (H100/H200) when TMA descriptors can be made for k/v; every other launch keeps
 // attn_kernel (mma.sync).
 // What it guarantees and why:
-//   * rows = (query token, query head) as in attn_kernel; a CTA is 2 warpgroups x 64 rows (128
-//     rows of one KV head's GQA group), warp w of the CTA holds rows 16w..16w+15 in the
+//   * rows = (query token, query head) as in attn_kernel; a CTA is 2 consumer warpgroups x 64 rows (128
+//     rows of one KV head's GQA group) and one producer warpgroup; warp w < 8 holds rows 16w..16w+15 in the
 //     m16n8k16 fragment layout (the wgmma m64 accumulator and register-A layouts are, per warp,
 //     those of mma.sync m16n8k16), so every per-row scalar operation below is attn_kernel's,
 //     op for op: same KV blocks of BN positions ascending, same explicitly rounded online
@@ -21,10 +21,17 @@
 //     mma.sync k-step is a hardware fact this code relies on without assuming it: the GPU tests
 //     compare this kernel with attn_kernel (prefill_kernel="mma", mode="split") and with the
 //     decode kernel bit for bit (H200, 2026-11-30: equal in every test and bench cell).
-//   * Pipeline: K/V blocks arrive by TMA (thread 0, one mbarrier per stage of a 6-stage ring,
-//     boxes of min(64, page size) rows, 128-byte swizzle = the layout the wgmma descriptors
-//     read), 3-4 blocks ahead; a CTA barrier at every even block (and after the tail block) frees
-//     the stages of the two blocks read before the previous one, which thread 0 then refills.
+//   * Pipeline (FA3's warp specialisation): K/V blocks arrive by TMA into a 6-stage ring (boxes of
+//     min(64, page size) rows, 128-byte swizzle = the layout the wgmma descriptors read). One thread of
+//     the producer warpgroup (setmaxnreg 40; the consumers get 232) issues them in order, each as soon
+//     as its stage is free: a "full" mbarrier per stage (TMA bytes landed) and an "empty" one (8
+//     arrivals: each consumer warp's, after its P V of the block landed). No CTA barrier in the walk:
+//     the two consumer warpgroups drift apart by up to the ring's slack. The last block's V rows at or
+//     past kv_len are zeroed by the producer warpgroup, which then arrives on a third mbarrier the
+//     consumers wait on for that block. A parity wait is only started once the awaited phase is the
+//     stage's current or next one (the producer warpgroup waits for its thread 0 to have issued the
+//     tail load first: a wait begun earlier returned at an older phase of the same parity, and the
+//     ragged-length bit checks caught it).
 //     Per warpgroup, step j issues S_j and P_{j-1} V_{j-1} together and waits for S_j first
 //     (written as FA3's intra-warpgroup overlap; in the SASS ptxas waits for P V before block j's
 //     softmax, because P_j is packed into the registers P_{j-1} V_{j-1} reads, and pinning the
@@ -32,14 +39,19 @@
 //     P_{j-1} V_{j-1} lands and by alpha_j after, and a chunk merges after its last P V, so each
 //     row sees attn_kernel's sequence of operations.
 //   * V rows at or past the sequence's KV length are zeroed in shared memory after their block
-//     lands (attn_kernel zero-fills them): a masked score's P is exactly 0, and 0 * V must not
+//     lands (attn_kernel zero-fills them; here the producer warpgroup does it): a masked score's P is exactly 0, and 0 * V must not
 //     meet NaN garbage of a paged cache. Boxes starting past the KV length are never loaded.
 //   * A warpgroup whose 64 rows all lie before a block skips it (attn_kernel skips per warp; a
 //     fully masked block is an exact no-op on a row's state either way).
-// Resource use: 256 threads, 232 registers (accumulator 64 + merged O 64 + S 32 + P 16 per
-// thread), ~225 KB shared memory, one CTA per SM.
-// Measured (H200, 32 q / 8 kv heads, causal, bench_cuda, 2026-11-30 session 8): 374/398/420 TF/s at L
-// 4K/8K/16K, 1.9-2.0x the mma.sync kernel, 1.23-1.28x Triton, 0.71-0.74x cuDNN SDPA. The prologue's
+// Resource use: 384 threads (launched at 168 registers; setmaxnreg gives the consumers 232: accumulator 64
+// + merged O 64 + S 32 + P 16 per thread, and the producer 40), ~225 KB shared memory, one CTA per SM.
+// Measured (H200, bench/results/2026-11-30T1845_*, side by side with the lockstep walk it replaced, same
+// bits): 374 -> 410-414 TF/s at L 4K, 417 -> 440 at 16K (32/8 heads), 185 -> 195 on 64 x 512-token
+// prompts (12/2 heads, pages of 64). The lockstep walk had thread 0, a compute thread, issue two
+// refills at a CTA barrier every other block; the same full/empty decoupling without a producer
+// warpgroup (session 7, below) was 8% slower.
+// Measured before the producer warpgroup (H200, 32 q / 8 kv heads, causal, bench_cuda, 2026-11-30 session
+// 8): 374/398/420 TF/s at L 4K/8K/16K, 1.9-2.0x the mma.sync kernel, 1.23-1.28x Triton, 0.71-0.74x cuDNN SDPA. The prologue's
 // K/V TMA issue ahead of the Q wait (session 10, bench/results/*_s10-host-and-po): +3.4% on 64 x 512-token
 // prompts (12/2 heads, pages of 64: 179 -> 185 TF/s), neutral at L 4K-16K (each order of the arms checked).
 // Tried and dropped: Q in registers (spills; 286 vs 303 TF/s), warpgroups walking
@@ -51,7 +63,7 @@
 // last steps; tiles by static stride or a device counter) 10-15% slower at 64 x 512 and L 4K, parity at 16K;
 // the P V wait pinned after the softmax (ptxas otherwise hoists it above the MUFU.EX2s; a never-taken
 // branch keeps it there), with or without P packed early: 1-3% slower.
-// Where the time goes (session 11, bench/csrc_ablations.py, bench/results/*_s11-ablations): at L 16K the
+// Where the time went before the producer warpgroup (session 11, bench/csrc_ablations.py, *_s11-ablations): at L 16K the
 // load/barrier skeleton alone takes 47% of the time, and S, the softmax and P V add nearly in series on top
 // (removing each saves 18%, 17%, 8%); at 64 x 512-token prompts every ablated copy is slower than this kernel:
 // those launches are bound by per-CTA latency.
@@ -63,13 +75,15 @@
 namespace tik_attn {
 
 constexpr int WG_ROWS = 128;      // 2 warpgroups x 64 rows
-constexpr int WG_THREADS = 256;
+constexpr int WG_THREADS = 256;  // the two consumer warpgroups
+constexpr int WG_CTA_THREADS = WG_THREADS + 128;  // + the producer warpgroup (TMA issue, tail zeroing)
+constexpr int WG_PRODUCER_REGS = 40, WG_CONSUMER_REGS = 232;  // setmaxnreg: 128 x 40 + 256 x 232 <= 64K
 constexpr int WG_STAGES = 6;      // K/V ring: in flight at step j: j - 1 (P V), j (S), j + 1 .. j + 4 (landing)
 constexpr int WG_PREFETCH = 3;    // blocks loaded before the walk; each even step loads two more
 constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
 constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
-constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 64 + 1024; }  // + barriers, alignment
+constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 128 + 1024; }  // full, empty, tail bars  // + barriers, alignment
 
 // Shared-memory matrix descriptor, 128-byte swizzle: low word = address / 16 | LBO / 16 << 16, high
 // word = SBO / 16 (1024 bytes: 8 rows of 128 bytes) | the 128-byte swizzle mode. Every operand here
@@ -132,6 +146,9 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   } while (!done);
 }
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
 // One 3-d TMA box (D-columns c0.., head c1, rows c2..) -> shared memory, completion on bar.
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
   asm volatile(
@@ -142,7 +159,7 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 #endif  // TIK_SM90A_DEVICE
 
 template <int D>
-__global__ void __launch_bounds__(WG_THREADS, 1)
+__global__ void __launch_bounds__(WG_CTA_THREADS, 1)
     attn_kernel_wgmma(const TikAttnParams p, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, int box_rows) {
 #ifdef TIK_SM90A_DEVICE
@@ -157,6 +174,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   const uint32_t qbase = ((uint32_t)__cvta_generic_to_shared(wg_smem_raw) + 1023u) & ~1023u;
   const uint32_t sbase = qbase + WG_Q_BYTES;
   const uint32_t bars = sbase + WG_STAGES * 2 * WG_TILE_BYTES;  // WG_STAGES mbarriers ("block landed")
+  const uint32_t ebars = bars + 8 * WG_STAGES;                   // WG_STAGES mbarriers ("stage read": 8 warps)
+  const uint32_t tbar = ebars + 8 * WG_STAGES;                   // the tail block's V rows zeroed
 
   if (threadIdx.x == 0) {  // the K/V TMA descriptors into the descriptor cache before their first use
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_k)) : "memory");
@@ -198,7 +217,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 
   // Q: the CTA's rows in shared memory (A operand of S = Q K^T, K-major 128-byte swizzle), zero for
   // rows past the sequence or before position 0; cp.async, waited for before block 0.
-  {
+  if (threadIdx.x < WG_THREADS) {
     const bf16* qg = static_cast<const bf16*>(p.q);
 #pragma unroll
     for (int u = 0; u < WG_ROWS * SEGS / WG_THREADS; ++u) {
@@ -239,16 +258,16 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   // K/V block j -> stage j % WG_STAGES by TMA (one thread): per 64-column half, boxes of box_rows
   // rows (64, or the page size when pages are smaller) in the 128-byte swizzle wgmma reads.
   // Boxes starting at or past kv_len are not loaded (their block-table entries may be garbage);
-  // V rows at or past kv_len are zeroed after the block lands (see sync_block), as attn_kernel's
+  // V rows at or past kv_len are zeroed after the block lands (by the producer warpgroup), as attn_kernel's
   // zero-fill: a masked score's P is exactly 0 and 0 * V must not meet a NaN in the cache.
   const int64_t kv_base = p.paged ? 0 : (int64_t)q0;
-  auto load_tile = [&](int j, int stage) {  // thread 0 only
+  auto load_tile = [&](int j, int stage) {  // the producer's thread 0 only
     const uint32_t ks = sbase + (uint32_t)(stage * 2 * WG_TILE_BYTES);
     const uint32_t bar = bars + 8 * stage;
     // Fast path, one box per 64-column half (box_rows == BN: contiguous K/V, or pages of >= 64 rows;
-    // j < nblk, so the block starts before kv_len): thread 0's refill is on the critical path of the
-    // lockstep walk (every warp waits for it at the next barrier), and the general loop below cost
-    // 9-11% of the kernel's time (H200, bench/results/*_wgmma-fastload).
+    // j < nblk, so the block starts before kv_len). When thread 0 of the compute warps issued the
+    // refills in a lockstep walk, the general loop below cost 9-11% of the kernel's time (H200,
+    // bench/results/*_wgmma-fastload).
     if (box_rows == BN) {
       const int pos = j * BN;
       const int64_t slot = p.paged ? (int64_t)p.block_table[(int64_t)b * p.max_pages + pos / p.page_size] * p.page_size +
@@ -287,19 +306,52 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   const int tail_blk = (kv_len % BN) ? kv_len / BN : -1;  // the block holding kv_len, if not aligned
 
   const float sl2 = p.scale_log2;
-  // Prologue: thread 0 initialises the ring's barriers and issues the first K/V blocks before anyone
-  // waits for Q, so the Q copies and the first TMA loads are in flight together (a short prompt's
-  // CTA walks only a few blocks, and these two latencies were serial). No other thread touches a
-  // barrier or a stage before the __syncthreads below.
+  // Prologue: thread 0 initialises the ring's barriers; after the one CTA barrier the producer issues
+  // the first K/V blocks while the consumers' Q copies are still in flight (a short prompt's CTA walks
+  // only a few blocks: these two latencies must not be serial).
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int st = 0; st < WG_STAGES; ++st) mbar_init(bars + 8 * st, 1);
+    for (int st = 0; st < WG_STAGES; ++st) {
+      mbar_init(bars + 8 * st, 1);
+      mbar_init(ebars + 8 * st, 8);  // one arrive per consumer warp after its last read of the stage
+    }
+    mbar_init(tbar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    for (int st = 0; st < WG_PREFETCH && st < nblk; ++st) load_tile(st, st);
   }
+  __syncthreads();  // barriers initialised (the consumers' Q copies are in flight)
+  if (threadIdx.x >= WG_THREADS) {  // the producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WG_PRODUCER_REGS));
+    if (threadIdx.x == WG_THREADS) {
+      for (int j = 0; j < nblk; ++j) {
+        const int st = j % WG_STAGES;
+        if (j >= WG_STAGES) mbar_wait(ebars + 8 * st, (uint32_t)((j / WG_STAGES - 1) & 1));  // block j - S read
+        load_tile(j, st);
+      }
+    }
+    __syncwarp();
+    if (tail_blk == nblk - 1) {  // V rows at or past kv_len of the last block -> 0, then release it
+      const int jt = tail_blk, st = jt % WG_STAGES;
+      // Only after thread 0 issued the tail block's load: the stage's barrier then is in the tail block's
+      // phase (a parity wait started earlier would return at an older phase of the same parity).
+      asm volatile("barrier.sync 1, 128;\n" ::: "memory");
+      mbar_wait(bars + 8 * st, (uint32_t)((jt / WG_STAGES) & 1));
+      const uint32_t vs = sbase + (uint32_t)(st * 2 * WG_TILE_BYTES) + WG_TILE_BYTES;
+      const int r0 = kv_len - jt * BN;
+      for (int i = threadIdx.x - WG_THREADS; i < (BN - r0) * SEGS; i += 128) {
+        const int r = r0 + i / SEGS, sg = i % SEGS;
+        const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      asm volatile("barrier.sync 1, 128;\n" ::: "memory");  // (not .aligned: warp 8's thread 0 came from the load loop)
+      if (threadIdx.x == WG_THREADS) mbar_arrive(tbar);
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WG_CONSUMER_REGS));
   cp_async_wait<0>();  // this thread's Q segments
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();  // barriers initialised, Q in shared memory for every thread
+  asm volatile("bar.sync 2, 256;\n" ::: "memory");  // Q in shared memory for every consumer thread
   // Software pipeline per warpgroup (written as the FA3 intra-warpgroup overlap; see the header
   // for what ptxas makes of it): step j issues S_j = Q K_j and then acc += P_{j-1} V_{j-1}, waits
   // for S_j, runs block j's softmax, waits for P V. Every row still sees attn_kernel's sequence: acc is
@@ -307,37 +359,16 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   // ending at block j - 1 merges (with its saved m, l) after its last P V lands. The steps are
   // peeled (first S, steady S + P V, last P V) so no wgmma sits in a conditional path (ptxas
   // would serialize them).
-  // CTA-wide, once per j = 0 .. nblk: wait until block j landed; at even j (and at the block after
-  // the tail block) a barrier: every wgmma reading blocks j - 3 and j - 2 is done, so refill may
-  // overwrite their stages. The tail block's V rows past kv_len are zeroed here and fenced for
-  // wgmma, and are read (P V) only after the barrier at the next block (for the last block, the
-  // extra one at j = nblk).
-  auto sync_block = [&](int j) {
-    if (j >= nblk) {
-      if (tail_blk == nblk - 1) __syncthreads();
-      return;
-    }
-    mbar_wait(bars + 8 * (j % WG_STAGES), (uint32_t)((j / WG_STAGES) & 1));
-    // The CTA barrier runs every other block (the refill of two stages needs it), and after the tail
-    // block (its zeroed V rows must be in place before any warp's P V reads them). H200, side by side
-    // with the barrier every block: +2-3% at L 4K-16K (bench/results/*_wgmma-bisect-b2-s2).
-    if ((j & 1) == 0 || j == tail_blk + 1) __syncthreads();
-    if (j == tail_blk) {
-      const uint32_t vs = sbase + (uint32_t)((j % WG_STAGES) * 2 * WG_TILE_BYTES) + WG_TILE_BYTES;
-      const int r0 = kv_len - j * BN;
-      for (int i = threadIdx.x; i < (BN - r0) * SEGS; i += WG_THREADS) {
-        const int r = r0 + i / SEGS, sg = i % SEGS;
-        const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
-      }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    }
+  // Per warp: wait until block j landed (its stage's full barrier in the phase of block j: the ring
+  // cannot run a phase ahead, since the producer refills a stage only after every consumer warp
+  // released it); release block j after the P V that reads it last has completed.
+  auto sync_block = [&](int j) {  // block j landed (the tail block: and its V rows past kv_len zeroed)
+    if (j >= nblk) return;
+    if (j == tail_blk) mbar_wait(tbar, 0u);
+    else mbar_wait(bars + 8 * (j % WG_STAGES), (uint32_t)((j / WG_STAGES) & 1));
   };
-  auto refill = [&](int j) {  // at even j, blocks j + 3 and j + 4 into the stages of j - 3 and j - 2
-    if (threadIdx.x == 0 && (j & 1) == 0 && j < nblk) {
-      if (j + 3 < nblk) load_tile(j + 3, (j + 3) % WG_STAGES);
-      if (j + 4 < nblk) load_tile(j + 4, (j + 4) % WG_STAGES);
-    }
+  auto release = [&](int j) {  // this warp's reads of block j (S_j and P_j V_j) are complete
+    if (lane == 0 && j + WG_STAGES < nblk) mbar_arrive(ebars + 8 * (j % WG_STAGES));
   };
   float s[NT * 4];
   // Descriptor low words: Q of this warpgroup and stage 0's K and V; a k-step / stage is a constant offset.
@@ -424,7 +455,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     sync_block(0);
     wg_fence();
     issue_s(0);
-    refill(0);
     wg_wait0();
     reg_fence(s);
     softmax(0);
@@ -439,12 +469,12 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       wg_fence();
       issue_s(j);
       issue_pv(j - 1);
-      refill(j);  // the TMA issue overlaps the tensor work just queued
       wg_wait1();
       reg_fence(s);
       softmax(j);
       wg_wait0();
       reg_fence(acc);
+      release(j - 1);
       if constexpr (decltype(merge)::value) merge_chunk((j - 1) / BPC);
       scale_pack_close(j);
     };
@@ -456,19 +486,20 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       step(j, std::true_type{});  // block j - 1 ended a chunk
       ++j;
     }
-    sync_block(nbw);
     reg_fence(acc);
     wg_fence();
     issue_pv(nbw - 1);
-    refill(nbw);
     wg_wait0();
     reg_fence(acc);
+    release(nbw - 1);
     merge_chunk((nbw - 1) / BPC);
-    j = nbw + 1;
+    j = nbw;
   }
-  for (; j <= nblk; ++j) {  // keep the CTA's barriers and loads while the other warpgroup walks on
-    sync_block(j);
-    refill(j);
+  for (; j < nblk; ++j) {  // blocks past this warpgroup's rows: released once landed (phase order)
+    if (j + WG_STAGES < nblk) {
+      mbar_wait(bars + 8 * (j % WG_STAGES), (uint32_t)((j / WG_STAGES) & 1));
+      release(j);
+    }
   }
 
   bf16* out = static_cast<bf16*>(p.out);

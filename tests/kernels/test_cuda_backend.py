@@ -635,7 +635,7 @@ def test_decode_merge_argument_cpu():
     b = open(os.path.join(ROOT, "csrc", "tik_bindings.cpp")).read()
     assert 'py::arg("decode_merge") = 0' in b and "p.counters = counters.data_ptr<int>()" in b
     a = open(os.path.join(ROOT, "csrc", "tik_attention.cu")).read()
-    assert "attn_decode_kernel<D, true, true, STAGES, HALF>" in a and "atomicExch(ctr, 0)" in a
+    assert "attn_decode_kernel<D, true, true, STAGES, HALF, TMA>" in a and "atomicExch(ctr, 0)" in a
 
 
 def test_single_decode_path_cpu():
