@@ -23,7 +23,7 @@
 //     decode kernel bit for bit (H200, 2026-11-30: equal in every test and bench cell).
 //   * Pipeline (FA3's warp specialisation): K/V blocks arrive by TMA into a 6-stage ring (boxes of
 //     min(64, page size) rows, 128-byte swizzle = the layout the wgmma descriptors read). One thread of
-//     the producer warpgroup (setmaxnreg 40; the consumers get 232) issues them in order, each as soon
+//     the producer warpgroup (setmaxnreg 24; the consumers get 240) issues them in order, each as soon
 //     as its stage is free: a "full" mbarrier per stage (TMA bytes landed) and an "empty" one (8
 //     arrivals: each consumer warp's, after its P V of the block landed). No CTA barrier in the walk:
 //     the two consumer warpgroups drift apart by up to the ring's slack. The last block's V rows at or
@@ -43,8 +43,8 @@
 //     meet NaN garbage of a paged cache. Boxes starting past the KV length are never loaded.
 //   * A warpgroup whose 64 rows all lie before a block skips it (attn_kernel skips per warp; a
 //     fully masked block is an exact no-op on a row's state either way).
-// Resource use: 384 threads (launched at 168 registers; setmaxnreg gives the consumers 232: accumulator 64
-// + merged O 64 + S 32 + P 16 per thread, and the producer 40), ~225 KB shared memory, one CTA per SM.
+// Resource use: 384 threads (launched at 168 registers; setmaxnreg gives the consumers 240: accumulator 64
+// + merged O 64 + S 32 + P 16 per thread, and the producer 24), ~225 KB shared memory, one CTA per SM.
 // Measured (H200, bench/results/2026-11-30T1845_*, side by side with the lockstep walk it replaced, same
 // bits): 374 -> 410-414 TF/s at L 4K, 417 -> 440 at 16K (32/8 heads), 185 -> 195 on 64 x 512-token
 // prompts (12/2 heads, pages of 64). The lockstep walk had thread 0, a compute thread, issue two
@@ -77,9 +77,11 @@ namespace tik_attn {
 constexpr int WG_ROWS = 128;      // 2 warpgroups x 64 rows
 constexpr int WG_THREADS = 256;  // the two consumer warpgroups
 constexpr int WG_CTA_THREADS = WG_THREADS + 128;  // + the producer warpgroup (TMA issue, tail zeroing)
-constexpr int WG_PRODUCER_REGS = 40, WG_CONSUMER_REGS = 232;  // setmaxnreg: 128 x 40 + 256 x 232 <= 64K
-constexpr int WG_STAGES = 6;      // K/V ring: in flight at step j: j - 1 (P V), j (S), j + 1 .. j + 4 (landing)
-constexpr int WG_PREFETCH = 3;    // blocks loaded before the walk; each even step loads two more
+// setmaxnreg: 128 x 24 + 256 x 240 <= 64K registers. 240 against 232 (producer 40): +1.5-2% at L 4K/16K,
+// same at 64 x 512 (H200, bench/results/2026-11-30T1910_*); the producer compiles without spills at 24.
+constexpr int WG_PRODUCER_REGS = 24, WG_CONSUMER_REGS = 240;
+static_assert(128 * WG_PRODUCER_REGS + WG_THREADS * WG_CONSUMER_REGS <= 65536, "register file");
+constexpr int WG_STAGES = 6;      // K/V ring (5 stages: -2% at L 4K, bench/results/2026-11-30T1910_*)
 constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
 constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
