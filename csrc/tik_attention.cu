@@ -1474,6 +1474,10 @@ int tik_attention_describe(char* buf, int buflen) {
                decode_smem_bytes<128, DEC_STAGES_DEEP>());
   describe_one(buf, buflen, used, "attn_decode<D128,4warp,split,fused,2stage>",
                attn_decode_kernel<128, true, true, DEC_STAGES_WIDE>, decode_smem_bytes<128, DEC_STAGES_WIDE>());
+  describe_one(buf, buflen, used, "attn_decode<D128,4warp,split,fused,tma>",
+               attn_decode_kernel<128, true, true, DEC_STAGES_DEEP, false, true>, decode_tma_smem_bytes<DEC_STAGES_DEEP>());
+  describe_one(buf, buflen, used, "attn_decode<D128,4warp,split,fused,2stage,tma>",
+               attn_decode_kernel<128, true, true, DEC_STAGES_WIDE, false, true>, decode_tma_smem_bytes<DEC_STAGES_WIDE>());
   describe_one(buf, buflen, used, "attn_decode_merge<D64>", attn_decode_merge_kernel<64>, 0);
   describe_one(buf, buflen, used, "attn_decode_merge<D128>", attn_decode_merge_kernel<128>, 0);
   describe_one(buf, buflen, used, "attn_wgmma<D128,2+1warpgroups,fold,tma>", attn_kernel_wgmma<128>, wg_smem_bytes());

@@ -39,8 +39,8 @@ give the same bits (GPU tests compare them). Fused decode launches on one device
 run concurrently on two streams (they share the counters).
 Prefill kernel (launches that are not decode-shaped, FOLD mode): on sm_90a at D = 128 the
 default (``prefill_kernel="auto"``) is a warpgroup-MMA kernel fed by TMA (csrc/
-tik_attention_wgmma.cuh: 2 warpgroups x 64 rows per CTA, the same per-row arithmetic as the
-mma.sync kernel, so the same bits; the GPU tests and bench_cuda compare them); ``"mma"`` forces
+tik_attention_wgmma.cuh: 2 consumer warpgroups x 64 rows per CTA and a producer warpgroup that
+issues the K/V loads, the same per-row arithmetic as the mma.sync kernel, so the same bits; the GPU tests and bench_cuda compare them); ``"mma"`` forces
 the mma.sync kernel, ``"wgmma"`` the warpgroup kernel (an error where it cannot run); None reads
 ``PREFILL_KERNEL`` (``AREAL_TIK_CUDA_PREFILL``). Tensors without a TMA descriptor (a k/v base
 not 16-byte aligned) fall back to the mma.sync kernel under "auto".
@@ -94,12 +94,13 @@ LOG2E = 1.4426950408889634
 META = {"cuda.attn.BLOCK_N": BLOCK_N, "cuda.attn.SPLIT": SPLIT, "cuda.attn.mma": "m16n8k16 bf16->f32",
         "cuda.attn.exp": "ex2.approx.ftz", "cuda.rms_norm": "warp/row, lane-strided 8-groups, xor tree",
         "cuda.rope": "fp32 mul/add rn",
-        "cuda.attn.prefill": f"{PREFILL_KERNEL}: sm_90a and D=128 -> wgmma m64n64k16/m64n128k16 + TMA (2 warpgroups, "
-                             "128 rows per CTA), else mma.sync m16n8k16",
+        "cuda.attn.prefill": f"{PREFILL_KERNEL}: sm_90a and D=128 -> wgmma m64n64k16/m64n128k16 + TMA (2 consumer "
+                             "warpgroups, 128 rows per CTA, + a producer warpgroup), else mma.sync m16n8k16",
         "cuda.attn.decode": "max_seqlen_q*G<=16: one 4-warp CTA per 16 rows, warps split the head dim "
                             "(P V, D/4 columns each; S split by columns, exchanged in shared memory); split-KV: "
                             "256-position chunks, one or more per CTA, merged ascending "
-                            "(in the launch by the tile's last CTA, or by a merge kernel: same operations)"}
+                            "(in the launch by the tile's last CTA, or by a merge kernel: same operations); K/V by TMA "
+                            "boxes on sm_90a at D=128 with boxes of >= 64 rows, else cp.async (same bits)"}
 
 
 def extension():
