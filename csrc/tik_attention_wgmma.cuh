@@ -85,7 +85,8 @@ constexpr int WG_STAGES = 6;      // K/V ring (5 stages: -2% at L 4K, bench/resu
 constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
 constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
-constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 128 + 1024; }  // full, empty, tail bars  // + barriers, alignment
+// + the full, empty and tail mbarriers, + alignment
+constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 128 + 1024; }
 
 // Shared-memory matrix descriptor, 128-byte swizzle: low word = address / 16 | LBO / 16 << 16, high
 // word = SBO / 16 (1024 bytes: 8 rows of 128 bytes) | the 128-byte swizzle mode. Every operand here
