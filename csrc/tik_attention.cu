@@ -694,7 +694,7 @@ constexpr int decode_smem_bytes() {
 }
 // TMA loader (sm_90a, D = 128): a stage is K then V, each two 64-column halves of BN rows in the 128-byte
 // swizzle (no padding), + the S exchange, one mbarrier per stage, 1024-byte alignment. Measured on the H200
-// (bench/results/2026-11-30T1825_*): same bits as the cp.async loader, 4-9% faster with pages of 64 (16 x 8K
+// (bench/results/2026-11-30T1825_*): same bits as the cp.async loader, 4.5-17% faster with pages of 64 (16 x 8K
 // 150 -> 143.5 us, 64 x 550 at the 1.5B shape 15.7 -> 13.3 us), 2% slower with pages of 16 (4 boxes per
 // block), so by default it serves boxes of at least TIK_DECODE_TMA_MIN_ROWS rows.
 #ifndef TIK_DECODE_TMA
