@@ -936,38 +936,13 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
     }
   };
 
-  // TMA: block j -> stage buf (thread 0): per 64-column half, boxes of box_rows rows (64, or the page size
-  // when pages are smaller); boxes starting at or past kv_len are not loaded (their block-table entries may
-  // be garbage). The wgmma prefill's load_tile, on this kernel's ring.
+  // TMA: block j -> stage buf (thread 0), by the wgmma prefill's tma_kv_block on this kernel's ring.
   auto tma_tile = [&](int j, int buf) {
 #ifdef TIK_SM90A_DEVICE
-    const uint32_t ks = tbase + (uint32_t)(buf * DEC_TMA_STAGE_BYTES), bar = bars + 8 * buf;
-    if (box_rows == BN) {  // one box per half (contiguous K/V, or pages of >= 64 rows; the block starts before kv_len)
-      const int pos = j * BN;
-      const int64_t slot = p.paged ? (int64_t)__ldg(bt_row + (pos >> ps_shift)) * ps + (pos & (ps - 1)) : kv_base + pos;
-      mbar_expect_tx(bar, (uint32_t)(BN * 128 * 4));
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tma_load_3d(ks + h * WG_HALF_BYTES, &tm_k, h * 64, hk, (int)slot, bar);
-        tma_load_3d(ks + 2 * WG_HALF_BYTES + h * WG_HALF_BYTES, &tm_v, h * 64, hk, (int)slot, bar);
-      }
-      return;
-    }
-    const int nbox = BN / box_rows;
-    int nload = 0;
-    for (int u = 0; u < nbox; ++u) nload += (j * BN + u * box_rows < kv_len);
-    mbar_expect_tx(bar, (uint32_t)(nload * box_rows * 128 * 4));
-    for (int u = 0; u < nbox; ++u) {
-      const int pos = j * BN + u * box_rows;
-      if (pos >= kv_len) break;
-      const int64_t slot = p.paged ? (int64_t)__ldg(bt_row + (pos >> ps_shift)) * ps + (pos & (ps - 1)) : kv_base + pos;
-      const uint32_t ro = (uint32_t)(u * box_rows * 128);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tma_load_3d(ks + h * WG_HALF_BYTES + ro, &tm_k, h * 64, hk, (int)slot, bar);
-        tma_load_3d(ks + 2 * WG_HALF_BYTES + h * WG_HALF_BYTES + ro, &tm_v, h * 64, hk, (int)slot, bar);
-      }
-    }
+    tma_kv_block(tbase + (uint32_t)(buf * DEC_TMA_STAGE_BYTES), bars + 8 * buf, &tm_k, &tm_v, hk, j, box_rows, kv_len,
+                 [&](int pos) -> int64_t {
+                   return p.paged ? (int64_t)__ldg(bt_row + (pos >> ps_shift)) * ps + (pos & (ps - 1)) : kv_base + pos;
+                 });
 #endif
   };
 

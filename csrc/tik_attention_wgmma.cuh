@@ -159,6 +159,43 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 }
+// K/V block j (positions j * BN ..) -> one ring stage by TMA, completion on bar: K at ks, V at ks + WG_TILE_BYTES,
+// each two 64-column halves of BN rows in the 128-byte swizzle. Boxes of box_rows rows (BN, or the page size
+// when pages are smaller); boxes starting at or past kv_len are not loaded (their block-table entries may be
+// garbage). slot_of(pos): the K/V row (cache slot or token) of position pos. Serves the wgmma prefill's
+// producer and the decode kernel's TMA loader.
+template <typename SlotOf>
+__device__ __forceinline__ void tma_kv_block(uint32_t ks, uint32_t bar, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
+                                             int hk, int j, int box_rows, int kv_len, SlotOf slot_of) {
+  // Fast path, one box per half (box_rows == BN: contiguous K/V, or pages of >= 64 rows; the caller loads
+  // only blocks starting before kv_len). When thread 0 of the prefill's compute warps issued the refills in a
+  // lockstep walk, the general loop below cost 9-11% of that kernel's time (H200, bench/results/*_wgmma-fastload).
+  if (box_rows == BN) {
+    const int64_t slot = slot_of(j * BN);
+    mbar_expect_tx(bar, (uint32_t)(BN * 128 * 4));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tma_load_3d(ks + h * WG_HALF_BYTES, tm_k, h * 64, hk, (int)slot, bar);
+      tma_load_3d(ks + WG_TILE_BYTES + h * WG_HALF_BYTES, tm_v, h * 64, hk, (int)slot, bar);
+    }
+    return;
+  }
+  const int nbox = BN / box_rows;
+  int nload = 0;
+  for (int u = 0; u < nbox; ++u) nload += (j * BN + u * box_rows < kv_len);
+  mbar_expect_tx(bar, (uint32_t)(nload * box_rows * 128 * 4));
+  for (int u = 0; u < nbox; ++u) {
+    const int pos = j * BN + u * box_rows;
+    if (pos >= kv_len) break;
+    const int64_t slot = slot_of(pos);
+    const uint32_t ro = (uint32_t)(u * box_rows * 128);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tma_load_3d(ks + h * WG_HALF_BYTES + ro, tm_k, h * 64, hk, (int)slot, bar);
+      tma_load_3d(ks + WG_TILE_BYTES + h * WG_HALF_BYTES + ro, tm_v, h * 64, hk, (int)slot, bar);
+    }
+  }
+}
 #endif  // TIK_SM90A_DEVICE
 
 template <int D>
@@ -258,53 +295,17 @@ __global__ void __launch_bounds__(WG_CTA_THREADS, 1)
   uint32_t pa[BN / 16][4];
   // (mo, lo) hold the row state of the chunk whose FOLD merge waits for its last P V to land.
 
-  // K/V block j -> stage j % WG_STAGES by TMA (one thread): per 64-column half, boxes of box_rows
-  // rows (64, or the page size when pages are smaller) in the 128-byte swizzle wgmma reads.
-  // Boxes starting at or past kv_len are not loaded (their block-table entries may be garbage);
-  // V rows at or past kv_len are zeroed after the block lands (by the producer warpgroup), as attn_kernel's
-  // zero-fill: a masked score's P is exactly 0 and 0 * V must not meet a NaN in the cache.
+  // K/V block j -> stage j % WG_STAGES by TMA (tma_kv_block). V rows at or past kv_len are zeroed after the
+  // block lands (by the producer warpgroup), as attn_kernel's zero-fill: a masked score's P is exactly 0 and
+  // 0 * V must not meet a NaN in the cache.
   const int64_t kv_base = p.paged ? 0 : (int64_t)q0;
   auto load_tile = [&](int j, int stage) {  // the producer's thread 0 only
-    const uint32_t ks = sbase + (uint32_t)(stage * 2 * WG_TILE_BYTES);
-    const uint32_t bar = bars + 8 * stage;
-    // Fast path, one box per 64-column half (box_rows == BN: contiguous K/V, or pages of >= 64 rows;
-    // j < nblk, so the block starts before kv_len). When thread 0 of the compute warps issued the
-    // refills in a lockstep walk, the general loop below cost 9-11% of the kernel's time (H200,
-    // bench/results/*_wgmma-fastload).
-    if (box_rows == BN) {
-      const int pos = j * BN;
-      const int64_t slot = p.paged ? (int64_t)p.block_table[(int64_t)b * p.max_pages + pos / p.page_size] * p.page_size +
-                                         pos % p.page_size
-                                   : kv_base + pos;
-      mbar_expect_tx(bar, (uint32_t)(BN * 128 * 4));
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tma_load_3d(ks + h * WG_HALF_BYTES, &tm_k, h * 64, hk, (int)slot, bar);
-        tma_load_3d(ks + WG_TILE_BYTES + h * WG_HALF_BYTES, &tm_v, h * 64, hk, (int)slot, bar);
-      }
-      return;
-    }
-    const int nbox = BN / box_rows;
-    int nload = 0;
-    for (int u = 0; u < nbox; ++u) nload += (j * BN + u * box_rows < kv_len);
-    mbar_expect_tx(bar, (uint32_t)(nload * box_rows * 128 * 4));
-    for (int u = 0; u < nbox; ++u) {
-      const int pos = j * BN + u * box_rows;
-      if (pos >= kv_len) break;
-      int64_t slot;
-      if (p.paged) {
-        const int page = p.block_table[(int64_t)b * p.max_pages + pos / p.page_size];
-        slot = (int64_t)page * p.page_size + pos % p.page_size;
-      } else {
-        slot = kv_base + pos;
-      }
-      const uint32_t ro = (uint32_t)(u * box_rows * 128);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tma_load_3d(ks + h * WG_HALF_BYTES + ro, &tm_k, h * 64, hk, (int)slot, bar);
-        tma_load_3d(ks + WG_TILE_BYTES + h * WG_HALF_BYTES + ro, &tm_v, h * 64, hk, (int)slot, bar);
-      }
-    }
+    tma_kv_block(sbase + (uint32_t)(stage * 2 * WG_TILE_BYTES), bars + 8 * stage, &tm_k, &tm_v, hk, j, box_rows, kv_len,
+                 [&](int pos) -> int64_t {
+                   return p.paged ? (int64_t)p.block_table[(int64_t)b * p.max_pages + pos / p.page_size] * p.page_size +
+                                        pos % p.page_size
+                                  : kv_base + pos;
+                 });
   };
   const int tail_blk = (kv_len % BN) ? kv_len / BN : -1;  // the block holding kv_len, if not aligned
 
