@@ -973,16 +973,8 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
     if constexpr (TMA) {
 #ifdef TIK_SM90A_DEVICE
       mbar_wait(bars + 8 * buf, (uint32_t)((st / DEC_STAGES) & 1));  // block j landed
-      if (j * BN + BN > kv_len) {  // V rows at or past kv_len -> 0 (the cp.async path's zero-fill)
-        const uint32_t vs = tbase + (uint32_t)(buf * DEC_TMA_STAGE_BYTES + 2 * WG_HALF_BYTES);
-        const int r0 = kv_len - j * BN;
-        for (int i = threadIdx.x; i < (BN - r0) * SEGS; i += NTH) {
-          const int r = r0 + i / SEGS, sg = i % SEGS;
-          const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + ((sg & 7) << 4));
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // before a later TMA refill of this stage
-      }
+      if (j * BN + BN > kv_len)  // V rows at or past kv_len -> 0 (the cp.async path's zero-fill)
+        zero_v_rows(tbase + (uint32_t)(buf * DEC_TMA_STAGE_BYTES + WG_TILE_BYTES), kv_len - j * BN, threadIdx.x, NTH);
 #endif
     } else {
       cp_async_wait<DEC_STAGES - 2>();  // tile j has landed (this thread's copies)

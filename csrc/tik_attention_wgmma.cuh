@@ -196,6 +196,19 @@ __device__ __forceinline__ void tma_kv_block(uint32_t ks, uint32_t bar, const CU
     }
   }
 }
+// V rows r0 .. BN - 1 of a stage's V block at vs (two 64-column halves in the 128-byte swizzle) -> 0: the
+// stores of thread tid of nthreads, then the proxy fence that orders them before the async proxy's accesses
+// to the stage (wgmma reads, a later TMA refill). The zero-fill of rows at or past kv_len that the cp.async
+// loaders get from their src-size operand: a masked score's P is exactly 0, and 0 * V must not meet a NaN.
+__device__ __forceinline__ void zero_v_rows(uint32_t vs, int r0, int tid, int nthreads) {
+  constexpr int SEGS = 16;  // 16-byte segments per 128-column row
+  for (int i = tid; i < (BN - r0) * SEGS; i += nthreads) {
+    const int r = r0 + i / SEGS, sg = i % SEGS;
+    const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 #endif  // TIK_SM90A_DEVICE
 
 template <int D>
@@ -339,14 +352,8 @@ __global__ void __launch_bounds__(WG_CTA_THREADS, 1)
       // phase (a parity wait started earlier would return at an older phase of the same parity).
       asm volatile("barrier.sync 1, 128;\n" ::: "memory");
       mbar_wait(bars + 8 * st, (uint32_t)((jt / WG_STAGES) & 1));
-      const uint32_t vs = sbase + (uint32_t)(st * 2 * WG_TILE_BYTES) + WG_TILE_BYTES;
-      const int r0 = kv_len - jt * BN;
-      for (int i = threadIdx.x - WG_THREADS; i < (BN - r0) * SEGS; i += 128) {
-        const int r = r0 + i / SEGS, sg = i % SEGS;
-        const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
-      }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      zero_v_rows(sbase + (uint32_t)(st * 2 * WG_TILE_BYTES) + WG_TILE_BYTES, kv_len - jt * BN,
+                  (int)threadIdx.x - WG_THREADS, 128);
       asm volatile("barrier.sync 1, 128;\n" ::: "memory");  // (not .aligned: warp 8's thread 0 came from the load loop)
       if (threadIdx.x == WG_THREADS) mbar_arrive(tbar);
     }
