@@ -9,6 +9,8 @@ wgmma prefill (tik_attention_wgmma.cuh):
     NOPV     no P V wgmma: S + softmax + pipeline
     NOS      no S = Q K^T wgmma (the softmax runs on stale registers): P V + softmax + pipeline
     SKEL     none of the three: the load / barrier skeleton alone
+    SRS      probe: S's A operand from registers (P's), not Q from shared memory (would Q in registers pay?)
+    KONLY    every computation, half the bytes: the one-box-per-half K/V path loads K only (L2 -> SMEM bound?)
 decode (attn_decode_kernel in tik_attention.cu):
     DECLOAD  no compute on any block (S, softmax, P V skipped at run time): the cp.async loader's floor,
              with the split-chunk stores and the fused merge still running
@@ -49,6 +51,34 @@ EDITS = {
     "DECLOAD": [(DECODE, _DEC_GUARD, _DEC_GUARD.replace("j * BN) {", "j * BN && p.batch < 0) {  // ABLATION DECLOAD"))],
 }
 EDITS["SKEL"] = EDITS["NOSM"] + EDITS["NOPV"] + EDITS["NOS"]
+# Half the bytes, all the arithmetic: the K/V box issue's one-box-per-half path (contiguous K/V, pages of >= 64
+# rows) loads K only (V stays whatever the stage held). If the prefill is bound by streaming K/V from L2 into
+# shared memory, this is faster than H by about the load's share; if not, about equal.
+_KV_TX = "    mbar_expect_tx(bar, (uint32_t)(BN * 128 * 4));"
+_KV_V = "      tma_load_3d(ks + WG_TILE_BYTES + h * WG_HALF_BYTES, tm_v, h * 64, hk, (int)slot, bar);"
+# A probe, not an ablation: S = Q K^T with its A operand from registers (wgmma RS form) instead of shared memory.
+# The registers are P's (no Q in registers: S is wrong), so this bounds what keeping Q in registers would gain
+# by halving the S wgmma's shared-memory operand traffic; the register cost of a real Q (64 per thread) is absent.
+_S_SS_DOC = "// D[64 x 64] = A[64 x 16] * B[16 x 64], both from shared memory (descriptors, K-major) + (scale_d ? D : 0)."
+_S_RS_FN = """// PROBE SRS: D[64 x 64] = A (registers) * B[16 x 64] (shared memory, K-major) + (scale_d ? D : 0).
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint32_t b_lo, int scale_d) {
+  asm volatile(
+      "{\\n.reg .pred p;\\n.reg .b64 db;\\nsetp.ne.b32 p, %38, 0;\\nmov.b64 db, {%37, %39};\\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, db, p, 1, 1, 0;\\n}\\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(0), "r"(b_lo), "r"(scale_d), "r"(WG_DESC_HI));
+}
+"""
+EDITS["SRS"] = [(KERNEL, _S_SS_DOC, _S_RS_FN + _S_SS_DOC),
+                (KERNEL, _S_LOOP, "      wgmma_m64n64k16_rs(s, pa[kc & 3], k_lo + off, kc > 0);  // PROBE SRS")]
+EDITS["KONLY"] = [(KERNEL, _KV_TX, _KV_TX.replace("* 4", "* 2  /* ABLATION KONLY */")),
+                  (KERNEL, _KV_V, "      // ABLATION KONLY: no V box")]
 
 # Layout probe, not an ablation: the decode loader's one-page path reads the cache as if each page were
 # head-major ([page][Hkv][row][D]: a head's 64 rows of a block are 16 KB contiguous, as SDPA's gathered
