@@ -1,0 +1,126 @@
+"""Figures from saved device results: where people would rather look than read.
+
+    python bench/plot_results.py bench/results/<run>/bench_cuda.json [...]   -> bench_cuda.png beside it
+    python bench/plot_results.py bench/results/<run>/*/bisect.json [...]      -> bisect.png beside each
+    python bench/plot_results.py bench/results/<run>/*/bisect_decode.json    -> bisect_decode.png beside each
+
+bench_cuda.json (bench/bench_cuda.py): two panels, each kernel's speed relative to PyTorch SDPA measured in the
+same run (>1 = faster than SDPA), with issue 9's goal lines: prefill per L, decode per (batch, context) cell.
+bisect.json / bisect_decode.json (bench/bisect_csrc.py): one bar per variant and cell, relative to the first
+variant (the reference tree), each repetition drawn as a dot, SDPA as a bar of its own; a variant whose bits
+differed from the reference is hatched (ablations and probes differ by design).
+Only reads what the JSON holds; a missing key is an error, not a zero.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _bars(ax, labels, series, ref_line=None, goal=None, ylabel=""):
+    """Grouped bars: series = [(name, [value per label], hatched_per_label or None, dots_per_label or None)]."""
+    n = len(series)
+    width = 0.8 / max(n, 1)
+    for i, (name, vals, hatched, dots) in enumerate(series):
+        xs = [k + (i - (n - 1) / 2) * width for k in range(len(labels))]
+        bars = ax.bar(xs, vals, width, label=name)
+        for b, h in zip(bars, hatched or [False] * len(vals)):
+            if h:
+                b.set_hatch("//")
+        if dots:
+            for x, ds in zip(xs, dots):
+                ax.plot([x] * len(ds), ds, "k.", markersize=3)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    if ref_line is not None:
+        ax.axhline(ref_line, color="k", lw=0.8)
+    if goal is not None:
+        ax.axhline(goal, color="tab:red", lw=0.8, ls="--", label=f"goal {goal}x")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+
+
+def plot_bench_cuda(path: str) -> str:
+    d = json.load(open(path))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    pre = d["prefill"]
+    labels = [f"L {r['L']}" for r in pre]
+    series = [("csrc", [r["sdpa_ms"] / r["cuda_ms"] for r in pre], None, None),
+              ("csrc mma.sync", [r["sdpa_ms"] / r["cuda_mma_ms"] for r in pre], None, None),
+              ("triton", [r["sdpa_ms"] / r["triton_ms"] for r in pre], None, None)]
+    _bars(a1, labels, series, ref_line=1.0, goal=1.05, ylabel="speed / SDPA (same run)")
+    a1.set_title("prefill (batch 1, causal)")
+    dec = d["decode"]
+    labels = [f"{r['batch']}x{r['ctx']}" for r in dec]
+    series = [("csrc", [r["sdpa_ms"] / r["cuda_ms"] for r in dec], None, None),
+              ("triton", [r["sdpa_ms"] / r["triton_ms"] for r in dec], None, None)]
+    _bars(a2, labels, series, ref_line=1.0, goal=1.2, ylabel="speed / SDPA (same run)")
+    # The K/V copy floor (bytes / 4.1 TB/s) as the speed a kernel that only read the cache once would have;
+    # in launch-bound cells it is far off scale: drawn at the top edge there.
+    top = 1.35 * max(max(v) for _, v, _, _ in series + [("", [1.2], None, None)])
+    floor = [r["sdpa_ms"] * 1e3 / r["floor_us_at_4.1TBps"] for r in dec]
+    a2.plot(range(len(dec)), [min(f, top * 0.98) for f in floor], "kv", markersize=5,
+            label="K/V read once at 4.1 TB/s (top edge: off scale)")
+    a2.set_ylim(0, top)
+    a2.legend(fontsize=7)
+    a2.set_title("decode (batch x context)")
+    fig.suptitle(f"{d['gpu']}, torch {d['torch']}: csrc and Triton kernels against SDPA")
+    fig.tight_layout()
+    out = os.path.join(os.path.dirname(path), "bench_cuda.png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _variants(row: dict) -> list[str]:
+    return [k for k, v in row.items() if isinstance(v, list) and not k.startswith("sdpa")]
+
+
+def plot_bisect(path: str) -> str:
+    rows = json.load(open(path))[1:]
+    decode = os.path.basename(path).startswith("bisect_decode")
+    names = _variants(rows[0])
+    ref = names[0]
+    if decode:  # times (us): speed relative to the reference = ref / variant
+        labels = [f"{r['batch']}x{r['ctx']} ({r['heads']})" for r in rows]
+        rel = lambda r, v: [sum(r[ref]) / len(r[ref]) / x for x in r[v]]  # noqa: E731
+        sdpa = [sum(r[ref]) / len(r[ref]) / r["sdpa_us"] for r in rows]
+    else:  # TF/s: relative speed = variant / ref
+        labels = [f"{r['batch']}x{r['L']} ({r['heads']}{', pages ' + str(r['page_size']) if r['page_size'] else ''})"
+                  for r in rows]
+        rel = lambda r, v: [x / (sum(r[ref]) / len(r[ref])) for x in r[v]]  # noqa: E731
+        sdpa = [r["sdpa"] / (sum(r[ref]) / len(r[ref])) for r in rows]
+    series = []
+    for v in names:
+        per = [rel(r, v) for r in rows]
+        series.append((v, [sum(p) / len(p) for p in per], [not r[f"{v}_eq"] for r in rows], per))
+    series.append(("SDPA", sdpa, None, None))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) * (len(series) / 4 + 0.5)), 4.5))
+    _bars(ax, labels, series, ref_line=1.0, ylabel=f"speed / {ref} (same run)")
+    ax.set_title(f"{'decode' if decode else 'prefill'} bisect: hatched = bits differ from {ref}'s reference")
+    fig.tight_layout()
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("json", nargs="+", help="bench_cuda.json, bisect.json or bisect_decode.json files")
+    for p in ap.parse_args(argv).json:
+        name = os.path.basename(p)
+        out = plot_bench_cuda(p) if name.startswith("bench_cuda") else plot_bisect(p)
+        print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
