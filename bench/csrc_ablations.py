@@ -10,6 +10,7 @@ wgmma prefill (tik_attention_wgmma.cuh):
     NOS      no S = Q K^T wgmma (the softmax runs on stale registers): P V + softmax + pipeline
     SKEL     none of the three: the load / barrier skeleton alone
     SRS      probe: S's A operand from registers (P's), not Q from shared memory (would Q in registers pay?)
+    NOSHFL   probe: no quad shuffles in softmax_block (row max / row sum): the per-block reduction latency
     KONLY    every computation, half the bytes: the one-box-per-half K/V path loads K only (L2 -> SMEM bound?)
 decode (attn_decode_kernel in tik_attention.cu):
     DECLOAD  no compute on any block (S, softmax, P V skipped at run time): the cp.async loader's floor,
@@ -77,6 +78,14 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
 """
 EDITS["SRS"] = [(KERNEL, _S_SS_DOC, _S_RS_FN + _S_SS_DOC),
                 (KERNEL, _S_LOOP, "      wgmma_m64n64k16_rs(s, pa[kc & 3], k_lo + off, kc > 0);  // PROBE SRS")]
+# Probe: the softmax's four quad shuffles per row and block (row max, row sum) removed, in every kernel that uses
+# softmax_block (only the prefill is timed with it). Bounds the per-block fixed latency a wider KV block (BN 128:
+# half the blocks, so half these reductions per key) could save.
+_SM_SHFL = ["    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));",
+            "    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));",
+            "    rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));",
+            "    rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));"]
+EDITS["NOSHFL"] = [(DECODE, a, "    // ABLATION NOSHFL") for a in _SM_SHFL]
 EDITS["KONLY"] = [(KERNEL, _KV_TX, _KV_TX.replace("* 4", "* 2  /* ABLATION KONLY */")),
                   (KERNEL, _KV_V, "      // ABLATION KONLY: no V box")]
 

@@ -149,8 +149,9 @@ __device__ __forceinline__ void thread_rows(const TikAttnParams& p, int r0, int 
 // shares (so one definition fixes the bits): s holds the block's scaled, masked scores in the
 // m16n8 accumulator layout (NT n-tiles of 4: element e of tile nt belongs to row e >> 1), mx this
 // thread's row maxima over them. Completes the row max over the quad (xor 1, 2), updates m, sets
-// alpha = ex2(m_old - m_new), replaces s by P = ex2(s - m) and adds the row sum (thread order nt
-// then e, then xor 1, 2) to l scaled by alpha.
+// alpha = ex2(m_old - m_new), replaces s by P = ex2(s - m) and adds the row sum (this thread's 2 NT
+// values of the row as a tree: the pair of each n-tile, then halving over n-tiles (nt + NT/2, ...);
+// then xor 1, 2) to l scaled by alpha.
 // NR = 1: only the thread's first row (g; the decode kernel's tiles of at most 8 rows, whose second
 // rows g + 8 are all empty): the same operations on row g, none on row g + 8 (its s, m, l, alpha are
 // left as they are).
@@ -167,15 +168,22 @@ __device__ __forceinline__ void softmax_block(float* s, float (&mx)[2], float (&
     alpha[i] = ex2(__fsub_rn(m[i], muse[i]));
     m[i] = mn;
   }
-  float rs[2] = {0.f, 0.f};
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int e = 0; e < 2 * NR; ++e) {
-      const float pe = ex2(__fsub_rn(s[nt * 4 + e], muse[e >> 1]));
-      s[nt * 4 + e] = pe;
-      rs[e >> 1] = __fadd_rn(rs[e >> 1], pe);
-    }
+    for (int e = 0; e < 2 * NR; ++e) s[nt * 4 + e] = ex2(__fsub_rn(s[nt * 4 + e], muse[e >> 1]));
+  float rs[2];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {  // this thread's part of the row sum as a tree: depth log2(2 NT), not 2 NT
+    float v[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) v[nt] = __fadd_rn(s[nt * 4 + 2 * i], s[nt * 4 + 2 * i + 1]);
+#pragma unroll
+    for (int w = NT / 2; w >= 1; w /= 2)
+#pragma unroll
+      for (int nt = 0; nt < w; ++nt) v[nt] = __fadd_rn(v[nt], v[nt + w]);
+    rs[i] = v[0];
+  }
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
     rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));
