@@ -1,6 +1,8 @@
 """Copy one device run's $OUT files into bench/results/<date>_<gpu>_<commit>/ with the command.
 
     python bench/collect_results.py FILES_AT_DIR --command "bash bench/gpu_check.sh ..."
+
+Draws the figures of bench/plot_results.py beside every bench_cuda / bisect JSON it copied.
 """
 from __future__ import annotations
 
@@ -53,6 +55,15 @@ def main() -> None:
             os.chmod(os.path.join(dst, rel), 0o644)
     with open(os.path.join(dst, "COMMAND.md"), "w") as f:
         f.write(f"# How these results were made\n\nOn the device ({gpu}), at commit `{commit}`:\n\n```bash\n{a.command}\n```\n")
+    # Figures beside the JSONs that have one (bench/plot_results.py: bench_cuda, bisect, bisect_decode).
+    import glob
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import plot_results
+    figs = [p for pat in ("bench_cuda.json", "bisect.json", "bisect_decode.json")
+            for p in glob.glob(os.path.join(dst, "**", pat), recursive=True)]
+    if figs:
+        plot_results.main(figs)
     print(dst)
 
 

@@ -14,7 +14,8 @@
 #   part "prefill_graphs" times engine prefill steps eager vs graph-replayed (bench_engine arms pg0 / pg4096);
 #   part "load_paths" times the decode copy paths alone (bench/probe_load_paths.py: cp.async, bulk, TMA boxes);
 #   PART_TIMEOUT (s, default 900) bounds each bench/profile part, so one slow part cannot cost the archive; BENCH_ARGS is passed to every bench script (e.g. --quick)
-# Locally, copy $OUT into bench/results/<date>_<gpu>_<commit>/ (bench/collect_results.py).
+# Locally, copy $OUT into bench/results/<date>_<gpu>_<commit>/ (bench/collect_results.py; it also draws the
+# bench_cuda / bisect figures with bench/plot_results.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
