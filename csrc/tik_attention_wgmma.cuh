@@ -67,6 +67,11 @@
 // load/barrier skeleton alone takes 47% of the time, and S, the softmax and P V add nearly in series on top
 // (removing each saves 18%, 17%, 8%); at 64 x 512-token prompts every ablated copy is slower than this kernel:
 // those launches are bound by per-CTA latency.
+// With the producer warpgroup (session 13, bench/results/2026-11-30T2111_* to *_s13-pv-wait-after-softmax):
+// removing the softmax, P V or S saves 18/14/18.5% at L 16K, the skeleton is 43%; loading half the bytes
+// (K only) is not faster, so K/V streaming from L2 is not the bound. Measured and dropped, bits equal: skipping
+// acc *= alpha when a warp's alphas are all 1 (1-6% slower), the P V wait after the softmax (branch pin and/or
+// P double-buffered: 1-6% slower), the persistent kernel (+2.5-10% only on <= 512-token prompts).
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define TIK_SM90A_DEVICE 1
