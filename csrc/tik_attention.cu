@@ -145,6 +145,25 @@ __device__ __forceinline__ void thread_rows(const TikAttnParams& p, int r0, int 
   }
 }
 
+// v[0] = op-tree of v[0 .. 2W): v[nt] = op(v[nt], v[nt + W]) for W, W / 2, .., 1, as a compile-time recursion
+// (a rolled halving loop put a 16-value tree in local memory, bench/results/*_s13-bn128-probe).
+template <int W, typename Op>
+__device__ __forceinline__ void halving_tree(float* v, Op op) {
+#pragma unroll
+  for (int nt = 0; nt < W; ++nt) v[nt] = op(v[nt], v[nt + W]);
+  if constexpr (W > 1) halving_tree<W / 2>(v, op);
+}
+// One thread's values of its row i in the m16n8 accumulator layout (elements nt * 4 + 2i and + 1 of NT
+// n-tiles) reduced by op as a tree: the pair of each n-tile, then halving over n-tiles.
+template <int NT, typename Op>
+__device__ __forceinline__ float row_tree(const float* s, int i, Op op) {
+  float v[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) v[nt] = op(s[nt * 4 + 2 * i], s[nt * 4 + 2 * i + 1]);
+  if constexpr (NT > 1) halving_tree<NT / 2>(v, op);
+  return v[0];
+}
+
 // The online-softmax step of one KV block, the per-row arithmetic every attention kernel here
 // shares (so one definition fixes the bits): s holds the block's scaled, masked scores in the
 // m16n8 accumulator layout (NT n-tiles of 4: element e of tile nt belongs to row e >> 1), mx this
@@ -174,16 +193,8 @@ __device__ __forceinline__ void softmax_block(float* s, float (&mx)[2], float (&
     for (int e = 0; e < 2 * NR; ++e) s[nt * 4 + e] = ex2(__fsub_rn(s[nt * 4 + e], muse[e >> 1]));
   float rs[2];
 #pragma unroll
-  for (int i = 0; i < NR; ++i) {  // this thread's part of the row sum as a tree: depth log2(2 NT), not 2 NT
-    float v[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) v[nt] = __fadd_rn(s[nt * 4 + 2 * i], s[nt * 4 + 2 * i + 1]);
-#pragma unroll
-    for (int w = NT / 2; w >= 1; w /= 2)
-#pragma unroll
-      for (int nt = 0; nt < w; ++nt) v[nt] = __fadd_rn(v[nt], v[nt + w]);
-    rs[i] = v[0];
-  }
+  for (int i = 0; i < NR; ++i)  // this thread's part of the row sum as a tree: depth log2(2 NT), not 2 NT
+    rs[i] = row_tree<NT>(s, i, [](float a, float b) { return __fadd_rn(a, b); });
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
     rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));

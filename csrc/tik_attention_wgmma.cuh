@@ -1,6 +1,6 @@
 // areal-tik sm_90a prefill attention: the attn_kernel arithmetic on warpgroup MMAs (wgmma) fed by TMA.
 //
-// Included by tik_attention.cu (needs its helpers: thread_rows, softmax_block, pack_bf16,
+// Included by tik_attention.cu (needs its helpers: thread_rows, row_tree, softmax_block, pack_bf16,
 // merge_chunk_row, row_lse, cp_async16, BN, SPLIT, BPC). Serves FOLD-mode launches of
 // attention_varlen / attention_paged that are not decode-shaped (max_seqlen_q * G > 16), D = 128,
 // bf16, on sm_90a (H100/H200) when TMA descriptors can be made for k/v; every other launch keeps
@@ -425,16 +425,7 @@ __global__ void __launch_bounds__(WG_CTA_THREADS, 1)
     // a +0/-0 tie cannot change a later result: both enter only differences and ex2).
     float mx[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float v[NT];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) v[nt] = fmaxf(s[nt * 4 + 2 * i], s[nt * 4 + 2 * i + 1]);
-#pragma unroll
-      for (int w = NT / 2; w >= 1; w /= 2)
-#pragma unroll
-        for (int nt = 0; nt < w; ++nt) v[nt] = fmaxf(v[nt], v[nt + w]);
-      mx[i] = v[0];
-    }
+    for (int i = 0; i < 2; ++i) mx[i] = row_tree<NT>(s, i, [](float a, float b) { return fmaxf(a, b); });
     softmax_block<NT>(s, mx, m, l, alpha);
   };
   auto merge_chunk = [&](int c) {  // after the P V of chunk c's last block landed
