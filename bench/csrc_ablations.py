@@ -64,7 +64,7 @@ _S_SS_DOC = "// D[64 x 64] = A[64 x 16] * B[16 x 64], both from shared memory (d
 _S_RS_FN = """// PROBE SRS: D[64 x 64] = A (registers) * B[16 x 64] (shared memory, K-major) + (scale_d ? D : 0).
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint32_t b_lo, int scale_d) {
   asm volatile(
-      "{\\n.reg .pred p;\\n.reg .b64 db;\\nsetp.ne.b32 p, %38, 0;\\nmov.b64 db, {%37, %39};\\n"
+      "{\\n.reg .pred p;\\n.reg .b64 db;\\nsetp.ne.b32 p, %37, 0;\\nmov.b64 db, {%36, %38};\\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
       "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
@@ -73,7 +73,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
         "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(0), "r"(b_lo), "r"(scale_d), "r"(WG_DESC_HI));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_lo), "r"(scale_d), "r"(WG_DESC_HI));
 }
 """
 EDITS["SRS"] = [(KERNEL, _S_SS_DOC, _S_RS_FN + _S_SS_DOC),
