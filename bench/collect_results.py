@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import shutil
@@ -55,10 +56,8 @@ def main() -> None:
             os.chmod(os.path.join(dst, rel), 0o644)
     with open(os.path.join(dst, "COMMAND.md"), "w") as f:
         f.write(f"# How these results were made\n\nOn the device ({gpu}), at commit `{commit}`:\n\n```bash\n{a.command}\n```\n")
-    # Figures beside the JSONs that have one (bench/plot_results.py: bench_cuda, bisect, bisect_decode).
-    import glob
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    # Figures beside the JSONs that have one (bench/plot_results.py: bench_cuda, bisect, bisect_decode); imported
+    # here, next to this script, so that filing results without figures needs no matplotlib import.
     import plot_results
     figs = [p for pat in ("bench_cuda.json", "bisect.json", "bisect_decode.json")
             for p in glob.glob(os.path.join(dst, "**", pat), recursive=True)]

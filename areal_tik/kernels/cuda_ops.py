@@ -40,10 +40,11 @@ run concurrently on two streams (they share the counters).
 Prefill kernel (launches that are not decode-shaped, FOLD mode): on sm_90a at D = 128 the
 default (``prefill_kernel="auto"``) is a warpgroup-MMA kernel fed by TMA (csrc/
 tik_attention_wgmma.cuh: 2 consumer warpgroups x 64 rows per CTA and a producer warpgroup that
-issues the K/V loads, the same per-row arithmetic as the mma.sync kernel, so the same bits; the GPU tests and bench_cuda compare them); ``"mma"`` forces
-the mma.sync kernel, ``"wgmma"`` the warpgroup kernel (an error where it cannot run); None reads
-``PREFILL_KERNEL`` (``AREAL_TIK_CUDA_PREFILL``). Tensors without a TMA descriptor (a k/v base
-not 16-byte aligned) fall back to the mma.sync kernel under "auto".
+issues the K/V loads, the same per-row arithmetic as the mma.sync kernel, so the same bits; the GPU
+tests and bench_cuda compare them); ``"mma"`` forces the mma.sync kernel, ``"wgmma"`` the warpgroup
+kernel (an error where it cannot run); None reads ``PREFILL_KERNEL`` (``AREAL_TIK_CUDA_PREFILL``).
+Tensors without a TMA descriptor (a k/v base not 16-byte aligned) fall back to the mma.sync kernel
+under "auto".
 Accuracy: relative Frobenius error vs ``attention_reference`` (float64) < 1e-2.
 
 Backward of ``attention_varlen``: the forward also writes each row's base-2 log-sum-exp (same
