@@ -133,6 +133,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--elementwise-only", action="store_true",
+                    help="only the RMSNorm / RoPE / KV-write cells (skips the attention sections and ptxas report)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -163,16 +165,20 @@ def main(argv=None):
         return 1
     print(f"extension: {'prebuilt' if prebuilt else 'JIT'} load/build {res['build']['seconds']} s "
           f"({res['build']['module']})")
-    t1 = time.time()
-    res["ptxas"] = _ptxas_report(arch)
-    res["ptxas_seconds"] = round(time.time() - t1, 1)
-    res["kernel_attrs"] = cuda_ops.describe()
-    print(res["ptxas"])
-    print(res["kernel_attrs"])
+    if not args.elementwise_only:
+        t1 = time.time()
+        res["ptxas"] = _ptxas_report(arch)
+        res["ptxas_seconds"] = round(time.time() - t1, 1)
+        res["kernel_attrs"] = cuda_ops.describe()
+        print(res["ptxas"])
+        print(res["kernel_attrs"])
     _ = cuda_ext
 
     try:  # every section's rows so far reach the JSON even if a later one fails
-        _sections(res, args, cuda_ops)
+        if args.elementwise_only:
+            _elementwise_section(res, args, cuda_ops)
+        else:
+            _sections(res, args, cuda_ops)
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
         raise
@@ -350,9 +356,16 @@ def _elementwise_section(res, args, cuda_ops):
     """RMSNorm, RoPE and the KV-cache write, csrc vs Triton (1.5B shapes: hidden 1536, 12 q / 2 kv heads,
     D 128), per token count: forward in a CUDA graph (decode-sized T is launch-bound), and forward +
     backward of RMSNorm and RoPE at training T. The registry default per op follows these cells."""
+    from areal_tik import ops
+    from areal_tik.backend.registry import implementations
     from areal_tik.kernels import kv_cache as tkv, rms_norm as trn, rope as trp
     dev = "cuda"
     res["elementwise"] = []
+    # An agent export registered as this arch's cuda rms_norm (kernels/exported/rms_norm_<arch>.py) is timed
+    # beside the csrc root it was grown from.
+    rms_src = implementations()["rms_norm"]["cuda"].sources[0]
+    exported = "/exported/" in rms_src.replace("\\", "/")
+    res["rms_norm_cuda_export"] = os.path.relpath(rms_src, ROOT) if exported else None
     cos, sin = trp.rope_table(D, 32768, 1000000.0, device=dev)
     for T in ((16, 16384) if args.quick else (1, 64, 1024, 16384)):
         x = torch.randn(T, 1536, device=dev, dtype=torch.bfloat16)
@@ -371,14 +384,21 @@ def _elementwise_section(res, args, cuda_ops):
         }
         for op, (cf, tf) in provs.items():
             row = {"op": op, "tokens": T}
+            arms = [("cuda", cf), ("triton", tf)]
+            if op == "rms_norm" and exported:
+                arms.append(("cuda_export", lambda: ops.rms_norm(x, w, 1e-6, backend="cuda")))
             with torch.no_grad():
-                for name, f in (("cuda", cf), ("triton", tf)):
+                for name, f in arms:
                     fn, how = _graphed(f)
                     row[f"{name}_fwd_us"], row[f"{name}_timing"] = round(_median_ms(fn) * 1e3, 2), how
             row["cuda_speedup_fwd"] = round(row["triton_fwd_us"] / row["cuda_fwd_us"], 3)
+            extra = ""
+            if "cuda_export_fwd_us" in row:
+                row["cuda_export_speedup_fwd"] = round(row["triton_fwd_us"] / row["cuda_export_fwd_us"], 3)
+                extra = f"  agent export {row['cuda_export_fwd_us']:8.2f} us ({row['cuda_export_speedup_fwd']}x)"
             res["elementwise"].append(row)
             print(f"{op:14s} T={T:6d}: fwd cuda {row['cuda_fwd_us']:8.2f} us  triton {row['triton_fwd_us']:8.2f} us "
-                  f"({row['cuda_speedup_fwd']}x)")
+                  f"({row['cuda_speedup_fwd']}x){extra}")
         if T >= 1024:  # training: forward + backward (autograd wrappers of each backend)
             xg, qg = x.clone().requires_grad_(True), q.clone().requires_grad_(True)
             wg = w.clone().requires_grad_(True)

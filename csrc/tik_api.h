@@ -96,6 +96,8 @@ int64_t tik_attention_decode_counters_needed(const TikAttnParams* p);
 // Prefill kernels the build knows (TikAttnParams::prefill_kernel); exported as PREFILL_KERNELS so
 // cuda_ops can reject a stale build that lacks the field.
 #define TIK_ATTN_PREFILL_KERNELS 2
+// Elementwise entry points' revision (exported as ELEMENTWISE_API; 2: tik_apply_rope has a backward flag).
+#define TIK_ELEMENTWISE_API 2
 // 1 when the current device runs the sm_90a wgmma prefill kernel (cc 9.0 and an sm_90a build).
 int tik_attention_wgmma_available(void);
 
@@ -106,10 +108,11 @@ int tik_attention_describe(char* buf, int buflen);
 int tik_rms_norm(const void* x, const void* w, void* y, int64_t rows, int n, int64_t x_row_stride,
                  float eps, int dtype, cudaStream_t stream);
 
-// out[t,h,:] = rope(x[t,h,:]) with fp32 tables cos/sin [P, D] (neox / rotate-half style).
+// out[t,h,:] = rope(x[t,h,:]) with fp32 tables cos/sin [P, D] (neox / rotate-half style); backward != 0:
+// the transpose (x is the output gradient, out the input gradient).
 int tik_apply_rope(const void* x, void* out, const float* cos, const float* sin, const int64_t* positions,
                    int64_t T, int H, int D, int64_t x_stride_t, int64_t x_stride_h, int64_t num_positions,
-                   int dtype, cudaStream_t stream);
+                   int dtype, int backward, cudaStream_t stream);
 
 // k_cache.view(-1, Hkv*D)[slot[t]] = k[t] (same for v); slot < 0 skipped. elem_bytes 2 or 4.
 int tik_kv_cache_write(const void* k, const void* v, void* k_cache, void* v_cache, const int64_t* slots,

@@ -246,7 +246,7 @@ at::Tensor rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps, co
 }
 
 at::Tensor apply_rope_fwd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                          const at::Tensor& positions, const c10::optional<at::Tensor>& out_opt) {
+                          const at::Tensor& positions, const c10::optional<at::Tensor>& out_opt, bool backward) {
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   check_dev(cos, x, "cos");
   check_dev(sin, x, "sin");
@@ -263,7 +263,7 @@ at::Tensor apply_rope_fwd(const at::Tensor& x, const at::Tensor& cos, const at::
   cudaStream_t st = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   check_cuda(tik_apply_rope(x.data_ptr(), out.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                             positions.data_ptr<int64_t>(), x.size(0), (int)x.size(1), (int)x.size(2), x.stride(0),
-                            x.stride(1), cos.size(0), dtype_code(x.scalar_type()), st),
+                            x.stride(1), cos.size(0), dtype_code(x.scalar_type()), backward ? 1 : 0, st),
              "apply_rope");
   return out;
 }
@@ -316,14 +316,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("device_index"));
   m.def("rms_norm_fwd", &rms_norm_fwd, "RMSNorm forward, HF rounding points", py::arg("x"), py::arg("w"),
         py::arg("eps"), py::arg("out") = py::none());
-  m.def("apply_rope_fwd", &apply_rope_fwd, "neox RoPE, fp32 math, one rounding", py::arg("x"), py::arg("cos"),
-        py::arg("sin"), py::arg("positions"), py::arg("out") = py::none());
+  m.def("apply_rope_fwd", &apply_rope_fwd, "neox RoPE, fp32 math, one rounding (backward: its transpose)",
+        py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("out") = py::none(),
+        py::arg("backward") = false);
   m.def("kv_cache_write", &kv_cache_write, "scatter k/v rows into the paged caches");
   m.def("describe", &describe, "resource usage of the attention kernels (registers, spills, smem)");
   m.attr("BLOCK_N") = TIK_ATTN_BLOCK_N;
   m.attr("SPLIT") = TIK_ATTN_SPLIT;
   m.attr("DECODE_PATH") = TIK_ATTN_DECODE_PATH;
   m.attr("PREFILL_KERNELS") = TIK_ATTN_PREFILL_KERNELS;
+  m.attr("ELEMENTWISE_API") = TIK_ELEMENTWISE_API;
   m.def("wgmma_prefill_available", []() { return tik_attention_wgmma_available() != 0; },
         "whether the current device runs the sm_90a wgmma prefill kernel (prefill_kernel auto picks it)");
 }

@@ -9,7 +9,9 @@
 // RoPE: neox / rotate-half, fp32 math, one rounding to the output dtype:
 //   y[i] = x[i]*cos[i] - x[i+h]*sin[i],  y[i+h] = x[i+h]*cos[i+h] + x[i]*sin[i+h]
 // with each product and the sum rounded separately (the same bits as the unfused
-// PyTorch expression x*cos + rotate_half(x)*sin in fp32).
+// PyTorch expression x*cos + rotate_half(x)*sin in fp32). Its backward (the transpose, for autograd):
+//   dx[i] = g[i]*cos[i] + g[i+h]*sin[i+h],  dx[i+h] = g[i+h]*cos[i+h] - g[i]*sin[i]
+// with the same rounding points. 16-byte vector loads where dtype, D and alignment allow (same bits).
 // The `// <tik:NAME>` markers delimit regions the optimisation agent's known transformations may replace
 // (agent/proposers.py); they are comments and change nothing here.
 #include "tik_api.h"
@@ -17,6 +19,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+#include <algorithm>
 
 namespace tik_ew {
 
@@ -80,7 +84,21 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
   // </tik:rms-scale>
 }
 
-template <typename T>
+// RoPE, element path: one thread per (token, head, i < D/2) pair of outputs, any strides, any dtype.
+// BWD: the transpose (the gradient): y1 = x1*cos1 + x2*sin2, y2 = x2*cos2 - x1*sin1, same rounding points.
+template <typename T, bool BWD>
+__device__ __forceinline__ void rope_pair(float x1, float x2, float c1, float c2, float s1, float s2, float& y1,
+                                          float& y2) {
+  if constexpr (BWD) {
+    y1 = __fadd_rn(__fmul_rn(x1, c1), __fmul_rn(x2, s2));
+    y2 = __fadd_rn(__fmul_rn(x2, c2), __fmul_rn(-x1, s1));
+  } else {
+    y1 = __fadd_rn(__fmul_rn(x1, c1), __fmul_rn(-x2, s1));
+    y2 = __fadd_rn(__fmul_rn(x2, c2), __fmul_rn(x1, s2));
+  }
+}
+
+template <typename T, bool BWD>
 __global__ void rope_kernel(const T* __restrict__ x, T* __restrict__ out, const float* __restrict__ cos_t,
                             const float* __restrict__ sin_t, const int64_t* __restrict__ positions, int64_t T_,
                             int H, int D, int64_t sx_t, int64_t sx_h, int64_t num_pos) {
@@ -95,15 +113,64 @@ __global__ void rope_kernel(const T* __restrict__ x, T* __restrict__ out, const 
     int64_t pos = positions[t];
     if (pos < 0 || pos >= num_pos) pos = pos < 0 ? 0 : num_pos - 1;  // validated on the host; never read OOB
     const T* xr = x + t * sx_t + h * sx_h;
-    const float x1 = to_f(xr[i]), x2 = to_f(xr[i + half]);
     const float* c = cos_t + pos * D;
     const float* s = sin_t + pos * D;
-    const float y1 = __fadd_rn(__fmul_rn(x1, c[i]), __fmul_rn(-x2, s[i]));
-    const float y2 = __fadd_rn(__fmul_rn(x2, c[i + half]), __fmul_rn(x1, s[i + half]));
+    float y1, y2;
+    rope_pair<T, BWD>(to_f(xr[i]), to_f(xr[i + half]), c[i], c[i + half], s[i], s[i + half], y1, y2);
     T* o = out + (t * H + h) * (int64_t)D;
     o[i] = from_f<T>(y1);
     o[i + half] = from_f<T>(y2);
   }
+}
+
+// RoPE, vector path (2-byte types, D/2 a multiple of 8, x rows / strides / tables 16-byte aligned): a thread
+// rotates 8 pairs (x1 = x[i .. i+8), x2 = x[i+D/2 .. i+D/2+8)) with 16-byte loads and stores, a CTA holds
+// `tok` whole tokens, or (more than 256 groups per token) blockIdx.y's share of one token's `span` groups;
+// thread -> (token, head, group) by 32-bit arithmetic. The same per-element operations as the element
+// path, so the same bits.
+template <typename T, bool BWD>
+__global__ void __launch_bounds__(256) rope_vec_kernel(const T* __restrict__ x, T* __restrict__ out,
+                                                       const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                                       const int64_t* __restrict__ positions, int64_t T_, int H, int D,
+                                                       int64_t sx_t, int64_t sx_h, int64_t num_pos, int tok, int span) {
+  const int half = D / 2, ng = half / 8, per_tok = H * ng;
+  const int local = (int)threadIdx.x;
+  const int lt = local / span, r = (int)blockIdx.y * span + (local - lt * span);
+  if (lt >= tok || r >= per_tok) return;
+  const int h = r / ng, gi = r - h * ng;
+  const int64_t t = (int64_t)blockIdx.x * tok + lt;
+  if (t >= T_) return;
+  int64_t pos = positions[t];
+  if (pos < 0 || pos >= num_pos) pos = pos < 0 ? 0 : num_pos - 1;
+  const int i = gi * 8;
+  const T* xr = x + t * sx_t + h * sx_h;
+  const uint4 u1 = __ldg(reinterpret_cast<const uint4*>(xr + i));
+  const uint4 u2 = __ldg(reinterpret_cast<const uint4*>(xr + i + half));
+  const float4* c = reinterpret_cast<const float4*>(cos_t + pos * D);
+  const float4* s = reinterpret_cast<const float4*>(sin_t + pos * D);
+  float c1[8], c2[8], s1[8], s2[8];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    *reinterpret_cast<float4*>(c1 + 4 * k) = __ldg(c + (i >> 2) + k);
+    *reinterpret_cast<float4*>(c2 + 4 * k) = __ldg(c + ((i + half) >> 2) + k);
+    *reinterpret_cast<float4*>(s1 + 4 * k) = __ldg(s + (i >> 2) + k);
+    *reinterpret_cast<float4*>(s2 + 4 * k) = __ldg(s + ((i + half) >> 2) + k);
+  }
+  const T* a = reinterpret_cast<const T*>(&u1);
+  const T* b = reinterpret_cast<const T*>(&u2);
+  uint4 o1, o2;
+  T* p1 = reinterpret_cast<T*>(&o1);
+  T* p2 = reinterpret_cast<T*>(&o2);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    float y1, y2;
+    rope_pair<T, BWD>(to_f(a[e]), to_f(b[e]), c1[e], c2[e], s1[e], s2[e], y1, y2);
+    p1[e] = from_f<T>(y1);
+    p2[e] = from_f<T>(y2);
+  }
+  T* orow = out + (t * H + h) * (int64_t)D;
+  *reinterpret_cast<uint4*>(orow + i) = o1;
+  *reinterpret_cast<uint4*>(orow + i + half) = o2;
 }
 
 // One CTA per token; 16-byte vectors when rows and pointers are 16-byte aligned (rows are
@@ -148,12 +215,24 @@ cudaError_t rms_launch(const void* x, const void* w, void* y, int64_t rows, int 
 
 template <typename T>
 cudaError_t rope_launch(const void* x, void* out, const float* c, const float* s, const int64_t* pos, int64_t T_,
-                        int H, int D, int64_t sxt, int64_t sxh, int64_t np, cudaStream_t st) {
+                        int H, int D, int64_t sxt, int64_t sxh, int64_t np, int backward, cudaStream_t st) {
+  const uintptr_t ptrs = (uintptr_t)x | (uintptr_t)out | (uintptr_t)c | (uintptr_t)s;
+  const int64_t per_tok = (int64_t)H * (D / 16);
+  if (sizeof(T) == 2 && D % 16 == 0 && ptrs % 16 == 0 && sxt % 8 == 0 && sxh % 8 == 0 && per_tok <= 65535LL * 256) {
+    const int span = (int)std::min<int64_t>(per_tok, 256), tok = 256 / span;
+    const int64_t blocks = (T_ + tok - 1) / tok;
+    if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+    auto k = backward ? rope_vec_kernel<T, true> : rope_vec_kernel<T, false>;
+    k<<<dim3((unsigned)blocks, (unsigned)((per_tok + span - 1) / span)), tok * span, 0, st>>>(
+        static_cast<const T*>(x), static_cast<T*>(out), c, s, pos, T_, H, D, sxt, sxh, np, tok, span);
+    return cudaGetLastError();
+  }
   const int64_t total = T_ * H * (D / 2);
   int64_t blocks = (total + 255) / 256;
   if (blocks > 65535LL * 16) blocks = 65535LL * 16;
-  rope_kernel<T><<<(unsigned)blocks, 256, 0, st>>>(static_cast<const T*>(x), static_cast<T*>(out), c, s, pos, T_,
-                                                     H, D, sxt, sxh, np);
+  auto k = backward ? rope_kernel<T, true> : rope_kernel<T, false>;
+  k<<<(unsigned)blocks, 256, 0, st>>>(static_cast<const T*>(x), static_cast<T*>(out), c, s, pos, T_, H, D, sxt, sxh,
+                                      np);
   return cudaGetLastError();
 }
 
@@ -175,19 +254,19 @@ int tik_rms_norm(const void* x, const void* w, void* y, int64_t rows, int n, int
 
 int tik_apply_rope(const void* x, void* out, const float* cos, const float* sin, const int64_t* positions,
                    int64_t T, int H, int D, int64_t x_stride_t, int64_t x_stride_h, int64_t num_positions, int dtype,
-                   cudaStream_t stream) {
+                   int backward, cudaStream_t stream) {
   if (D <= 0 || D % 2 != 0 || H <= 0 || T < 0) return (int)cudaErrorInvalidValue;
   if (T == 0) return (int)cudaSuccess;
   switch (dtype) {
     case 0:
       return (int)tik_ew::rope_launch<__nv_bfloat16>(x, out, cos, sin, positions, T, H, D, x_stride_t, x_stride_h,
-                                                     num_positions, stream);
+                                                     num_positions, backward, stream);
     case 1:
       return (int)tik_ew::rope_launch<__half>(x, out, cos, sin, positions, T, H, D, x_stride_t, x_stride_h,
-                                              num_positions, stream);
+                                              num_positions, backward, stream);
     case 2:
       return (int)tik_ew::rope_launch<float>(x, out, cos, sin, positions, T, H, D, x_stride_t, x_stride_h,
-                                             num_positions, stream);
+                                             num_positions, backward, stream);
   }
   return (int)cudaErrorInvalidValue;
 }

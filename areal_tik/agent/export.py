@@ -115,7 +115,7 @@ def _forward(x2, w, eps):
 
 
 class _ExportedRMSNorm(_torch.autograd.Function):
-    """Forward: the exported kernel. Backward: the csrc rms_norm's float32 torch maths."""
+    """Forward: the exported kernel. Backward: the csrc rms_norm's (``cuda_ops.rms_norm_backward``)."""
 
     @staticmethod
     def forward(ctx, x2, w, eps):
@@ -125,9 +125,9 @@ class _ExportedRMSNorm(_torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from areal_tik.kernels.cuda_ops import rms_norm_backward_torch
+        from areal_tik.kernels.cuda_ops import rms_norm_backward
         x2, w = ctx.saved_tensors
-        return (*rms_norm_backward_torch(x2, w, ctx.eps, dy), None)
+        return (*rms_norm_backward(x2, w, ctx.eps, dy), None)
 
 
 def rms_norm_exported(x, weight, eps, out=None):

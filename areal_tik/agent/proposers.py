@@ -7,7 +7,8 @@ kernel). Proposers are chosen by name (:func:`make_proposer`):
   warps, stages, group size, programs per SM) with H200-oriented priors, and applies
   known code transformations to ``<tik:...>`` regions of the source (grouped tile
   order, unmasked/pointer-increment K loop with EVEN_K specialisation, persistent
-  schedule). A transformation that does not find its region is not offered.
+  schedule; for the csrc rms_norm: 16-byte vector loads, or the row held in registers).
+  A transformation that does not find its region is not offered.
 - ``llm``: an OpenAI-compatible chat endpoint (``openai`` package); base URL, model and
   key come from :class:`LLMConfig` (the CLI fills it from flags or environment); stops
   asking once the run's token budget is spent. Every call's token counts are recorded.
@@ -115,6 +116,43 @@ for (int c = lane; c * 8 < n; c += 32) {
     }
   }
 }"""),
+    # csrc rms_norm: a lane's whole share of the row (up to 16 groups of 8 = rows up to 4096 elements) loaded
+    # into registers by 16-byte loads issued before the first add, then summed and scaled from registers: one
+    # memory latency per row instead of one per loop trip, and x read once. Same values in the same order as
+    # the element loops (groups lane, lane + 32, ..., elements ascending), so the same sums and bits; other
+    # rows (4-byte types, unaligned, n not a multiple of 8, longer rows) keep the element loops.
+    "row-registers": ("rms-sumsq", """\
+float ss = 0.f;
+constexpr int RG = 16;  // 16-byte groups per lane held in registers
+const bool rg = sizeof(T) == 2 && (reinterpret_cast<uintptr_t>(xr) & 15) == 0 && n % 8 == 0 && n <= 256 * RG;
+uint4 xg[RG];
+if (rg) {
+#pragma unroll
+  for (int k = 0; k < RG; ++k)
+    if ((lane + 32 * k) * 8 < n) xg[k] = __ldg(reinterpret_cast<const uint4*>(xr) + lane + 32 * k);
+#pragma unroll
+  for (int k = 0; k < RG; ++k) {
+    if ((lane + 32 * k) * 8 < n) {
+      const T* e8 = reinterpret_cast<const T*>(&xg[k]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float v = to_f(e8[e]);
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+      }
+    }
+  }
+} else {
+  for (int c = lane; c * 8 < n; c += 32) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int idx = c * 8 + e;
+      if (idx < n) {
+        const float v = to_f(xr[idx]);
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+      }
+    }
+  }
+}"""),
 }
 _TRANSFORM_EXTRA = {"persistent": ("grid", "return (max(1, min(tiles, _num_sms(device) * cfg.get(\"PROGS_PER_SM\", 1))),)"),
                     "vector-loads": ("rms-scale", """\
@@ -146,7 +184,39 @@ for (int c = lane; c * 8 < n; c += 32) {
     }
   }
 }""")}
-_TRANSFORM_PRIORITY = {"unmasked-k-loop": 85.0, "grouped-order": 80.0, "persistent": 55.0, "vector-loads": 70.0}
+_TRANSFORM_EXTRA["row-registers"] = ("rms-scale", """\
+if (rg && ((reinterpret_cast<uintptr_t>(yr) | reinterpret_cast<uintptr_t>(w)) & 15) == 0) {
+#pragma unroll
+  for (int k = 0; k < RG; ++k) {
+    const int c = lane + 32 * k;
+    if (c * 8 < n) {
+      const uint4 uw = __ldg(reinterpret_cast<const uint4*>(w) + c);
+      const T* x8 = reinterpret_cast<const T*>(&xg[k]);
+      const T* w8 = reinterpret_cast<const T*>(&uw);
+      uint4 uy;
+      T* y8 = reinterpret_cast<T*>(&uy);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float h = to_f(from_f<T>(__fmul_rn(to_f(x8[e]), r)));
+        y8[e] = from_f<T>(__fmul_rn(to_f(w8[e]), h));
+      }
+      reinterpret_cast<uint4*>(yr)[c] = uy;
+    }
+  }
+} else {
+  for (int c = lane; c * 8 < n; c += 32) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int idx = c * 8 + e;
+      if (idx < n) {
+        const float h = to_f(from_f<T>(__fmul_rn(to_f(xr[idx]), r)));
+        yr[idx] = from_f<T>(__fmul_rn(to_f(w[idx]), h));
+      }
+    }
+  }
+}""")
+_TRANSFORM_PRIORITY = {"unmasked-k-loop": 85.0, "grouped-order": 80.0, "persistent": 55.0, "vector-loads": 70.0,
+                       "row-registers": 75.0}
 
 
 def apply_transform(source: str, name: str) -> str:

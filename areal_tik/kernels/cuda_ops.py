@@ -52,7 +52,8 @@ output bits; FOLD mode) and the backward is the Triton flash-attention-2 recompu
 (``attention.varlen_backward``, the Triton forward's own backward): correct, not bitwise invariant,
 not the exact derivative of the bf16 forward. A forced ``mode="split"`` keeps the older float32
 recompute through PyTorch's ``scaled_dot_product_attention`` per sequence. ``rms_norm`` and
-``apply_rope`` backward are float32 PyTorch maths on the saved inputs.
+``apply_rope`` backward: the Triton RMSNorm backward kernel on a float32 recompute of each row's
+rstd, and the csrc RoPE kernel's transpose.
 
 RMSNorm: HF rounding points, one warp per row, reduction order fixed by N only (row
 invariant). RoPE: fp32 products and sum rounded separately, one rounding to x's dtype.
@@ -86,6 +87,7 @@ _DECODE_MERGES = {"fused": 0, "kernel": 1}
 DECODE_MERGE = os.environ.get("AREAL_TIK_CUDA_DECODE_MERGE", "fused")
 PREFILL_KERNELS = 2  # must equal TIK_ATTN_PREFILL_KERNELS (the build knows prefill_kernel)
 _PREFILL = {"auto": 0, "mma": 1, "wgmma": 2}
+ELEMENTWISE_API = 2  # must equal TIK_ELEMENTWISE_API (2: apply_rope_fwd has the backward transpose)
 # Kernel of FOLD-mode launches that are not decode-shaped ("auto": the sm_90a wgmma kernel where
 # the GPU and the build have it and D = 128, else mma.sync; "mma"/"wgmma" force one). Read once at
 # import; the GPU tests check both give the same bits.
@@ -120,6 +122,10 @@ def extension():
     if getattr(mod, "PREFILL_KERNELS", None) != PREFILL_KERNELS:
         raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} predates the prefill_kernel "
                            "selector (wgmma prefill): rebuild it (pip install -e ., or delete the stale "
+                           "areal_tik/_C*.so to use the JIT build)")
+    if getattr(mod, "ELEMENTWISE_API", None) != ELEMENTWISE_API:
+        raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} predates the RoPE backward "
+                           "kernel (ELEMENTWISE_API): rebuild it (pip install -e ., or delete the stale "
                            "areal_tik/_C*.so to use the JIT build)")
     return mod
 
@@ -354,15 +360,19 @@ def kv_cache_write_cuda(k, v, k_cache, v_cache, slot_mapping):
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def rms_norm_backward_torch(x, w, eps, dy):
-    """(dx, dw) of HF RMSNorm in float32 torch maths, cast to x's / w's dtypes: the backward of the csrc
-    rms_norm and of an agent-exported one (areal_tik.agent.export)."""
-    with torch.enable_grad():
-        xf = x.detach().float().requires_grad_(True)
-        wf = w.detach().float().requires_grad_(True)
-        y = wf * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
-        gx, gw = torch.autograd.grad(y, (xf, wf), dy.float())
-    return gx.to(x.dtype), gw.to(w.dtype)
+def rms_norm_backward(x, w, eps, dy):
+    """(dx, dw) of HF RMSNorm, the backward of the csrc rms_norm and of an agent-exported one
+    (areal_tik.agent.export): the Triton backward kernel of ``kernels/rms_norm.py`` (fp32 maths, dw from
+    fixed per-program partial sums) on each row's ``rsqrt(mean(x^2) + eps)`` recomputed in float32. Like
+    the attention's backward, a gradient: accurate, not part of the bitwise contract."""
+    from areal_tik.kernels.rms_norm import _rms_norm_bwd
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rstd = torch.rsqrt(x2.float().pow(2).mean(-1) + eps)
+    dx, dw = _rms_norm_bwd(dy.reshape(-1, n), x2, w, rstd)
+    return dx.view(x.shape), dw
 
 
 class _RMSNormCudaFunction(torch.autograd.Function):
@@ -375,13 +385,13 @@ class _RMSNormCudaFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        return (*rms_norm_backward_torch(x, w, ctx.eps, dy), None)
+        return (*rms_norm_backward(x, w, ctx.eps, dy), None)
 
 
 def rms_norm_cuda(x, weight, eps, out=None):
     """HF-semantics RMSNorm ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (CUDA, one
     warp per row; a row's bits depend only on that row and N). x ``[..., N]`` bf16/fp16/fp32
-    with a unit last stride, weight ``[N]`` of x's dtype. Backward: float32 torch maths."""
+    with a unit last stride, weight ``[N]`` of x's dtype. Backward: :func:`rms_norm_backward`."""
     name = "rms_norm"
     _need_cuda(name, ("x", x), ("weight", weight))
     if x.dtype not in _FLOATS or weight.dtype != x.dtype:
@@ -398,17 +408,6 @@ def rms_norm_cuda(x, weight, eps, out=None):
 # RoPE
 # ---------------------------------------------------------------------------------------
 
-def _rope_backward_torch(dy, cos, sin, positions):
-    h = dy.shape[-1] // 2
-    c = cos.index_select(0, positions)[:, None, :]
-    s = sin.index_select(0, positions)[:, None, :]
-    g = dy.float()
-    g1, g2 = g[..., :h], g[..., h:]
-    d1 = g1 * c[..., :h] + g2 * s[..., h:]
-    d2 = g2 * c[..., h:] - g1 * s[..., :h]
-    return torch.cat([d1, d2], -1).to(dy.dtype)
-
-
 class _RopeCudaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, positions):
@@ -418,14 +417,16 @@ class _RopeCudaFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         cos, sin, positions = ctx.saved_tensors
-        return _rope_backward_torch(dy, cos, sin, positions), None, None, None
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        return extension().apply_rope_fwd(dy, cos, sin, positions, backward=True), None, None, None
 
 
 def apply_rope_cuda(x, cos, sin, positions, out=None):
     """Neox (rotate-half) RoPE: ``out[:h] = x1*cos1 - x2*sin1``, ``out[h:] = x2*cos2 + x1*sin2`` in
     fp32 (each product and sum rounded, no FMA), rounded once to x's dtype. x ``[T, H, D]``
     (unit last stride, other strides free), cos/sin fp32 ``[P, D]``, positions int32/int64
-    ``[T]`` in ``[0, P)`` (clamped on the GPU, never read out of bounds). New contiguous output."""
+    ``[T]`` in ``[0, P)`` (clamped on the GPU, never read out of bounds). New contiguous output.
+    Backward: the same kernel's transpose (csrc ``tik_apply_rope(..., backward=1)``)."""
     name = "apply_rope"
     _need_cuda(name, ("x", x), ("cos", cos), ("sin", sin), ("positions", positions))
     if x.dtype not in _FLOATS:

@@ -53,7 +53,8 @@ def _proposals():
 
 def test_offline_proposer_moves_the_csrc_knob_and_transforms_its_regions():
     src, meta, props = _proposals()
-    assert sorted(props) == ["define:TIK_RMS_WARPS=2", "define:TIK_RMS_WARPS=8", "transform:vector-loads"]
+    assert sorted(props) == ["define:TIK_RMS_WARPS=2", "define:TIK_RMS_WARPS=8", "transform:row-registers",
+                             "transform:vector-loads"]
     for w in (2, 8):
         s2, m2 = props[f"define:TIK_RMS_WARPS={w}"]
         assert s2 == src and m2["defines"]["TIK_RMS_WARPS"] == w
@@ -65,9 +66,15 @@ def test_offline_proposer_moves_the_csrc_knob_and_transforms_its_regions():
     strip = lambda t: re.sub(r"// <tik:(rms-sumsq|rms-scale)>.*?// </tik:\1>", "", t, flags=re.S)  # noqa: E731
     assert strip(vs) == strip(src) and set(regions(vs)) == set(regions(src)) == {"rms-sumsq", "rms-scale"}
     assert "uint4" in regions(vs)["rms-sumsq"] and "uint4" in regions(vs)["rms-scale"]
-    # applied once: not offered again
+    rs, rm = props["transform:row-registers"]
+    assert rm == meta and strip(rs) == strip(src) and rs != vs
+    assert "xg[k] = __ldg" in regions(rs)["rms-sumsq"] and "xg[k]" in regions(rs)["rms-scale"]
+    # applied once: not offered again (the other transformation of the same regions still is: an alternative)
     again = OfflineProposer().opportunities(get_task("rms_norm"), types.SimpleNamespace(meta=vm, source=vs), {})
     assert "transform:vector-loads" not in [o["key"] for o in again]
+    assert "transform:row-registers" in [o["key"] for o in again]
+    again = OfflineProposer().opportunities(get_task("rms_norm"), types.SimpleNamespace(meta=rm, source=rs), {})
+    assert "transform:row-registers" not in [o["key"] for o in again]
     edge = OfflineProposer().opportunities(get_task("rms_norm"), types.SimpleNamespace(
         meta={**meta, "defines": {"TIK_RMS_WARPS": 16}}, source=""), {})
     assert [o["key"] for o in edge] == ["define:TIK_RMS_WARPS=8"]
@@ -147,10 +154,10 @@ def test_rms_task_reference_and_model():
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(900)  # three load_inline builds (root, vector-loads, one knob move) of ~30-60 s each
+@pytest.mark.timeout(900)  # three load_inline builds (root and two transformations) of ~30-60 s each
 def test_agent_loop_on_the_csrc_root_gpu(tmp_path):
-    """Init + 2 candidates on the GPU timer; the root's bits are the cuda backend's rms_norm bits, and the
-    vector-loads transformation's bits are the root's. The direct loads below use the evaluator's work
+    """Init + 2 candidates on the GPU timer; the root's bits are the cuda backend's rms_norm bits, and both
+    transformations' (vector-loads, row-registers) bits are the root's. The direct loads below use the evaluator's work
     directory and the versions' content hashes as keys, so its worker finds those builds done."""
     from areal_tik import ops
     from areal_tik.agent import roles
@@ -173,17 +180,21 @@ def test_agent_loop_on_the_csrc_root_gpu(tmp_path):
         assert torch.equal(out, ops.rms_norm(x, w, 1e-6, backend="cuda")), (m, n)
     # the vector-loads transformation: the root's bits, on aligned rows, rows at an odd stride (scalar path)
     # and widths that are not a multiple of 8 (the tail group)
+    # (row-registers: also the longest register-held row, 4096, and one past it, 4104, on the element loops)
     vsrc = apply_transform(src, "vector-loads")
-    vec = get_kind(kind).load(vsrc, meta, content_hash(kind, "rms_norm", vsrc, meta), work)
-    for m, n, stride in [(64, 1536, 1536), (7, 1536, 1537), (9, 1000, 1000), (3, 8960, 8960), (2, 13, 13)]:
-        base = torch.randn(m, stride, generator=g).bfloat16().cuda()
-        x = base[:, :n]
-        w = (1 + 0.1 * torch.randn(n, generator=g)).bfloat16().cuda()
-        a = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        b = torch.full_like(a, float("nan"))
-        root.forward(x, w, a, 1e-6, meta)
-        vec.forward(x, w, b, 1e-6, meta)
-        assert torch.equal(a, b), (m, n, stride)
+    rsrc = apply_transform(src, "row-registers")
+    for tsrc in (vsrc, rsrc):
+        vec = get_kind(kind).load(tsrc, meta, content_hash(kind, "rms_norm", tsrc, meta), work)
+        for m, n, stride in [(64, 1536, 1536), (7, 1536, 1537), (9, 1000, 1000), (3, 8960, 8960), (2, 13, 13),
+                             (5, 4096, 4096), (4, 4104, 4104), (6, 1536, 1544)]:
+            base = torch.randn(m, stride, generator=g).bfloat16().cuda()
+            x = base[:, :n]
+            w = (1 + 0.1 * torch.randn(n, generator=g)).bfloat16().cuda()
+            a = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            b = torch.full_like(a, float("nan"))
+            root.forward(x, w, a, 1e-6, meta)
+            vec.forward(x, w, b, 1e-6, meta)
+            assert torch.equal(a, b), (tsrc is rsrc, m, n, stride)
 
     store = Store(str(tmp_path / "ir.sqlite"))
     ev = Evaluator(work, timeout_s=600)
@@ -201,9 +212,10 @@ def test_agent_loop_on_the_csrc_root_gpu(tmp_path):
     assert len(vs) == 3 and not store.versions(run.id, "pending")
     for v in vs:
         assert store.checks(v.id), f"version {v.id} has no recorded checks"
-        # a knob move keeps the csrc text; the one transformation the proposer knows for it is vector-loads
-        assert v.kind == "cuda_inline" and v.source in (src, vsrc), v.origin
-    assert any(v.source == vsrc for v in vs[1:]), "the proposer never tried vector-loads on the csrc root"
+        # a knob move keeps the csrc text; the transformations the proposer knows for it rewrite the regions
+        assert v.kind == "cuda_inline" and v.source in (src, vsrc, rsrc), v.origin
+    # the two transformations outrank the knob moves
+    assert {v.source for v in vs[1:]} == {vsrc, rsrc}, "the proposer did not try both transformations first"
     assert not summ["SIMULATED"] and summ["status"] == "stopped"
     final = next(d for d in reversed(store.decisions(run.id)) if d.action == "stop")
     assert final.data.get("speedup", 0) > 0

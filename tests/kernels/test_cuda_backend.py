@@ -676,10 +676,17 @@ def test_stale_extension_rejected_cpu(monkeypatch):
     monkeypatch.setattr(cuda_ext, "load", lambda: no_pk)
     with pytest.raises(RuntimeError, match="prefill_kernel"):  # built before the wgmma prefill selector
         cu.extension()
+    no_ew = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_PATH=cu.DECODE_PATH,
+                                  PREFILL_KERNELS=cu.PREFILL_KERNELS, __file__="old.so")
+    monkeypatch.setattr(cuda_ext, "load", lambda: no_ew)
+    with pytest.raises(RuntimeError, match="RoPE backward"):  # apply_rope_fwd without the backward flag
+        cu.extension()
     fresh = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_PATH=cu.DECODE_PATH,
-                                  PREFILL_KERNELS=cu.PREFILL_KERNELS)
+                                  PREFILL_KERNELS=cu.PREFILL_KERNELS, ELEMENTWISE_API=cu.ELEMENTWISE_API)
     monkeypatch.setattr(cuda_ext, "load", lambda: fresh)
     assert cu.extension() is fresh
+    with open(os.path.join(cu._ROOT, "csrc", "tik_api.h")) as f:
+        assert f"#define TIK_ELEMENTWISE_API {cu.ELEMENTWISE_API}\n" in f.read()
 
 
 def test_prefill_kernel_argument_cpu():
@@ -954,13 +961,16 @@ def test_rms_norm_row_invariance_and_accuracy(M, N, dtype, seed_rng):
 
 
 @pytest.mark.gpu
-def test_rms_norm_backward(seed_rng):
+@pytest.mark.parametrize("shape", [(9, 256), (2, 5000, 1536)])  # (2, 5000, 1536): 3-D, 16 rows per program
+def test_rms_norm_backward(shape, seed_rng):
     cu = _ops()
-    x = torch.randn(9, 256, device="cuda").bfloat16().requires_grad_(True)
-    w = (1 + 0.1 * torch.randn(256, device="cuda")).bfloat16().requires_grad_(True)
+    n = shape[-1]
+    x = torch.randn(*shape, device="cuda").bfloat16().requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(n, device="cuda")).bfloat16().requires_grad_(True)
     y = cu.rms_norm_cuda(x, w, 1e-6)
     dy = torch.randn_like(y)
     gx, gw = torch.autograd.grad(y, (x, w), dy)
+    assert gx.shape == x.shape and gw.shape == w.shape and gx.dtype == gw.dtype == torch.bfloat16
     xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
     rx, rw = torch.autograd.grad(rms_norm_reference(xd, wd, 1e-6), (xd, wd), dy.double())
     assert check_accuracy(gx, rx, 2e-2) and check_accuracy(gw, rw, 2e-2)
@@ -968,11 +978,11 @@ def test_rms_norm_backward(seed_rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("D", [64, 128])
-def test_apply_rope_bits_invariance_accuracy(dtype, D, seed_rng):
+@pytest.mark.parametrize("D,H", [(64, 6), (128, 6), (128, 40)])  # 40 x 128: a token's 320 groups over 2 CTAs
+def test_apply_rope_bits_invariance_accuracy(dtype, D, H, seed_rng):
     cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
-    T, H, P = 77, 6, 4096
+    T, P = 77, 4096
     cos, sin = rope_table(D, P, 1e6, device="cuda")
     qkv = torch.randn(T, 3 * H, D, generator=g).to(dtype).cuda()
     x = qkv[:, H:2 * H]  # strided view, as from a fused qkv projection
@@ -988,20 +998,51 @@ def test_apply_rope_bits_invariance_accuracy(dtype, D, seed_rng):
     assert rep, rep
     sub = torch.tensor([3, 0, 50], device="cuda")
     assert compare_bits(cu.apply_rope_cuda(x[sub], cos, sin, positions[sub].int()), y[sub])
+    # a base 2 bytes past a 16-byte boundary: the element path, the same bits as the vector path
+    shifted = torch.empty(T * H * D + 1, dtype=dtype, device="cuda")[1:].view(T, H, D)
+    shifted.copy_(x)
+    assert compare_bits(cu.apply_rope_cuda(shifted, cos, sin, positions), y)
     acc = check_accuracy(y, apply_rope_reference(x, cos, sin, positions), 1e-5 if dtype == torch.float32 else 1e-2)
     assert acc, acc
 
 
 @pytest.mark.gpu
-def test_apply_rope_backward():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_apply_rope_backward_transpose_bits(dtype, seed_rng):
+    """The csrc backward is the transpose with fp32 products and sum rounded separately: the unfused torch
+    expression's bits, on both the vector path (aligned bf16) and the element path (shifted base)."""
     cu = _ops()
-    D, T, H = 64, 20, 3
+    g = torch.Generator().manual_seed(seed_rng)
+    T, H, D, P = 50, 12, 128, 2048
+    cos, sin = rope_table(D, P, 1e6, device="cuda")
+    dy = torch.randn(T, H, D, generator=g).to(dtype).cuda()
+    pos = torch.randint(0, P, (T,), generator=g).cuda()
+    h = D // 2
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    gf = dy.float()
+    expect = torch.cat([gf[..., :h] * c[..., :h] + gf[..., h:] * s[..., h:],
+                        gf[..., h:] * c[..., h:] - gf[..., :h] * s[..., :h]], -1).to(dtype)
+    out = torch.full_like(dy, float("nan"))
+    got = cu.extension().apply_rope_fwd(dy, cos, sin, pos, out=out, backward=True)
+    assert got.data_ptr() == out.data_ptr()
+    rep = compare_bits(got, expect, name="rope backward==torch fp32 unfused")
+    assert rep, rep
+    shifted = torch.empty(T * H * D + 1, dtype=dtype, device="cuda")[1:].view(T, H, D)
+    shifted.copy_(dy)
+    assert compare_bits(cu.extension().apply_rope_fwd(shifted, cos, sin, pos, backward=True), expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,D,H", [(torch.float32, 64, 3), (torch.bfloat16, 128, 12)])
+def test_apply_rope_backward(dtype, D, H):
+    cu = _ops()
+    T = 20
     cos, sin = rope_table(D, 128, 1e6, device="cuda")
-    x = torch.randn(T, H, D, device="cuda").requires_grad_(True)
+    x = torch.randn(T, H, D, device="cuda").to(dtype).requires_grad_(True)
     pos = torch.randint(0, 128, (T,), device="cuda")
     y = cu.apply_rope_cuda(x, cos, sin, pos)
     dy = torch.randn_like(y)
     (gx,) = torch.autograd.grad(y, (x,), dy)
     xd = x.detach().double().requires_grad_(True)
     (rx,) = torch.autograd.grad(apply_rope_reference(xd, cos, sin, pos), (xd,), dy.double())
-    assert check_accuracy(gx, rx, 1e-5)
+    assert gx.dtype == dtype and check_accuracy(gx, rx, 1e-5 if dtype == torch.float32 else 1e-2)
