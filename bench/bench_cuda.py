@@ -17,7 +17,8 @@ registers/spills per attention kernel. ``decode_wide_table``: ctx 128 / 1K decod
 table 8K positions wide (as an engine sized for 8K contexts passes it: 32 grid chunks, most
 of them idle), fused vs two-launch merge. ``train_attention``: forward + backward of the training
 attention (packed equal-length sequences: 16 x 1K at 12/2 heads, 4 x 4K at 32/8), cuda (csrc forward
-+ the Triton backward on its lse) vs Triton vs SDPA.
++ the default backward on its lse, kernels/attention_backward.py) vs the same with the Triton backward vs
+Triton vs SDPA.
 """
 from __future__ import annotations
 
@@ -244,9 +245,11 @@ def _sections(res, args, cuda_ops):
         torch.cuda.empty_cache()
 
     # ---- training attention: forward + backward --------------------------------------------
-    # cuda = the csrc forward (it also writes each row's lse) + the Triton backward on it; triton = the
+    # cuda = the csrc forward (it also writes each row's lse) + the default backward on it; triton = the
     # Triton forward + the same backward; SDPA on [B, H, L, D] (equal lengths, so the same attention).
     res["train_attention"] = []
+    from areal_tik.kernels import attention_backward
+    bwd_default = attention_backward.ATTN_BACKWARD
     for B, L, hq, hkv in ((16, 1024, 12, 2), (4, 4096, 32, 8)):
         T = B * L
         q = torch.randn(T, hq, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -265,23 +268,31 @@ def _sections(res, args, cuda_ops):
         provs = {"sdpa": (lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
                           (qs, ks, vs), dos),
                  "cuda": (lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L), (q, k, v), do)}
+        # the same csrc forward with the backward forced to the Triton recompute (kernels/attention_backward.py)
+        provs["cuda_tritonbwd"] = provs["cuda"]
         if tri_varlen is not None:
             provs["triton"] = (lambda: tri_varlen(q, k, v, cu, L), (q, k, v), do)
+        row["attn_backward_auto"] = attention_backward.select_backward(q, k)
         for name, (f, inputs, g) in provs.items():
+            attention_backward.ATTN_BACKWARD = "triton" if name == "cuda_tritonbwd" else bwd_default
             try:
                 row[f"{name}_fwd_bwd_ms"] = _median_ms(lambda: fb(f, inputs, g), iters=10)
-                with torch.no_grad():
-                    row[f"{name}_fwd_ms"] = _median_ms(f, iters=10)
+                if name != "cuda_tritonbwd":
+                    with torch.no_grad():
+                        row[f"{name}_fwd_ms"] = _median_ms(f, iters=10)
             except Exception as e:
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for name in ("sdpa", "triton"):
+            finally:
+                attention_backward.ATTN_BACKWARD = bwd_default
+        for name in ("sdpa", "triton", "cuda_tritonbwd"):
             if f"{name}_fwd_bwd_ms" in row and "cuda_fwd_bwd_ms" in row:
                 row[f"cuda_speedup_vs_{name}"] = round(row[f"{name}_fwd_bwd_ms"] / row["cuda_fwd_bwd_ms"], 3)
         res["train_attention"].append(row)
         print(f"train attention B={B} L={L} {hq}/{hkv}: fwd+bwd sdpa {row.get('sdpa_fwd_bwd_ms', float('nan')):.3f} ms  "
               f"cuda {row.get('cuda_fwd_bwd_ms', float('nan')):.3f} ms  triton {row.get('triton_fwd_bwd_ms', float('nan')):.3f} ms"
               f"  (fwd only: {row.get('sdpa_fwd_ms', float('nan')):.3f} / {row.get('cuda_fwd_ms', float('nan')):.3f} / "
-              f"{row.get('triton_fwd_ms', float('nan')):.3f})")
+              f"{row.get('triton_fwd_ms', float('nan')):.3f}); cuda with the Triton backward "
+              f"{row.get('cuda_tritonbwd_fwd_bwd_ms', float('nan')):.3f} ms; auto backward: {row['attn_backward_auto']}")
         del q, k, v, qs, ks, vs, do, dos
         torch.cuda.empty_cache()
 

@@ -705,8 +705,9 @@ def _bwd_tiles(D):
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
-    """Autograd for the Triton varlen forward; backward is a flash-attention-2 style
-    recompute in Triton (dq/dk/dv correct, not bit-invariant)."""
+    """Autograd for the Triton varlen forward; backward: :mod:`areal_tik.kernels.attention_backward` (the
+    Triton flash-attention-2 recompute :func:`varlen_backward`, or PyTorch's flash backward kernel, on the
+    saved output and lse; dq/dk/dv correct, not bit-invariant)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
@@ -718,8 +719,10 @@ class AttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        from areal_tik.kernels.attention_backward import varlen_attention_backward
         q, k, v, out, lse, cu = ctx.saved_tensors
-        dq, dk, dv = varlen_backward(q, k, v, out, lse, cu, ctx.max_seqlen, ctx.sm_scale, ctx.qk_scale, dout)
+        dq, dk, dv = varlen_attention_backward(q, k, v, out, lse, cu, ctx.max_seqlen, ctx.sm_scale, ctx.qk_scale,
+                                               dout)
         return dq, dk, dv, None, None, None
 
 

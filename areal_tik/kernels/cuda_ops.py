@@ -48,9 +48,10 @@ under "auto".
 Accuracy: relative Frobenius error vs ``attention_reference`` (float64) < 1e-2.
 
 Backward of ``attention_varlen``: the forward also writes each row's base-2 log-sum-exp (same
-output bits; FOLD mode) and the backward is the Triton flash-attention-2 recompute on it
-(``attention.varlen_backward``, the Triton forward's own backward): correct, not bitwise invariant,
-not the exact derivative of the bf16 forward. A forced ``mode="split"`` keeps the older float32
+output bits; FOLD mode) and the backward runs on it, as the Triton forward's does
+(``kernels/attention_backward.py``: PyTorch's flash-attention-2 backward kernel by default, the Triton
+recompute under deterministic algorithms or ``AREAL_TIK_ATTN_BACKWARD=triton``): correct, not bitwise
+invariant, not the exact derivative of the bf16 forward. A forced ``mode="split"`` keeps the older float32
 recompute through PyTorch's ``scaled_dot_product_attention`` per sequence. ``rms_norm`` and
 ``apply_rope`` backward: the Triton RMSNorm backward kernel on a float32 recompute of each row's
 rstd, and the csrc RoPE kernel's transpose.
@@ -234,9 +235,11 @@ def _varlen_grad_reference(q, k, v, cu_seqlens, scale, dout):
 
 class _VarlenCudaFunction(torch.autograd.Function):
     """Autograd for the CUDA varlen forward. The forward also writes each row's base-2 log-sum-exp
-    (csrc ``TikAttnParams::lse``; same output bits) and the backward is the Triton flash-attention-2
-    recompute of :func:`areal_tik.kernels.attention.varlen_backward` on it. A forced ``mode="split"``
-    (no lse in that mode) keeps the float32 PyTorch recompute (:func:`_varlen_grad_reference`)."""
+    (csrc ``TikAttnParams::lse``; same output bits) and the backward runs on it
+    (:mod:`areal_tik.kernels.attention_backward`: PyTorch's flash-attention-2 backward kernel, or the Triton
+    recompute where that cannot run, under deterministic algorithms, or by ``AREAL_TIK_ATTN_BACKWARD``). A
+    forced ``mode="split"`` (no lse in that mode) keeps the float32 PyTorch recompute
+    (:func:`_varlen_grad_reference`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, mode, pk):
@@ -255,8 +258,9 @@ class _VarlenCudaFunction(torch.autograd.Function):
         if not lse:
             dq, dk, dv = _varlen_grad_reference(q, k, v, cu, ctx.scale, dout)
         else:
-            from areal_tik.kernels.attention import varlen_backward
-            dq, dk, dv = varlen_backward(q, k, v, out, lse[0], cu, ctx.max_seqlen, ctx.scale, ctx.scale * LOG2E, dout)
+            from areal_tik.kernels.attention_backward import varlen_attention_backward
+            dq, dk, dv = varlen_attention_backward(q, k, v, out, lse[0], cu, ctx.max_seqlen, ctx.scale,
+                                                   ctx.scale * LOG2E, dout)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -265,7 +269,7 @@ def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_si
     """R1 packed causal GQA attention (CUDA). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` bf16,
     ``cu_seqlens`` int32 ``[B+1]`` (covering all T tokens), ``max_seqlen`` host int >= the
     longest segment. Returns ``[T, Hq, D]`` bf16, bitwise equal to :func:`attention_paged_cuda`
-    for the same positions (module docstring). Autograd: the Triton flash-attention-2 backward on the
+    for the same positions (module docstring). Autograd: ``kernels/attention_backward.py`` on the
     log-sum-exp the forward writes alongside (float32 PyTorch recompute under ``mode="split"``).
     ``prefill_kernel``: ``"auto"``, ``"mma"``, ``"wgmma"`` or None (``PREFILL_KERNEL``); same bits."""
     name = "attention_varlen"

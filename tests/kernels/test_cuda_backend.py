@@ -821,11 +821,14 @@ _BWD_CASES = [([70, 1, 130], 8, 2, 64, "auto", "auto"), ([300, 5, 700], 32, 8, 1
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bwd", ["flash", "triton"])
 @pytest.mark.parametrize("case", range(len(_BWD_CASES)))
-def test_attention_varlen_backward(case, seed_rng):
-    """Gradients of the CUDA varlen forward (Triton backward on the lse the forward writes; float32
+def test_attention_varlen_backward(case, bwd, seed_rng, monkeypatch):
+    """Gradients of the CUDA varlen forward (either backward kernel on the lse the forward writes; float32
     recompute under a forced split) against the float64 reference; the forward's bits do not change
     when autograd asks for the lse."""
+    from areal_tik.kernels import attention_backward
+    monkeypatch.setattr(attention_backward, "ATTN_BACKWARD", bwd)
     lens, Hq, Hkv, D, pk, mode = _BWD_CASES[case]
     cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
@@ -846,6 +849,39 @@ def test_attention_varlen_backward(case, seed_rng):
     for name, a, r in zip("qkv", grads, rgrads):
         rep = check_accuracy(a, r, 2e-2, name=f"d{name}")
         assert rep, rep
+
+
+@pytest.mark.gpu
+def test_attention_backward_selection_and_determinism(seed_rng):
+    """auto takes PyTorch's flash backward on an H100/H200-class GPU, and the Triton backward under
+    torch.use_deterministic_algorithms, whose gradients are then the same bits on every run; both are the
+    same gradient (float64 reference within 2e-2; each other within 1e-2)."""
+    from areal_tik.kernels import attention_backward as ab
+    cu = _ops()
+    g = torch.Generator().manual_seed(seed_rng)
+    lens, Hq, Hkv, D = [600, 3, 1000], 12, 2, 128
+    T = sum(lens)
+    q, k, v = (torch.randn(T, h, D, generator=g).bfloat16().cuda().requires_grad_(True) for h in (Hq, Hkv, Hkv))
+    cus = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    do = torch.randn(T, Hq, D, generator=g).bfloat16().cuda()
+    assert ab.select_backward(q, k, "auto") == "flash"
+    runs = {}
+    prev = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert ab.select_backward(q, k, "auto") == "triton"
+        runs["triton"] = [torch.autograd.grad(cu.attention_varlen_cuda(q, k, v, cus, max(lens)), (q, k, v), do)
+                          for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    for a, b in zip(*runs["triton"]):
+        assert torch.equal(a, b)
+    fl = torch.autograd.grad(cu.attention_varlen_cuda(q, k, v, cus, max(lens)), (q, k, v), do)
+    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    rgrads = torch.autograd.grad(attention_reference(qd, kd, vd, cus), (qd, kd, vd), do.double())
+    for name, a, b, r in zip("qkv", fl, runs["triton"][0], rgrads):
+        assert check_accuracy(a, r, 2e-2, name=f"flash d{name}") and check_accuracy(b, r, 2e-2, name=f"triton d{name}")
+        assert check_accuracy(a, b.double(), 1e-2, name=f"flash vs triton d{name}")
 
 
 @pytest.mark.gpu
