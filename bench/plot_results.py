@@ -5,7 +5,8 @@
     python bench/plot_results.py bench/results/<run>/*/bisect_decode.json    -> bisect_decode.png beside each
 
 bench_cuda.json (bench/bench_cuda.py): two panels, each kernel's speed relative to PyTorch SDPA measured in the
-same run (>1 = faster than SDPA), with issue 9's goal lines: prefill per L, decode per (batch, context) cell.
+same run (>1 = faster than SDPA), with issue 9's goal lines: prefill per L, decode per (batch, context) cell;
+a third, training attention forward + backward, where the JSON has it.
 bisect.json / bisect_decode.json (bench/bisect_csrc.py): one bar per variant and cell, relative to the first
 variant (the reference tree), each repetition drawn as a dot, SDPA as a bar of its own; a variant whose bits
 differed from the reference is hatched (ablations and probes differ by design).
@@ -49,7 +50,10 @@ def _bars(ax, labels, series, ref_line=None, goal=None, ylabel=""):
 
 def plot_bench_cuda(path: str) -> str:
     d = json.load(open(path))
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5.2))
+    train = d.get("train_attention") or []
+    fig, axes = plt.subplots(1, 3 if train else 2, figsize=(18 if train else 13, 5.2),
+                             gridspec_kw={"width_ratios": [1, 2.2, 0.7] if train else [1, 2.2]})
+    a1, a2 = axes[0], axes[1]
     pre = d["prefill"]
     labels = [f"L {r['L']}" for r in pre]
     series = [("csrc", [r["sdpa_ms"] / r["cuda_ms"] for r in pre], None, None),
@@ -70,9 +74,21 @@ def plot_bench_cuda(path: str) -> str:
     a2.plot(range(len(dec)), [min(f, top * 0.98) for f in floor], "kv", markersize=5,
             label="K/V read once at 4.1 TB/s (top edge: off scale)")
     a2.set_ylim(0, top)
-    for a in (a1, a2):  # below the axes: the floor markers sit along the top edge
-        a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4)
     a2.set_title("decode (batch x context)")
+    if train:  # training attention, forward + backward (the backward is not under the bit contract)
+        a3 = axes[2]
+        labels = [f"{r['batch']}x{r['L']} {r['hq']}/{r['hkv']}" for r in train]
+        series = [("csrc fwd + default bwd", [r["sdpa_fwd_bwd_ms"] / r["cuda_fwd_bwd_ms"] for r in train], None, None)]
+        if all("cuda_tritonbwd_fwd_bwd_ms" in r for r in train):
+            series.append(("csrc fwd + Triton bwd",
+                           [r["sdpa_fwd_bwd_ms"] / r["cuda_tritonbwd_fwd_bwd_ms"] for r in train], None, None))
+        if all("triton_fwd_bwd_ms" in r for r in train):
+            series.append(("triton", [r["sdpa_fwd_bwd_ms"] / r["triton_fwd_bwd_ms"] for r in train], None, None))
+        _bars(a3, labels, series, ref_line=1.0, ylabel="speed / SDPA (same run)")
+        a3.set_ylim(0, max(1.15, 1.1 * max(max(v) for _, v, _, _ in series)))
+        a3.set_title("training attention (fwd + bwd)")
+    for a in axes:  # below the axes: the floor markers sit along the top edge
+        a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2 if a is not a2 else 4)
     fig.suptitle(f"{d['gpu']}, torch {d['torch']}: csrc and Triton kernels against SDPA")
     fig.tight_layout()
     out = os.path.join(os.path.dirname(path), "bench_cuda.png")

@@ -27,6 +27,14 @@ def test_bench_cuda_and_bisect_figures(tmp_path):
     p = tmp_path / "bench_cuda.json"
     p.write_text(json.dumps(bc))
     assert _png(plot_results.plot_bench_cuda(str(p)))
+    bc["train_attention"] = [{"batch": 16, "L": 1024, "hq": 12, "hkv": 2, "sdpa_fwd_bwd_ms": 0.6,
+                              "cuda_fwd_bwd_ms": 0.95, "cuda_tritonbwd_fwd_bwd_ms": 1.3, "triton_fwd_bwd_ms": 1.0}]
+    p.write_text(json.dumps(bc))
+    assert _png(plot_results.plot_bench_cuda(str(p)))
+    del bc["train_attention"][0]["cuda_fwd_bwd_ms"]
+    p.write_text(json.dumps(bc))
+    with pytest.raises(KeyError):
+        plot_results.plot_bench_cuda(str(p))
     pre = [{"H_varlen": True}, {"L": 512, "batch": 64, "heads": "12/2", "page_size": 64, "sdpa": 360.0,
                                 "H_eq": True, "H": [195.0, 196.0], "X_eq": False, "X": [210.0, 211.0]}]
     dec = [{"H_cpc0_ps64_fused": True}, {"batch": 1, "ctx": 550, "heads": "12/2", "sdpa_us": 7.9,
