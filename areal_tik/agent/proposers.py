@@ -60,6 +60,26 @@ class Proposer:
 
 
 # ---------------------------------------------------------------- known transformations
+# The csrc rms_norm's element loops over group c (the root's, at 4 spaces: inside a group loop inside a branch);
+# the rms transformations keep them for the rows their vector paths do not take.
+_RMS_SUMSQ_ELEMENTS = """\
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int idx = c * 8 + e;
+      if (idx < n) {
+        const float v = to_f(xr[idx]);
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+      }
+    }"""
+_RMS_SCALE_ELEMENTS = """\
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int idx = c * 8 + e;
+      if (idx < n) {
+        const float h = to_f(from_f<T>(__fmul_rn(to_f(xr[idx]), r)));
+        yr[idx] = from_f<T>(__fmul_rn(to_f(w[idx]), h));
+      }
+    }"""
 TRANSFORMS = {
     "grouped-order": ("tile-order", """\
 num_pid_in_group = GROUP_M * num_pid_n
@@ -106,14 +126,7 @@ for (int c = lane; c * 8 < n; c += 32) {
       ss = __fadd_rn(ss, __fmul_rn(v, v));
     }
   } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int idx = c * 8 + e;
-      if (idx < n) {
-        const float v = to_f(xr[idx]);
-        ss = __fadd_rn(ss, __fmul_rn(v, v));
-      }
-    }
+""" + _RMS_SUMSQ_ELEMENTS + """
   }
 }"""),
     # csrc rms_norm: a lane's whole share of the row (up to 16 groups of 8 = rows up to 4096 elements) loaded
@@ -143,14 +156,7 @@ if (rg) {
   }
 } else {
   for (int c = lane; c * 8 < n; c += 32) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int idx = c * 8 + e;
-      if (idx < n) {
-        const float v = to_f(xr[idx]);
-        ss = __fadd_rn(ss, __fmul_rn(v, v));
-      }
-    }
+""" + _RMS_SUMSQ_ELEMENTS + """
   }
 }"""),
 }
@@ -174,14 +180,7 @@ for (int c = lane; c * 8 < n; c += 32) {
     }
     *reinterpret_cast<uint4*>(yr + c * 8) = uy;
   } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int idx = c * 8 + e;
-      if (idx < n) {
-        const float h = to_f(from_f<T>(__fmul_rn(to_f(xr[idx]), r)));
-        yr[idx] = from_f<T>(__fmul_rn(to_f(w[idx]), h));
-      }
-    }
+""" + _RMS_SCALE_ELEMENTS + """
   }
 }""")}
 _TRANSFORM_EXTRA["row-registers"] = ("rms-scale", """\
@@ -205,14 +204,7 @@ if (rg && ((reinterpret_cast<uintptr_t>(yr) | reinterpret_cast<uintptr_t>(w)) & 
   }
 } else {
   for (int c = lane; c * 8 < n; c += 32) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int idx = c * 8 + e;
-      if (idx < n) {
-        const float h = to_f(from_f<T>(__fmul_rn(to_f(xr[idx]), r)));
-        yr[idx] = from_f<T>(__fmul_rn(to_f(w[idx]), h));
-      }
-    }
+""" + _RMS_SCALE_ELEMENTS + """
   }
 }""")
 _TRANSFORM_PRIORITY = {"unmasked-k-loop": 85.0, "grouped-order": 80.0, "persistent": 55.0, "vector-loads": 70.0,
