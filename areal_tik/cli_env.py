@@ -19,11 +19,13 @@ def collect() -> dict:
     env["areal_tik"] = _version("areal-tik")
     fp = fingerprint.compute(env=env)
     status = registry.backend_status()
+    from areal_tik.kernels import attention_backward
     return {
         "versions": {k: env[k] for k in ("python", "torch", "triton", "cuda", "transformers", "areal", "areal_tik")},
         "gpu": env["gpu"] or "no GPU",
         "backends": {k: {"available": ok, "reason": why} for k, (ok, why) in status.items()},
         "selection": fp["selection"],
+        "attention_backward": attention_backward.describe(),
         "fingerprint": fp["fingerprint"],
     }
 
@@ -46,6 +48,7 @@ def run(args) -> int:
     for k, b in info["backends"].items():
         t.add_row(f"backend {k}", ("[green]available[/green] " if b["available"] else "[red]unavailable[/red] ") + b["reason"])
     t.add_row("op selection", ", ".join(f"{o}={b}" for o, b in info["selection"].items()) or "[dim]no ops[/dim]")
+    t.add_row("attention backward", info["attention_backward"] + " [dim](AREAL_TIK_ATTN_BACKWARD)[/dim]")
     t.add_row("kernel fingerprint", info["fingerprint"])
     c.print(t)
     return 0

@@ -84,9 +84,15 @@ __global__ void __launch_bounds__(RMS_WARPS * 32)
   // </tik:rms-scale>
 }
 
+// A position's row of the cos/sin tables, clamped to [0, num_pos): positions are validated on the host, and a
+// bad one must still never read out of bounds.
+__device__ __forceinline__ int64_t table_row(int64_t pos, int64_t num_pos) {
+  return pos < 0 ? 0 : (pos >= num_pos ? num_pos - 1 : pos);
+}
+
 // RoPE, element path: one thread per (token, head, i < D/2) pair of outputs, any strides, any dtype.
 // BWD: the transpose (the gradient): y1 = x1*cos1 + x2*sin2, y2 = x2*cos2 - x1*sin1, same rounding points.
-template <typename T, bool BWD>
+template <bool BWD>
 __device__ __forceinline__ void rope_pair(float x1, float x2, float c1, float c2, float s1, float s2, float& y1,
                                           float& y2) {
   if constexpr (BWD) {
@@ -110,13 +116,12 @@ __global__ void rope_kernel(const T* __restrict__ x, T* __restrict__ out, const 
     const int64_t th = idx / half;
     const int h = (int)(th % H);
     const int64_t t = th / H;
-    int64_t pos = positions[t];
-    if (pos < 0 || pos >= num_pos) pos = pos < 0 ? 0 : num_pos - 1;  // validated on the host; never read OOB
+    const int64_t pos = table_row(positions[t], num_pos);
     const T* xr = x + t * sx_t + h * sx_h;
     const float* c = cos_t + pos * D;
     const float* s = sin_t + pos * D;
     float y1, y2;
-    rope_pair<T, BWD>(to_f(xr[i]), to_f(xr[i + half]), c[i], c[i + half], s[i], s[i + half], y1, y2);
+    rope_pair<BWD>(to_f(xr[i]), to_f(xr[i + half]), c[i], c[i + half], s[i], s[i + half], y1, y2);
     T* o = out + (t * H + h) * (int64_t)D;
     o[i] = from_f<T>(y1);
     o[i + half] = from_f<T>(y2);
@@ -140,8 +145,7 @@ __global__ void __launch_bounds__(256) rope_vec_kernel(const T* __restrict__ x, 
   const int h = r / ng, gi = r - h * ng;
   const int64_t t = (int64_t)blockIdx.x * tok + lt;
   if (t >= T_) return;
-  int64_t pos = positions[t];
-  if (pos < 0 || pos >= num_pos) pos = pos < 0 ? 0 : num_pos - 1;
+  const int64_t pos = table_row(positions[t], num_pos);
   const int i = gi * 8;
   const T* xr = x + t * sx_t + h * sx_h;
   const uint4 u1 = __ldg(reinterpret_cast<const uint4*>(xr + i));
@@ -164,7 +168,7 @@ __global__ void __launch_bounds__(256) rope_vec_kernel(const T* __restrict__ x, 
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
     float y1, y2;
-    rope_pair<T, BWD>(to_f(a[e]), to_f(b[e]), c1[e], c2[e], s1[e], s2[e], y1, y2);
+    rope_pair<BWD>(to_f(a[e]), to_f(b[e]), c1[e], c2[e], s1[e], s2[e], y1, y2);
     p1[e] = from_f<T>(y1);
     p2[e] = from_f<T>(y2);
   }

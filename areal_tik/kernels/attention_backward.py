@@ -25,7 +25,7 @@ import os
 import torch
 
 __all__ = ["BACKWARDS", "ATTN_BACKWARD", "flash_backward_supported", "select_backward", "varlen_backward_flash",
-           "varlen_attention_backward"]
+           "varlen_attention_backward", "describe"]
 
 BACKWARDS = ("auto", "flash", "triton")
 ATTN_BACKWARD = os.environ.get("AREAL_TIK_ATTN_BACKWARD", "auto")
@@ -87,3 +87,20 @@ def varlen_attention_backward(q, k, v, out, lse2, cu_seqlens, max_seqlen, sm_sca
         return varlen_backward_flash(q, k, v, out, lse2, cu_seqlens, max_seqlen, sm_scale, dout)
     from areal_tik.kernels.attention import varlen_backward
     return varlen_backward(q, k, v, out, lse2, cu_seqlens, max_seqlen, sm_scale, qk_scale, dout)
+
+
+
+def describe() -> str:
+    """One line for ``areal-tik env``: the setting and what it selects here for bf16 D=128 GQA tensors."""
+    if not torch.cuda.is_available():
+        return f"{ATTN_BACKWARD} (no CUDA GPU: the Triton and csrc forwards, whose backward this is, do not run)"
+    q = torch.empty(1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.empty(1, 2, 128, dtype=torch.bfloat16, device="cuda")
+    try:
+        picked = select_backward(q, k)
+    except (RuntimeError, ValueError) as e:
+        return f"{ATTN_BACKWARD}: {e}"
+    if picked == "triton" and ATTN_BACKWARD == "auto":
+        ok, why = flash_backward_supported(q, k)
+        return f"auto -> triton ({why if not ok else 'deterministic algorithms are on'})"
+    return f"{ATTN_BACKWARD} -> {picked}"

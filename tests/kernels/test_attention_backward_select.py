@@ -27,3 +27,13 @@ def test_triton_backward_is_the_cpu_path(monkeypatch):
     q, k = torch.zeros(4, 8, 64), torch.zeros(4, 2, 64)
     out = ab.varlen_attention_backward(q, k, k, q, torch.zeros(4, 8), torch.tensor([0, 4]), 4, 0.125, 0.18, q)
     assert calls == [10] and out[0] is q
+
+
+def test_describe_for_env():
+    """`areal-tik env` reports the setting; without a GPU it says the selector is not used."""
+    line = ab.describe()
+    assert line.startswith(ab.ATTN_BACKWARD)
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU" in line
+    from areal_tik import cli_env
+    assert cli_env.collect()["attention_backward"] == line
