@@ -89,7 +89,6 @@ def varlen_attention_backward(q, k, v, out, lse2, cu_seqlens, max_seqlen, sm_sca
     return varlen_backward(q, k, v, out, lse2, cu_seqlens, max_seqlen, sm_scale, qk_scale, dout)
 
 
-
 def describe() -> str:
     """One line for ``areal-tik env``: the setting and what it selects here for bf16 D=128 GQA tensors."""
     if not torch.cuda.is_available():

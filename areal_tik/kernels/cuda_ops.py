@@ -53,8 +53,8 @@ output bits; FOLD mode) and the backward runs on it, as the Triton forward's doe
 recompute under deterministic algorithms or ``AREAL_TIK_ATTN_BACKWARD=triton``): correct, not bitwise
 invariant, not the exact derivative of the bf16 forward. A forced ``mode="split"`` keeps the older float32
 recompute through PyTorch's ``scaled_dot_product_attention`` per sequence. ``rms_norm`` and
-``apply_rope`` backward: the Triton RMSNorm backward kernel on a float32 recompute of each row's
-rstd, and the csrc RoPE kernel's transpose.
+``apply_rope`` backward: the Triton RMSNorm backward kernel on each row's rstd from the Triton
+forward, and the csrc RoPE kernel's transpose.
 
 RMSNorm: HF rounding points, one warp per row, reduction order fixed by N only (row
 invariant). RoPE: fp32 products and sum rounded separately, one rounding to x's dtype.
@@ -120,14 +120,13 @@ def extension():
                            "the current decode path, e.g. the removed 1-warp decode, the decode without the "
                            "fused merge, or a build without the lse output): rebuild it (pip install -e . to rebuild areal_tik._C, or delete the stale "
                            "areal_tik/_C*.so to use the JIT build)")
-    if getattr(mod, "PREFILL_KERNELS", None) != PREFILL_KERNELS:
-        raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} predates the prefill_kernel "
-                           "selector (wgmma prefill): rebuild it (pip install -e ., or delete the stale "
-                           "areal_tik/_C*.so to use the JIT build)")
-    if getattr(mod, "ELEMENTWISE_API", None) != ELEMENTWISE_API:
-        raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} predates the RoPE backward "
-                           "kernel (ELEMENTWISE_API): rebuild it (pip install -e ., or delete the stale "
-                           "areal_tik/_C*.so to use the JIT build)")
+    # revision markers of later csrc features: a build without one predates that feature
+    for attr, want, feature in (("PREFILL_KERNELS", PREFILL_KERNELS, "the prefill_kernel selector (wgmma prefill)"),
+                                ("ELEMENTWISE_API", ELEMENTWISE_API, "the RoPE backward kernel (ELEMENTWISE_API)")):
+        if getattr(mod, attr, None) != want:
+            raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} predates {feature}: "
+                               "rebuild it (pip install -e ., or delete the stale areal_tik/_C*.so to use the JIT "
+                               "build)")
     return mod
 
 
@@ -367,14 +366,14 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 def rms_norm_backward(x, w, eps, dy):
     """(dx, dw) of HF RMSNorm, the backward of the csrc rms_norm and of an agent-exported one
     (areal_tik.agent.export): the Triton backward kernel of ``kernels/rms_norm.py`` (fp32 maths, dw from
-    fixed per-program partial sums) on each row's ``rsqrt(mean(x^2) + eps)`` recomputed in float32. Like
+    fixed per-program partial sums) on each row's ``rsqrt(mean(x^2) + eps)`` from its Triton forward. Like
     the attention's backward, a gradient: accurate, not part of the bitwise contract."""
-    from areal_tik.kernels.rms_norm import _rms_norm_bwd
+    from areal_tik.kernels.rms_norm import _rms_norm_bwd, rms_norm_fwd
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    rstd = torch.rsqrt(x2.float().pow(2).mean(-1) + eps)
+    _, rstd = rms_norm_fwd(x2, w, eps, store_rstd=True)  # the Triton forward's rstd (its y is not used)
     dx, dw = _rms_norm_bwd(dy.reshape(-1, n), x2, w, rstd)
     return dx.view(x.shape), dw
 
