@@ -56,10 +56,10 @@ def main() -> None:
             os.chmod(os.path.join(dst, rel), 0o644)
     with open(os.path.join(dst, "COMMAND.md"), "w") as f:
         f.write(f"# How these results were made\n\nOn the device ({gpu}), at commit `{commit}`:\n\n```bash\n{a.command}\n```\n")
-    # Figures beside the JSONs that have one (bench/plot_results.py: bench_cuda, bisect, bisect_decode); imported
+    # Figures beside the JSONs that have one (bench/plot_results.py: bench_cuda, bench_ceiling, bisect, bisect_decode); imported
     # here, next to this script, so that filing results without figures needs no matplotlib import.
     import plot_results
-    figs = [p for pat in ("bench_cuda.json", "bisect.json", "bisect_decode.json")
+    figs = [p for pat in ("bench_cuda.json", "bench_ceiling.json", "bisect.json", "bisect_decode.json")
             for p in glob.glob(os.path.join(dst, "**", pat), recursive=True)]
     if figs:
         plot_results.main(figs)

@@ -3,6 +3,7 @@
     python bench/plot_results.py bench/results/<run>/bench_cuda.json [...]   -> bench_cuda.png beside it
     python bench/plot_results.py bench/results/<run>/*/bisect.json [...]      -> bisect.png beside each
     python bench/plot_results.py bench/results/<run>/*/bisect_decode.json    -> bisect_decode.png beside each
+    python bench/plot_results.py bench/results/<run>/bench_ceiling.json      -> bench_ceiling.png beside it
 
 bench_cuda.json (bench/bench_cuda.py): two panels, each kernel's speed relative to PyTorch SDPA measured in the
 same run (>1 = faster than SDPA), with issue 9's goal lines: prefill per L, decode per (batch, context) cell;
@@ -10,6 +11,9 @@ a third, training attention forward + backward, where the JSON has it.
 bisect.json / bisect_decode.json (bench/bisect_csrc.py): one bar per variant and cell, relative to the first
 variant (the reference tree), each repetition drawn as a dot, SDPA as a bar of its own; a variant whose bits
 differed from the reference is hatched (ablations and probes differ by design).
+bench_ceiling.json (bench/bench_ceiling.py): per decode cell, the csrc and Triton decode's speed relative to SDPA
+beside the most any kernel could reach there (launch floor / measured HBM read ceiling; the vendor's HBM peak as
+a marker), with the 1.2x goal line.
 Only reads what the JSON holds; a missing key is an error, not a zero.
 """
 from __future__ import annotations
@@ -130,12 +134,37 @@ def plot_bisect(path: str) -> str:
     return out
 
 
+def plot_ceiling(path: str) -> str:
+    d = json.load(open(path))
+    dec = d["decode"]
+    labels = [f"{r['batch']}x{r['ctx']}" + (" (HBM)" if r["hbm_bound_cell"] else "") for r in dec]
+    series = [(n, [r[f"{k}_speedup_vs_sdpa"] for r in dec], None, None)
+              for n, k in (("csrc decode", "cuda"), ("triton decode", "triton")) if all(f"{k}_us" in r for r in dec)]
+    series.append((f"bound: launch floor {d['launch_floor_us']} us / read ceiling "
+                   f"{d['read']['read_ceiling_Bps'] / 1e12:.2f} TB/s", [r["bound_speedup_vs_sdpa"] for r in dec], None, None))
+    fig, ax = plt.subplots(figsize=(14, 5))
+    _bars(ax, labels, series, ref_line=1.0, goal=1.2, ylabel="speed / SDPA (same run)")
+    if all("bound_at_spec_speedup_vs_sdpa" in r for r in dec):
+        ax.plot(range(len(dec)), [r["bound_at_spec_speedup_vs_sdpa"] for r in dec], "kv", markersize=5,
+                label=f"bound at the vendor HBM peak {d['spec_hbm_Bps'] / 1e12:.1f} TB/s")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title(f"{d['gpu']}: decode against SDPA, and the most any kernel could reach per cell "
+                 f"(HBM = K/V > 2x L2)")
+    fig.tight_layout()
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json", nargs="+", help="bench_cuda.json, bisect.json or bisect_decode.json files")
+    ap.add_argument("json", nargs="+", help="bench_cuda.json, bench_ceiling.json, bisect.json or bisect_decode.json files")
     for p in ap.parse_args(argv).json:
         name = os.path.basename(p)
-        out = plot_bench_cuda(p) if name.startswith("bench_cuda") else plot_bisect(p)
+        out = (plot_bench_cuda(p) if name.startswith("bench_cuda") else
+               plot_ceiling(p) if name.startswith("bench_ceiling") else plot_bisect(p))
         print(out)
     return 0
 

@@ -52,3 +52,27 @@ def test_missing_key_is_an_error(tmp_path):
     p.write_text(json.dumps({"gpu": "G", "torch": "t", "prefill": [{"L": 1024, "sdpa_ms": 1.0}], "decode": []}))
     with pytest.raises(KeyError):
         plot_results.plot_bench_cuda(str(p))
+
+
+def test_ceiling_bound_and_figure(tmp_path):
+    import bench_ceiling
+    l2 = 50 << 20
+    # an L2-sized cell is bounded by the launch floor only; an HBM cell by its read time when that is longer
+    assert bench_ceiling.cell_bound_us(16 << 20, 2.5, 4e12, l2) == 2.5
+    big = 537 << 20
+    assert bench_ceiling.cell_bound_us(big, 2.5, 4e12, l2) == pytest.approx(big / 4e12 * 1e6)
+    assert bench_ceiling.cell_bound_us(big, 1e6, 4e12, l2) == 1e6
+    d = {"gpu": "G", "launch_floor_us": 2.5, "read": {"read_ceiling_Bps": 4.4e12}, "spec_hbm_Bps": 4.8e12,
+         "decode": [{"batch": 1, "ctx": 128, "hbm_bound_cell": False, "cuda_us": 4.8, "triton_us": 5.8,
+                     "cuda_speedup_vs_sdpa": 1.05, "triton_speedup_vs_sdpa": 0.86, "bound_speedup_vs_sdpa": 2.0,
+                     "bound_at_spec_speedup_vs_sdpa": 2.0},
+                    {"batch": 16, "ctx": 8192, "hbm_bound_cell": True, "cuda_us": 143.0, "triton_us": 145.0,
+                     "cuda_speedup_vs_sdpa": 0.85, "triton_speedup_vs_sdpa": 0.84, "bound_speedup_vs_sdpa": 0.99,
+                     "bound_at_spec_speedup_vs_sdpa": 1.09}]}
+    p = tmp_path / "bench_ceiling.json"
+    p.write_text(json.dumps(d))
+    assert plot_results.main([str(p)]) == 0 and _png(tmp_path / "bench_ceiling.png")
+    del d["decode"][1]["bound_speedup_vs_sdpa"]
+    p.write_text(json.dumps(d))
+    with pytest.raises(KeyError):
+        plot_results.plot_ceiling(str(p))
