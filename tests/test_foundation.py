@@ -94,10 +94,11 @@ def test_explicit_backend_request_fails_loudly(monkeypatch):
 
 
 def test_compile_checks_for_sm80_sm90_without_gpu():
-    """Every Triton kernel compiles for sm_80/sm_90 and every csrc/*.cu with nvcc -c."""
+    """Every Triton kernel compiles for sm_80/sm_90. (csrc/*.cu with nvcc -c for sm_80/sm_90a, with ptxas's
+    verdicts: tests/kernels/test_cuda_backend.py::test_csrc_compiles_for_sm80_and_sm90a; one nvcc pass per CI run.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "areal_tik.cli", "compile-check", "--json"], capture_output=True,
-                       text=True, env=env, cwd=ROOT, timeout=1500)
+    r = subprocess.run([sys.executable, "-m", "areal_tik.cli", "compile-check", "--skip-cuda", "--json"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=1500)
     out = json.loads(r.stdout)
     failures = [row for row in out["triton"] + out["cuda"] if not row["ok"]]
     assert not failures, json.dumps(failures, indent=1)[:4000]

@@ -55,15 +55,17 @@ def _ops():
 
 def test_csrc_compiles_for_sm80_and_sm90a():
     import shutil
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not installed")
+    # Not a skip: this is the suite's only nvcc pass, and CI must compile every .cu (install a CUDA toolkit).
+    assert shutil.which("nvcc") is not None, "nvcc not found: the csrc compile check needs a CUDA toolkit"
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, "-m", "areal_tik.cli", "compile-check", "--skip-triton", "--json"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     info = json.loads(r.stdout)
     rows = {(c["source"], c["arch"]): c for c in info["cuda"]}
-    for src in ("tik_attention.cu", "tik_elementwise.cu"):
+    every_cu = sorted(f for f in os.listdir(os.path.join(ROOT, "csrc")) if f.endswith(".cu"))
+    assert {"tik_attention.cu", "tik_elementwise.cu"} <= set(every_cu)
+    for src in every_cu:  # every csrc/*.cu, for both architectures (the CI compile check of issue 9)
         for arch in ("sm_80", "sm_90a"):
             row = rows.get((src, arch))
             assert row is not None, f"{src} {arch} not compiled"
