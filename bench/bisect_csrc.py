@@ -73,24 +73,12 @@ def _paged_cache(k, v, lens, cu, ps, g):
     return kc, vc, bt.cuda()
 
 
-def _f64_reference(q, k, v, lens, cu, sc):
-    """Causal GQA attention per sequence in float64 (the accuracy bound's reference)."""
-    ref = torch.empty(q.shape, dtype=torch.float64, device=q.device)
-    G = q.shape[1] // k.shape[1]
-    for i, L in enumerate(lens):
-        s0 = int(cu[i])
-        qs = q[s0:s0 + L].double().transpose(0, 1)
-        ks, vs = (t[s0:s0 + L].double().repeat_interleave(G, 1).transpose(0, 1) for t in (k, v))
-        ref[s0:s0 + L] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
-                                                                          scale=sc).transpose(0, 1)
-    return ref
-
-
 def check_bits(mods, ref_name):
     """Every variant's wgmma output (varlen and paged 16/64/128 over NaN-poisoned caches) torch.equal to the
     reference variant's mma.sync output ({name}_{case}: bool), and its max |out - float64| beside it
     ({name}_{case}_vs_f64: float), so that a variant whose bits differ by design (a probe) still shows it
     computes attention, not less work."""
+    from areal_tik.kernels.attention import attention_reference
     g = torch.Generator().manual_seed(1)
     lens = [4100, 1, 64, 65, 777, 1500]
     T = sum(lens)
@@ -98,7 +86,7 @@ def check_bits(mods, ref_name):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     sc = D ** -0.5
     ref = mods[ref_name].attention_varlen_fwd(q, k, v, cu, max(lens), sc, 0, out=None, prefill_kernel=1)
-    f64 = _f64_reference(q, k, v, lens, cu, sc)
+    f64 = attention_reference(q, k, v, cu, scale=sc)  # float64, causal GQA per sequence
     sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
     checks = {f"{ref_name}_mma_vs_f64": (ref.double() - f64).abs().max().item()}
     for name, m in mods.items():
