@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_cuda import D, HKV, HQ, _graphed, _median_ms, decode_case, sdpa_layout  # noqa: E402
+from bench_cuda import D, HKV, HQ, _graphed, _median_ms, decode_case, sdpa_layout, warm_up_clocks  # noqa: E402
 
 # Vendor HBM peaks (bytes/s) by device-name substring: an upper bound, never a measurement.
 SPEC_HBM = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "A100-SXM4-80GB": 2.039e12}
@@ -228,12 +228,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name()
     res = {"gpu": name, "torch": torch.__version__, "cuda": torch.version.cuda, "l2_bytes": props.L2_cache_size,
            "spec_hbm_Bps": _spec_hbm(name)}
-    # clocks up before microsecond cells
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(50):
-        a @ a
-    torch.cuda.synchronize()
-    del a
+    warm_up_clocks(0.1)  # ~50 GEMMs of 8192^3
     res["read"] = read_ceiling(args.read_gib)
     print(f"read ceiling {res['read']['read_ceiling_Bps'] / 1e12:.2f} TB/s ({res['read']['read_ceiling_by']}); "
           f"copy {res['read']['copy_rate_Bps'] / 1e12:.2f} TB/s")

@@ -87,6 +87,16 @@ def sdpa_layout(q, kc, vc, bt, ctx):
     return q.view(B, q.shape[1], 1, d), kk, vv
 
 
+def warm_up_clocks(seconds: float) -> None:
+    """Bring the GPU's clocks up (bf16 GEMMs for ``seconds``) before timing microsecond cells."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t_end = time.time() + seconds
+    while time.time() < t_end:
+        a @ a
+    torch.cuda.synchronize()
+    del a
+
+
 def _graphed(fn):
     """Capture fn in a CUDA graph; return (replay, 'graph') or (fn, 'eager: why')."""
     try:
@@ -177,13 +187,7 @@ def main(argv=None):
 
     try:  # every section's rows so far reach the JSON even if a later one fails
         if args.elementwise_only:
-            # the attention sections otherwise run first: bring the clocks up before microsecond cells
-            a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-            t_end = time.time() + 1.0
-            while time.time() < t_end:
-                a @ a
-            torch.cuda.synchronize()
-            del a
+            warm_up_clocks(1.0)  # the attention sections otherwise run first
             _elementwise_section(res, args, cuda_ops)
         else:
             _sections(res, args, cuda_ops)
