@@ -26,7 +26,7 @@ def run(args) -> int:
     import os
     import time
 
-    from areal_tik.bench.ab import run_ab
+    from areal_tik.ab.runner import run_ab
 
     if args.arms != "both" and not args.out:
         raise SystemExit("areal-tik ab: --arms baseline|tik|none needs --out (the directory the other arm "

@@ -51,7 +51,7 @@ def cmd_init(args) -> int:
     from areal_tik.agent import roles
     from areal_tik.agent.evaluator import Evaluator
     from areal_tik.agent.store import Store
-    from areal_tik.backend.fingerprint import environment
+    from areal_tik.dispatch.fingerprint import environment
     timer = _timer(args.timer)
     env = environment()
     store = Store(args.db)

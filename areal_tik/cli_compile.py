@@ -7,7 +7,7 @@ import os
 
 def run(args) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
-    from areal_tik.backend import compile_check
+    from areal_tik.dispatch import compile_check
     rows = [] if args.skip_triton else compile_check.compile_triton()
     cu = [] if args.skip_cuda else compile_check.compile_cuda()
     ok = all(r["ok"] for r in rows + cu)

@@ -12,14 +12,14 @@ def _version(pkg: str) -> str | None:
 
 
 def collect() -> dict:
-    from areal_tik.backend import fingerprint, registry
+    from areal_tik.dispatch import fingerprint, registry
     env = fingerprint.environment()
     env["transformers"] = _version("transformers")
     env["areal"] = _version("areal")
     env["areal_tik"] = _version("areal-tik")
     fp = fingerprint.compute(env=env)
     status = registry.backend_status()
-    from areal_tik.kernels import attention_backward
+    from areal_tik.kernels.attention import flash_backward as attention_backward
     return {
         "versions": {k: env[k] for k in ("python", "torch", "triton", "cuda", "transformers", "areal", "areal_tik")},
         "gpu": env["gpu"] or "no GPU",
@@ -48,7 +48,7 @@ def run(args) -> int:
     for k, b in info["backends"].items():
         t.add_row(f"backend {k}", ("[green]available[/green] " if b["available"] else "[red]unavailable[/red] ") + b["reason"])
     t.add_row("op selection", ", ".join(f"{o}={b}" for o, b in info["selection"].items()) or "[dim]no ops[/dim]")
-    t.add_row("attention backward", info["attention_backward"] + " [dim](AREAL_TIK_ATTN_BACKWARD)[/dim]")
+    t.add_row("attention backward", info["attention_backward"] + " [dim](actor.tik.attention_backward)[/dim]")
     t.add_row("kernel fingerprint", info["fingerprint"])
     c.print(t)
     return 0

@@ -1,4 +1,4 @@
-"""``areal-tik train --config recipes/<x>.yaml [overrides]``: ``python -m areal_tik.train``."""
+"""``areal-tik train --config recipes/<x>.yaml [overrides]``: ``python -m areal_tik.areal.train``."""
 from __future__ import annotations
 
 
@@ -12,7 +12,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from areal_tik.train import main
+    from areal_tik.areal.train import main
 
     argv = ["--config", args.config, *args.overrides]
     if args.step_log:

@@ -12,7 +12,7 @@ from __future__ import annotations
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="generate under R2-R5 regimes, recompute with the training forward (R1), "
                                       "compare log-probs bitwise")
-    p.add_argument("--model", default="tiny-qwen2", help="preset name (see areal_tik.models.PRESETS) or HF directory")
+    p.add_argument("--model", default="tiny-qwen2", help="preset name (see areal_tik.layers.models.PRESETS) or HF directory")
     p.add_argument("--kernels", choices=("tik", "default"), default="tik")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--dtype", default="bfloat16")
@@ -31,9 +31,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from areal_tik.backend.patch import patch_model
-    from areal_tik.engine.parity import ParityConfig, run_parity
-    from areal_tik.models import build_model
+    from areal_tik.layers.patch import patch_model
+    from areal_tik.verify.parity import ParityConfig, run_parity
+    from areal_tik.layers.models import build_model
 
     model = build_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
     patch_model(model, kernels=args.kernels)
@@ -50,7 +50,7 @@ def run(args) -> int:
                                                                                      description=name))
     rep.update(model=args.model, kernels=args.kernels, device=str(next(model.parameters()).device))
     if args.kernels == "tik":  # which backend ran each op (AREAL_TIK_BACKEND may pick cuda per op)
-        from areal_tik.backend.fingerprint import compute
+        from areal_tik.dispatch.fingerprint import compute
         fp = compute()
         rep.update(kernel_fingerprint=fp["fingerprint"], kernel_selection=fp["selection"])
     if args.json:

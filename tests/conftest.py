@@ -2,7 +2,7 @@
 
 On a machine without a CUDA GPU, Triton kernels run in the CPU interpreter
 (``TRITON_INTERPRET=1``, set here before anything imports triton) with the interpreter's
-bf16 dot/sum fixed (``areal_tik._interpreter_fix``). Tests marked ``gpu`` are skipped
+bf16 dot/sum fixed (``areal_tik.kernels._interpreter_fix``). Tests marked ``gpu`` are skipped
 there and run on the device (``bench/gpu_check.sh``).
 """
 import os
@@ -16,7 +16,7 @@ except Exception:  # pragma: no cover
 if not _HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ["TRITON_INTERPRET"] == "1":
-        from areal_tik import _interpreter_fix
+        from areal_tik.kernels import _interpreter_fix
         _interpreter_fix.apply()
 
 import pytest  # noqa: E402

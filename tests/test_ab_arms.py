@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from areal_tik.bench import ab
+from areal_tik.ab import runner as ab
 
 
 def _fake_run_arm(log_steps, crash_after=None):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from areal_tik import contract
+from areal_tik.verify import contract
 
 
 def row_sum_fixed_order(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from areal_tik.backend import fingerprint, registry
+from areal_tik.dispatch import fingerprint, registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,7 +43,7 @@ def test_interpreter_bf16_dot_and_sum_are_fixed(seed_rng):
     x[:4] = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 255.9, -1e-40])  # ties to even, carry, subnormal
     y = torch.empty(1024, dtype=torch.bfloat16)
     cast[(1,)](x, y)
-    from areal_tik.contract import compare_bits
+    from areal_tik.verify.contract import compare_bits
     rep = compare_bits(y, x.bfloat16(), name="interpreter fp32->bf16 == torch RTNE")
     assert rep, rep.summary()
 
@@ -154,7 +154,7 @@ def test_arch_preferred_backend_unavailable_warns_once(monkeypatch):
         records = []
         handler = logging.Handler(logging.WARNING)
         handler.emit = records.append
-        log = logging.getLogger("areal_tik.backend")
+        log = logging.getLogger("areal_tik.dispatch")
         log.addHandler(handler)
         monkeypatch.setattr(log, "disabled", False)
         monkeypatch.setattr(log, "level", logging.WARNING)

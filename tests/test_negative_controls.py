@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areal_tik import contract
+from areal_tik.verify import contract
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal_tik.backend import weights_digest as WD
+from areal_tik.layers import weights_digest as WD
 
 
 def _numpy_digest(named, dtype=torch.bfloat16):

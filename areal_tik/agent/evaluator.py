@@ -3,7 +3,7 @@
 The agent process never imports candidate code. :class:`Evaluator` sends one job (JSON)
 to a worker process (``python -m areal_tik.agent.evaluator --worker``), which loads the
 candidate through its kind (``kinds.py``), runs the checks of the frozen contract with
-the checkers of :mod:`areal_tik.contract`, and, only if all pass, times it interleaved
+the checkers of :mod:`areal_tik.verify.contract`, and, only if all pass, times it interleaved
 with the reference versions (the incumbent). A crash, a hang (timeout) or a CUDA fault
 kills that worker; the job is recorded as a failed ``process`` check and a fresh worker
 takes the next job.
@@ -64,7 +64,7 @@ def first_failure(checks: list[dict]) -> dict | None:
 
 def _check_shape(task, kern, meta, shape: dict, role: str, rtol: float, seed: int, device: str, add) -> None:
     """Run every check for one shape; ``add(check, passed, detail)`` records each."""
-    from areal_tik import contract as C
+    from areal_tik.verify import contract as C
     import torch
 
     label = json.dumps(shape, sort_keys=True)
@@ -271,7 +271,7 @@ def evaluate_job(job: dict) -> dict:
 def _worker_main(interpret: bool) -> int:
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
-        from areal_tik import _interpreter_fix
+        from areal_tik.kernels import _interpreter_fix
         _interpreter_fix.apply()
     import torch  # noqa: F401  (import cost paid once per worker)
     for line in sys.stdin:

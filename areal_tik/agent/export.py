@@ -2,7 +2,7 @@
 
 Writes ``areal_tik/kernels/exported/<op>_<arch>.py``: the version's source, then a
 generated adapter (``EXPORT_META``, ``PROVENANCE``, ``ARCH``, an ``OPS`` table with the
-public op signature and a torch backward). ``areal_tik/backend/registry.py`` registers
+public op signature and a torch backward). ``areal_tik/dispatch/registry.py`` registers
 it as the op's implementation of the adapter's backend on a GPU of that architecture only;
 the file is one of the implementation's sources, so the kernel fingerprint changes with it.
 A JSON twin (``<op>_<arch>.json``) holds the meta-parameters, source and provenance.
@@ -98,7 +98,7 @@ def _entry():
         if _torch.version.cuda is None or not _torch.cuda.is_available():
             raise RuntimeError(f"{{OP}} (agent export {{META['agent_export'][:12]}}) needs a CUDA GPU")
         from torch.utils.cpp_extension import load_inline
-        from areal_tik.backend.cuda_ext import CSRC_DIR
+        from areal_tik.kernels.cuda.loader import CSRC_DIR
         name = EXPORT_META.get("entry", "forward")
         defines = [f"-D{{k}}={{v}}" for k, v in sorted(EXPORT_META.get("defines", {{}}).items())]
         ext = load_inline(name="tik_export_" + META["agent_export"][:16], cpp_sources=[BINDING.replace("ENTRY", name)],
@@ -125,7 +125,7 @@ class _ExportedRMSNorm(_torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from areal_tik.kernels.cuda_ops import rms_norm_backward
+        from areal_tik.kernels.cuda.ops import rms_norm_backward
         x2, w = ctx.saved_tensors
         return (*rms_norm_backward(x2, w, ctx.eps, dy), None)
 
@@ -133,7 +133,7 @@ class _ExportedRMSNorm(_torch.autograd.Function):
 def rms_norm_exported(x, weight, eps, out=None):
     """``rms_norm(x, weight, eps)`` (HF semantics) with the agent-exported kernel for bf16 (see PROVENANCE);
     other dtypes, or an ``out`` buffer, run the csrc rms_norm."""
-    from areal_tik.kernels.cuda_ops import rms_norm_cuda
+    from areal_tik.kernels.cuda.ops import rms_norm_cuda
     if x.dtype != _torch.bfloat16 or weight.dtype != _torch.bfloat16 or out is not None:
         return rms_norm_cuda(x, weight, eps, out=out)
     if weight.dim() != 1 or x.dim() < 1 or x.shape[-1] != weight.shape[0]:

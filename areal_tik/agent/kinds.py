@@ -117,7 +117,7 @@ _LINEAR_DECL = ("#include <torch/extension.h>\n"
 
 
 def _csrc_dir() -> str:
-    from areal_tik.backend.cuda_ext import CSRC_DIR
+    from areal_tik.kernels.cuda.loader import CSRC_DIR
     return CSRC_DIR
 
 
@@ -173,7 +173,7 @@ class CudaInlineKind(KernelKind):
         (registers/spills per kernel), "ptxas_warnings", "error"}."""
         import shutil
         import tempfile
-        from areal_tik.backend.compile_check import nvcc_object
+        from areal_tik.dispatch.compile_check import nvcc_object
         nvcc = shutil.which("nvcc")
         if nvcc is None:
             return {"ok": False, "arch": arch, "error": "nvcc not found"}

@@ -21,8 +21,6 @@ never parents.
 from __future__ import annotations
 
 import dataclasses
-import json
-import time
 
 from areal_tik.agent.evaluator import first_failure
 from areal_tik.agent.records import (

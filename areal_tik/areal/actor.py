@@ -2,10 +2,10 @@
 
 :class:`TikFSDPPPOActor` subclasses AReaL's ``FSDPPPOActor``:
 
-- the model is patched (``areal_tik.backend.patch.patch_model``) right after AReaL
+- the model is patched (``areal_tik.layers.patch.patch_model``) right after AReaL
   builds it and *before* FSDP2 wraps it (``_create_device_model``), so parameter names,
   checkpoints and weight updates are unchanged;
-- with ``kernel_backend=tik`` the trainer's log-probs come from ``areal_tik.ops
+- with ``kernel_backend=tik`` the trainer's log-probs come from ``areal_tik.dispatch.ops
   .logprobs_from_logits`` (the function the rollout sampler uses), not AReaL's
   ``gather_logprobs``;
 - ``compute_logp`` (called by the trainer under the ``recompute_logp`` timer when
@@ -22,7 +22,7 @@
   shape and shift AReaL's forward returns) and no forward runs. Otherwise, AReaL's
   recompute runs.
 - audit: on step 0 and every ``tik.audit_interval`` steps the forward runs anyway and is
-  compared bit for bit (``areal_tik.contract.compare_bits``) on the generated tokens;
+  compared bit for bit (``areal_tik.verify.contract.compare_bits``) on the generated tokens;
   a mismatch either switches to recompute for the rest of the run (``fallback``) or
   raises :class:`TikAuditError` (``raise``). The recomputed values are what training
   uses on audit steps.
@@ -54,7 +54,8 @@ import torch
 from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.utils import logging, stats_tracker
 
-from areal_tik.contract import compare_bits
+from areal_tik.areal.device_model import TikModelMixin, settings_of
+from areal_tik.verify.contract import compare_bits
 
 logger = logging.getLogger("TikActor")
 
@@ -140,33 +141,20 @@ def servers_leave_groups(addrs: list[str], names: list[str], timeout: float = 60
                 logger.warning("destroy_weights_update_group %s on %s failed: %s", n, a, e)
 
 
-class TikFSDPPPOActor(FSDPPPOActor):
+class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
     """``FSDPPPOActor`` on the areal-tik kernels with the recompute skip and audit."""
 
     def __init__(self, config):
         super().__init__(config)
         self.kernel_backend = getattr(config, "kernel_backend", "default")
+        self.settings = settings_of(config, self.kernel_backend)
+        self.tik_ops = None
         self.tik_cfg = getattr(config, "tik", None)
         self.fallback = False
         self.tik_records: list[dict] = []
         self._fingerprint: str | None = None
         self._digest_cache: tuple[int, str] | None = None
         self._server_addrs_override: list[str] | None = None
-
-    # ---- model -------------------------------------------------------------------
-    def _create_device_model(self):
-        super()._create_device_model()
-        kernels = self.kernel_backend
-        if kernels == "default" and self.config.attn_impl in ("flash_attention_2", "flash_attention_3"):
-            logger.info("kernel_backend=default with %s: AReaL's model left unpatched", self.config.attn_impl)
-            return
-        # default on an attention implementation that is wrong for packed batches (sdpa/eager, the
-        # only ones on a CPU, see AREAL_NOTES) gets the plain-torch varlen modules: same maths, no
-        # invariance promise.
-        from areal_tik.backend.patch import patch_model
-        patched = patch_model(self.model, kernels=kernels)
-        self.model = patched if patched is not None else self.model
-        logger.info("model patched with kernels=%s before FSDP wrapping", kernels)
 
     def destroy(self):
         """AReaL's ``destroy`` ends with ``destroy_process_group()``, which also tears down the xccl
@@ -190,44 +178,6 @@ class TikFSDPPPOActor(FSDPPPOActor):
             if th is not None:
                 th.join(timeout=60)
 
-    def initialize(self, *args, **kwargs):
-        out = super().initialize(*args, **kwargs)
-        if self.kernel_backend == "tik":
-            self._keep_rope_fp32()
-            self._precompile()
-        return out
-
-    def _precompile(self):
-        """Compile every linear tile config a micro-batch can pick (M up to the micro-batch token
-        budget) now, so no training step pays a Triton compile (the 2x H200 A/B's sporadic slow
-        steps); a no-op off CUDA."""
-        from areal_tik.backend.precompile import precompile_linears
-        max_tokens = int(getattr(self.config.mb_spec, "max_tokens_per_mb", None) or 32768)
-        # FSDP2 stores fp32 masters (AReaL's optimizer_dtype) and runs the forward in config.dtype
-        precompile_linears(self.model, max_tokens=max_tokens, min_tokens=64, dtype=getattr(torch, self.config.dtype))
-
-    def _keep_rope_fp32(self):
-        """FSDP2's ``cast_forward_inputs=True`` (hard-wired in AReaL's ``parallelize_model``) casts
-        every floating tensor in a wrapped layer's inputs to bf16, including the fp32 RoPE table
-        the patched layers receive in their ``ForwardMeta``. DESIGN.md: the table is never cast
-        by FSDP. A pre-hook registered after FSDP's (so it runs after the cast) puts the fp32
-        table back; the rollout server (no FSDP) uses the same table."""
-        base = getattr(self.model, "model", None)
-        rope = getattr(base, "_tik_rope", None)
-        layers = getattr(base, "layers", None)
-        if rope is None or layers is None:
-            return
-
-        def fix(module, args, kwargs):
-            for a in list(args) + list(kwargs.values()):
-                c = getattr(a, "cos", None) if not isinstance(a, torch.Tensor) else None
-                if isinstance(c, torch.Tensor) and c.dtype != torch.float32:
-                    a.cos, a.sin = rope.get(a.cos.device)
-            return None
-
-        for layer in layers:
-            layer.register_forward_pre_hook(fix, with_kwargs=True)
-
     # ---- log-probs through the one areal-tik function --------------------------------
     def _labels(self, inputs):
         labels = inputs.get("rolled_input_ids", torch.roll(inputs["input_ids"], shifts=-1, dims=-1))
@@ -238,11 +188,11 @@ class TikFSDPPPOActor(FSDPPPOActor):
     def _tik_logprobs(self, logits, labels, entropy: bool = False):
         """Log-probs (and, with ``entropy``, the entropy of softmax(logits/T) from the same pass
         over the logits, detached: a logged statistic, not part of the log-prob contract)."""
-        from areal_tik import ops
-        out = ops.logprobs_from_logits(logits, labels, float(self.config.temperature), return_entropy=entropy)
+        out = self.tik_ops.logprobs_from_logits(logits, labels, float(self.config.temperature),
+                                                return_entropy=entropy)
         lp = out[0] if entropy else out
         if logits.requires_grad and lp.grad_fn is None:
-            raise RuntimeError("areal_tik.ops.logprobs_from_logits returned no autograd graph; "
+            raise RuntimeError("logprobs_from_logits returned no autograd graph; "
                                "the training loss needs its backward")
         return (lp, out[1].detach()) if entropy else lp
 
@@ -267,12 +217,12 @@ class TikFSDPPPOActor(FSDPPPOActor):
     # ---- skip decision -------------------------------------------------------------
     def own_fingerprint(self) -> str:
         if self._fingerprint is None:
-            from areal_tik.backend.fingerprint import compute
-            self._fingerprint = compute()["fingerprint"]
+            from areal_tik.dispatch.fingerprint import compute
+            self._fingerprint = compute(self.settings.backend)["fingerprint"]
         return self._fingerprint
 
     def _digest_now(self) -> str:
-        from areal_tik.backend.weights_digest import model_digest
+        from areal_tik.layers.weights_digest import model_digest
         return model_digest(self.model, dtype=getattr(torch, self.config.dtype))
 
     def prepare_batch(self, *args, **kwargs):
@@ -366,7 +316,7 @@ class TikFSDPPPOActor(FSDPPPOActor):
             out = super().compute_logp(data, *args, **kwargs)
             rec.update(skipped=False, reasons=["backend_default"], audit=False,
                        recompute_forward_s=time.perf_counter() - t0)
-            from areal_tik.backend.default_varlen import status as default_attention_status
+            from areal_tik.layers.default_varlen import status as default_attention_status
             rec["default_attention"] = default_attention_status()["path"]  # which baseline attention ran
             # The baseline recomputes anyway: how far are its rollout log-probs from it? (no extra forward)
             res = audit_compare(data, out)

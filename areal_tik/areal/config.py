@@ -5,9 +5,10 @@ a structured dataclass (``load_expr_config``); a key the dataclass lacks is reje
 These subclasses add:
 
 - ``actor.kernel_backend``: ``default`` (AReaL as is) or ``tik`` (our kernels on both
-  sides, recompute skipped when DESIGN.md section 3 allows);
+  sides, recompute skipped when the skip rule of docs/design.md allows);
 - ``actor.tik``: the audit interval and the mismatch policy (``fallback`` to recompute
-  from then on, or ``raise``).
+  from then on, or ``raise``), and the process settings (``backend``, ``attention_backward``,
+  ``precompile``, ``profile_step``, ``server_device``: :class:`areal_tik.settings.Settings`).
 
 They live on the actor config (not the top level) because the actor engine only ever
 receives its own config slice, also in AReaL's single-controller mode where the class
@@ -19,8 +20,11 @@ and every error names the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from areal.api.cli_args import PPOActorConfig, PPOConfig, PPOCriticConfig
+
+from areal_tik.settings import Settings, SettingsError
 
 KERNEL_BACKENDS = ("default", "tik")
 MISMATCH_POLICIES = ("fallback", "raise")
@@ -59,6 +63,29 @@ class TikConfig:
         metadata={"help": "Ask the rollout servers (/get_server_info) for their kernel fingerprint, "
                           "weight version and digest before skipping."},
     )
+    backend: Optional[str] = field(
+        default=None,
+        metadata={"help": "Kernel implementation per op: null (measured defaults), 'triton', or "
+                          "'attention_varlen=triton,attention_paged=triton'. AREAL_TIK_BACKEND overrides it."},
+    )
+    attention_backward: str = field(
+        default="auto",
+        metadata={"help": "Training attention backward: 'auto' (PyTorch's flash backward where it runs, "
+                          "else Triton), 'flash' or 'triton' (bitwise repeatable)."},
+    )
+    precompile: bool = field(
+        default=True,
+        metadata={"help": "Compile every linear tile config before the first step (GPU)."},
+    )
+    profile_step: Optional[int] = field(
+        default=None,
+        metadata={"help": "Record this trainer step under torch.profiler (profile_stepN.txt beside the step log)."},
+    )
+    server_device: Optional[str] = field(
+        default=None,
+        metadata={"help": "Device of the rollout server the trainer launches, e.g. 'cuda:1' (xccl needs "
+                          "its own GPU); null: the trainer's."},
+    )
 
     def __post_init__(self):
         if not isinstance(self.audit_interval, int) or isinstance(self.audit_interval, bool) \
@@ -67,6 +94,17 @@ class TikConfig:
         if self.mismatch_policy not in MISMATCH_POLICIES:
             raise ConfigError(f"actor.tik.mismatch_policy must be one of {MISMATCH_POLICIES}, "
                               f"got {self.mismatch_policy!r}")
+        try:
+            self.settings("tik")
+        except SettingsError as e:
+            raise ConfigError(f"actor.tik: {e}") from None
+
+    def settings(self, kernels: str) -> Settings:
+        """The process's :class:`~areal_tik.settings.Settings` (``AREAL_TIK_BACKEND`` overrides
+        ``backend``)."""
+        return Settings.from_env(kernels=kernels, backend=self.backend, attention_backward=self.attention_backward,
+                                 precompile=self.precompile, profile_step=self.profile_step,
+                                 server_device=self.server_device)
 
 
 @dataclass

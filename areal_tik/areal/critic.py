@@ -19,7 +19,7 @@ takes a dict mask as the already-built per-layer masks, so every layer sees mask
   and are correct.
 
 :class:`TikFSDPPPOCritic` patches the freshly built model with
-``areal_tik.backend.patch.patch_model`` (parameter names, module tree and the value head
+``areal_tik.layers.patch.patch_model`` (parameter names, module tree and the value head
 unchanged): ``critic.kernel_backend=tik`` (``auto`` follows ``actor.kernel_backend``) puts
 the decoder and the value head on the tik kernels (values bitwise independent of packing);
 ``default`` keeps HF's math but with a varlen attention that respects ``cu_seq_lens``
@@ -29,11 +29,8 @@ AReaL's model untouched, as the actor does.
 from __future__ import annotations
 
 from areal.engine.fsdp_engine import FSDPPPOCritic
-from areal.utils import logging
 
-from areal_tik.areal.actor import TikFSDPPPOActor
-
-logger = logging.getLogger("TikCritic")
+from areal_tik.areal.device_model import TikModelMixin, settings_of
 
 __all__ = ["TikFSDPPPOCritic", "critic_kernels"]
 
@@ -43,27 +40,10 @@ def critic_kernels(config) -> str:
     return "default" if k in ("auto", None, "") else k
 
 
-class TikFSDPPPOCritic(FSDPPPOCritic):
-    """``FSDPPPOCritic`` on a patched value model."""
+class TikFSDPPPOCritic(TikModelMixin, FSDPPPOCritic):
+    """``FSDPPPOCritic`` on a patched value model (the actor's patching, RoPE fix and pre-compile)."""
 
     def __init__(self, config):
         super().__init__(config)
         self.kernel_backend = critic_kernels(config)
-
-    def _create_device_model(self):
-        super()._create_device_model()
-        kernels = self.kernel_backend
-        if kernels == "default" and self.config.attn_impl in ("flash_attention_2", "flash_attention_3"):
-            logger.info("critic: kernel_backend=default with %s: AReaL's model left unpatched", self.config.attn_impl)
-            return
-        from areal_tik.backend.patch import patch_model
-        patched = patch_model(self.model, kernels=kernels)
-        self.model = patched if patched is not None else self.model
-        logger.info("critic value model patched with kernels=%s before FSDP wrapping", kernels)
-
-    def initialize(self, *args, **kwargs):
-        out = super().initialize(*args, **kwargs)
-        if self.kernel_backend == "tik":
-            TikFSDPPPOActor._keep_rope_fp32(self)  # same FSDP2 input-cast fix as the actor
-            TikFSDPPPOActor._precompile(self)
-        return out
+        self.settings = settings_of(config, self.kernel_backend)

@@ -22,16 +22,20 @@ from areal.api.cli_args import InferenceEngineConfig
 from areal.engine.sglang_remote import RemoteSGLangEngine, SGLangBackend
 from areal.infra import RemoteInfEngine
 
+from areal_tik.settings import Settings
+
 __all__ = ["TikServerBackend", "TikRemoteSGLangEngine", "server_args", "server_settings", "serve_cmd",
            "launch_local_server", "wait_healthy"]
 
 
-def server_args(model_path: str, kernels: str, dtype: str = "bfloat16", seed: int = 0,
+def server_args(model_path: str, settings: Settings, dtype: str = "bfloat16", seed: int = 0,
                 device: str | None = None, context_length: int | None = None,
                 max_running_requests: int | None = None, disable_cuda_graph: bool = False,
                 cuda_graph_max_bs: int | None = None) -> dict[str, Any]:
-    """The dict ``launch_server`` receives (AReaL adds ``host`` and ``port``)."""
-    args = {"model_path": model_path, "kernels": kernels, "dtype": dtype, "random_seed": seed}
+    """The dict ``launch_server`` receives (AReaL adds ``host`` and ``port``); ``settings`` reach the
+    server as flags (``Settings.server_flags``)."""
+    args = {"model_path": model_path, "kernels": settings.kernels, "settings_flags": settings.server_flags(),
+            "dtype": dtype, "random_seed": seed}
     if device:
         args["device"] = device
     if context_length:
@@ -60,8 +64,8 @@ def server_settings(config) -> dict[str, Any]:
 def serve_cmd(args: dict[str, Any]) -> list[str]:
     cmd = [sys.executable, "-m", "areal_tik.cli", "serve", "--model", str(args["model_path"]),
            "--host", str(args.get("host", "127.0.0.1")), "--port", str(args["port"]),
-           "--kernels", str(args.get("kernels", "tik")), "--dtype", str(args.get("dtype", "bfloat16")),
-           "--seed", str(args.get("random_seed", 0))]
+           "--dtype", str(args.get("dtype", "bfloat16")), "--seed", str(args.get("random_seed", 0)),
+           *args.get("settings_flags", ["--kernels", str(args.get("kernels", "tik"))])]
     if args.get("device"):
         cmd += ["--device", str(args["device"])]
     if args.get("context_length"):
@@ -105,7 +109,7 @@ def wait_healthy(addr: str, timeout: float = 300.0, proc: subprocess.Popen | Non
     raise TimeoutError(f"areal-tik serve at {addr} not healthy after {timeout}s")
 
 
-def launch_local_server(model_path: str, kernels: str, port: int | None = None, host: str = "127.0.0.1",
+def launch_local_server(model_path: str, settings: Settings, port: int | None = None, host: str = "127.0.0.1",
                         dtype: str = "bfloat16", seed: int = 0, device: str | None = None,
                         log_path: str | None = None, timeout: float = 600.0,
                         env: dict | None = None, context_length: int | None = None,
@@ -115,7 +119,7 @@ def launch_local_server(model_path: str, kernels: str, port: int | None = None, 
     if port is None:
         from areal.utils.network import find_free_ports
         port = find_free_ports(1)[0]
-    args = server_args(model_path, kernels, dtype=dtype, seed=seed, device=device, context_length=context_length,
+    args = server_args(model_path, settings, dtype=dtype, seed=seed, device=device, context_length=context_length,
                        max_running_requests=max_running_requests, disable_cuda_graph=disable_cuda_graph,
                        cuda_graph_max_bs=cuda_graph_max_bs)
     args.update(host=host, port=port)

@@ -12,7 +12,7 @@
 - after every step the stats AReaL commits (timings ``timeperf/*``, rewards, ``tik/*``)
   are also appended as one JSON line to ``step_log`` (the A/B harness reads it), with the
   Triton JIT compiles of this process during the step (``jit``);
-- ``AREAL_TIK_PROFILE_STEP=N`` records step N of this process under ``torch.profiler`` and
+- ``actor.tik.profile_step=N`` records step N of this process under ``torch.profiler`` and
   writes its top device and host ops next to the step log (``profile_step<N>.txt``); that
   step's record says ``profiled`` (the A/B leaves it out of its ratios: profiling slows it).
 """
@@ -54,8 +54,9 @@ class TikPPOTrainer(PPOTrainer):
         jit_watch.install()
         self._jit_mark = jit_watch.snapshot()
         # the profiled step is written next to the step log, by the rank that writes it
-        self._profile_step = int(os.environ["AREAL_TIK_PROFILE_STEP"]) \
-            if os.environ.get("AREAL_TIK_PROFILE_STEP") and step_log and int(os.getenv("RANK", "0")) == 0 else None
+        tik = getattr(getattr(config, "actor", None), "tik", None)
+        step = tik.profile_step if tik is not None else None
+        self._profile_step = step if step is not None and step_log and int(os.getenv("RANK", "0")) == 0 else None
         self._profiler = None
         super().__init__(config, train_dataset=train_dataset, valid_dataset=valid_dataset)
 
@@ -74,11 +75,11 @@ class TikPPOTrainer(PPOTrainer):
             d["installed"] = False
         return d
 
-    # ---- one profiled step (AREAL_TIK_PROFILE_STEP) ----------------------------------
+    # ---- one profiled step (actor.tik.profile_step) ----------------------------------
     def _start_profiler(self):
         import torch
 
-        from areal_tik.profiling import profiler_activities
+        from areal_tik.engine.profiling import profiler_activities
         self._profiler = torch.profiler.profile(activities=profiler_activities())
         self._profiler.__enter__()
 
@@ -86,7 +87,7 @@ class TikPPOTrainer(PPOTrainer):
         prof, self._profiler = self._profiler, None
         prof.__exit__(None, None, None)
         path = os.path.join(os.path.dirname(os.path.abspath(self.step_log)), f"profile_step{global_step}.txt")
-        from areal_tik.profiling import profile_tables
+        from areal_tik.engine.profiling import profile_tables
         with open(path, "w") as f:
             f.write(profile_tables(prof, title=f"step {global_step}, {self.config.actor.kernel_backend} kernels"))
         return path
@@ -122,8 +123,8 @@ class TikPPOTrainer(PPOTrainer):
             config.scheduling_strategy = SchedulingStrategy(type=SchedulingStrategyType.colocation, target="rollout")
             for spec in config.scheduling_spec:
                 spec.gpu = 0
-        kernels = getattr(self.config.actor, "kernel_backend", "default")
-        args = server_args(self.config.sglang.model_path or self.config.actor.path, kernels,
+        settings = self.config.actor.tik.settings(getattr(self.config.actor, "kernel_backend", "default"))
+        args = server_args(self.config.sglang.model_path or self.config.actor.path, settings,
                            dtype=self.config.actor.dtype, seed=self.config.seed, **server_settings(self.config))
         if not is_single_controller():
             engine = TikRemoteSGLangEngine(config)

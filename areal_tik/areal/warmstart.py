@@ -81,7 +81,7 @@ def warm_start(model: str, out_dir: str, task: str = "mix", steps: int = 300, ba
     Returns the record also written to ``<out_dir>/warmstart.json``."""
     from transformers import AutoTokenizer
 
-    from areal_tik.models import build_model
+    from areal_tik.layers.models import build_model
 
     if task not in arith.TASKS:
         raise ValueError(f"unknown arithmetic task {task!r}; known: {arith.TASKS}")

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from areal_tik.backend.attn_context import AttentionContext, get_context, reset_context, set_context
+from areal_tik.layers.attn_context import AttentionContext, get_context, reset_context, set_context
 from areal_tik.engine.scheduler import ScheduledBatch
 
 __all__ = ["StepInputs", "prepare_step", "AttentionContext", "set_context", "get_context", "reset_context"]

@@ -24,7 +24,7 @@ import random
 
 import torch
 
-from areal_tik.backend.logprob_head import packed_logprobs
+from areal_tik.layers.logprob_head import packed_logprobs
 from areal_tik.engine.config import EngineConfig
 from areal_tik.engine.kv_cache import BlockManager
 from areal_tik.engine.model_runner import ModelRunner

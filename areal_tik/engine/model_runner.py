@@ -27,8 +27,9 @@ import time
 
 import torch
 
-from areal_tik.backend.attn_context import AttentionContext, reset_context, set_context
-from areal_tik.backend.patch import kernels_of
+from areal_tik.layers.attn_context import AttentionContext, reset_context, set_context
+from areal_tik.dispatch.bound import bind
+from areal_tik.layers.patch import kernels_of, ops_of
 from areal_tik.engine.config import EngineConfig
 from areal_tik.engine.context import prepare_step
 from areal_tik.engine.sampler import Sampler
@@ -78,7 +79,8 @@ class ModelRunner:
         shape = (self.num_pages + 1, self.page_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
-        self.sampler = Sampler(self.vocab_size, self.device, self.kernels)
+        model_ops = ops_of(model)
+        self.sampler = Sampler(self.vocab_size, self.device, model_ops or bind(), model_ops)
         self.emulate_graphs = self.device.type != "cuda" and EMULATE_GRAPHS_ON_CPU
         self.use_graphs = (self.device.type == "cuda" or self.emulate_graphs) and not cfg.enforce_eager
         self.graph_max_bs = min(cfg.cuda_graph_max_bs or cfg.max_num_seqs, _BS_BUCKETS[-1])

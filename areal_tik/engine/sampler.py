@@ -8,7 +8,7 @@ batch in a few tensor ops: the same request at the same position draws the same 
 any batch, after any preemption, and after a client-side resume (R5) with the same seed.
 
 The log-prob returned with each token is the contract's unfiltered
-``log_softmax(logits.float() / T)[token]`` from ``backend.logprob_head.logprobs_of``
+``log_softmax(logits.float() / T)[token]`` from ``layers.logprob_head.logprobs_of``
 (T := 1 for greedy), never the filtered distribution.
 
 Row-invariance on a CPU: the top-p cumulative sums use ``cumsum`` (a sequential scan per
@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from areal_tik import ops
-from areal_tik.backend.logprob_head import logprobs_of
+from areal_tik.layers.logprob_head import logprobs_of
 from areal_tik.kernels import _torch_math
 from areal_tik.kernels.gumbel import C_MIX, M32, uniform_noise, vocab_hash
 
@@ -43,10 +42,12 @@ def row_key(seed: int, position: int) -> int:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, kernels: str = "tik"):
+    def __init__(self, vocab_size: int, device: torch.device, ops, logprob_ops=None):
+        """``ops``: bound ops for the fused Gumbel-max draw (both kernel modes sample alike);
+        ``logprob_ops``: the model's bound ops for the recorded log-probs (None: default kernels)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.kernels = kernels
+        self.ops, self.logprob_ops = ops, logprob_ops
         self._vhash = vocab_hash(vocab_size, self.device)
         cpu = self.device.type != "cuda"
         self._exp = _torch_math.exp if cpu else torch.exp
@@ -74,12 +75,12 @@ class Sampler:
                                       [row_key(seeds[i], positions[i]) for i in sampled])
         groups = sorted(set(temps))
         if len(groups) == 1:
-            logprobs = logprobs_of(logits, tokens, groups[0], self.kernels)
+            logprobs = logprobs_of(logits, tokens, groups[0], self.logprob_ops)
         else:
             logprobs = torch.empty(B, dtype=torch.float32, device=dev)
             for t in groups:
                 ri = torch.tensor([i for i, x in enumerate(temps) if x == t], device=dev)
-                logprobs[ri] = logprobs_of(logits.index_select(0, ri), tokens.index_select(0, ri), t, self.kernels)
+                logprobs[ri] = logprobs_of(logits.index_select(0, ri), tokens.index_select(0, ri), t, self.logprob_ops)
         # one device-to-host copy for both (token ids < 2**53 and fp32 values are exact in float64)
         both = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)]).tolist()
         return [int(x) for x in both[:B]], both[B:]
@@ -93,7 +94,7 @@ class Sampler:
         top_p = [p.top_p for p in params]
         if all(k >= V for k in top_k) and all(p >= 1.0 for p in top_p):
             # unfiltered (the RL case): one fused pass over the logits (kernels/gumbel.py)
-            return ops.gumbel_argmax(logits, keys_t, temp[:, 0], self._vhash)
+            return self.ops.gumbel_argmax(logits, keys_t, temp[:, 0], self._vhash)
         x = logits.float() / temp
         # top-k / top-p: the kept set from a sorted copy, then Gumbel-max over it
         xs, _ = torch.sort(x, dim=-1, descending=True, stable=True)

@@ -646,7 +646,7 @@ def run_server(server: TikServer, ready: threading.Event | None = None, stop: th
 def _default_fingerprint() -> str:
     import hashlib
 
-    from areal_tik.backend.fingerprint import environment
+    from areal_tik.dispatch.fingerprint import environment
     env = environment()
     return "default-" + hashlib.sha256(json.dumps(env, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -657,9 +657,9 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
 
     import torch
 
-    from areal_tik.backend.weights_digest import model_digest
+    from areal_tik.layers.weights_digest import model_digest
     from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
-    from areal_tik.models import build_model
+    from areal_tik.layers.models import build_model
 
     if cfg.kernels not in ("tik", "default"):
         raise ValueError(f"--kernels must be 'tik' or 'default', got {cfg.kernels!r}")
@@ -668,7 +668,7 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, dtype=getattr(torch, dtype), device=device)
-    from areal_tik.backend.patch import patch_model
+    from areal_tik.layers.patch import patch_model
     model = patch_model(model, kernels=cfg.kernels) or model
     model.eval()
     t1 = time.perf_counter()
@@ -686,11 +686,11 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     if cfg.kernels == "tik":
         # every linear tile config a prefill or decode step can pick, compiled now rather than
         # inside a rollout (a no-op off CUDA)
-        from areal_tik.backend.precompile import precompile_linears
+        from areal_tik.layers.precompile import precompile_linears
         precompile_linears(model, max_tokens=max(engine.config.max_num_batched_tokens, engine.config.max_num_seqs))
 
     if cfg.kernels == "tik":
-        from areal_tik.backend.fingerprint import compute
+        from areal_tik.dispatch.fingerprint import compute
         fp = compute()
         fingerprint, selection = fp["fingerprint"], fp["selection"]
     else:
@@ -726,7 +726,7 @@ def _attach_score(engine, model):
         return
     import torch
 
-    from areal_tik import ops
+    from areal_tik.dispatch import ops
 
     @torch.no_grad()
     def score(ids, temperature):

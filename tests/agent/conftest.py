@@ -7,7 +7,7 @@ def export_registration(monkeypatch):
     sm90 GPU only (not on sm80), registering ``op``'s ``backend`` implementation with the exported file first among
     its fingerprinted sources and the version hash in its meta."""
     def check(out_dir, op, backend, version_hash):
-        from areal_tik.backend import registry
+        from areal_tik.dispatch import registry
         import areal_tik.kernels.exported as exp_pkg
         monkeypatch.setattr(exp_pkg, "__path__", [str(out_dir)])
         monkeypatch.setattr(registry, "_REGISTRY", {})

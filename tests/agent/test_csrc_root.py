@@ -20,7 +20,7 @@ from areal_tik.agent.kinds import BINDINGS, get_kind
 from areal_tik.agent.proposers import OfflineProposer
 from areal_tik.agent.roots import load_root, root_path
 from areal_tik.agent.tasks import get_task
-from areal_tik.backend.cuda_ext import CSRC_DIR
+from areal_tik.kernels.cuda.loader import CSRC_DIR
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compile check)")
 
@@ -159,14 +159,14 @@ def test_agent_loop_on_the_csrc_root_gpu(tmp_path):
     """Init + 2 candidates on the GPU timer; the root's bits are the cuda backend's rms_norm bits, and both
     transformations' (vector-loads, row-registers) bits are the root's. The direct loads below use the evaluator's work
     directory and the versions' content hashes as keys, so its worker finds those builds done."""
-    from areal_tik import ops
+    from areal_tik.dispatch import ops
     from areal_tik.agent import roles
     from areal_tik.agent.evaluator import Evaluator
     from areal_tik.agent.loop import Budget, run_loop
     from areal_tik.agent.proposers import apply_transform
     from areal_tik.agent.records import content_hash
     from areal_tik.agent.store import Store
-    from areal_tik.backend.fingerprint import environment
+    from areal_tik.dispatch.fingerprint import environment
 
     kind, src, meta = load_root("rms_norm")
     work = str(tmp_path / "work")
@@ -283,7 +283,7 @@ def test_rms_export_runs_the_version_gpu(tmp_path):
     """The exported module's bf16 forward is the exported version's kernel: the csrc root's bits are the cuda
     backend's rms_norm bits (same kernel, same knob), on NaN-poisoned outputs; its backward matches float64; other
     dtypes take the csrc rms_norm."""
-    from areal_tik import ops
+    from areal_tik.dispatch import ops
     from areal_tik.agent.export import export_best
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")

@@ -13,7 +13,7 @@ def test_tik_entropy_comes_from_the_log_prob_pass():
 
     import torch
 
-    from areal_tik import ops
+    from areal_tik.dispatch import ops
     from areal_tik.areal.actor import TikFSDPPPOActor
     g = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     logits = (torch.randn(37, 300, generator=g) * 3).bfloat16().requires_grad_()
@@ -39,9 +39,9 @@ def test_digest_started_with_the_rollout_is_the_weights_digest(monkeypatch):
     from areal.engine.fsdp_engine import FSDPPPOActor
 
     from areal_tik.areal.actor import TikFSDPPPOActor
-    from areal_tik.backend.patch import patch_model
-    from areal_tik.backend.weights_digest import model_digest
-    from areal_tik.models import build_model
+    from areal_tik.layers.patch import patch_model
+    from areal_tik.layers.weights_digest import model_digest
+    from areal_tik.layers.models import build_model
     monkeypatch.setattr(FSDPPPOActor, "prepare_batch", lambda self, *a, **k: "batch")
     model = patch_model(build_model("tiny-qwen2", device="cpu", seed=3))
     actor = object.__new__(TikFSDPPPOActor)
@@ -72,15 +72,16 @@ def test_actor_precompiles_its_compute_dtype_and_skips_unsafe_background_digests
     import torch
     from areal.engine.fsdp_engine import FSDPPPOActor
 
-    import areal_tik.backend.precompile as pc
+    import areal_tik.layers.precompile as pc
     from areal_tik.areal.actor import TikFSDPPPOActor
+    from areal_tik.areal.device_model import precompile_model
     seen = {}
     monkeypatch.setattr(pc, "precompile_linears", lambda model, **kw: seen.update(kw))
     actor = object.__new__(TikFSDPPPOActor)
     actor.model, actor.kernel_backend, actor._digest_cache = torch.nn.Linear(2, 2), "tik", None
     actor.config = types.SimpleNamespace(dtype="bfloat16", mb_spec=types.SimpleNamespace(max_tokens_per_mb=4096))
-    actor._precompile()
-    assert seen == {"max_tokens": 4096, "min_tokens": 64, "dtype": torch.bfloat16}
+    precompile_model(actor.model, actor.config, enabled=True)
+    assert seen == {"max_tokens": 4096, "min_tokens": 64, "dtype": torch.bfloat16, "enabled": True}
     actor._version, actor.is_offload = 1, True
     actor._start_background_digest()
     assert getattr(actor, "_digest_pending", None) is None
@@ -92,15 +93,18 @@ def test_actor_precompiles_its_compute_dtype_and_skips_unsafe_background_digests
 
 
 def test_profiled_step_only_where_its_table_is_written(monkeypatch, tmp_path):
-    """AREAL_TIK_PROFILE_STEP arms the profiler only in the process that writes the step log
+    """actor.tik.profile_step arms the profiler only in the process that writes the step log
     (rank 0 with --step-log): elsewhere nothing would ever stop it."""
+    import types
+
     from areal.trainer.rl_trainer import PPOTrainer
 
+    from areal_tik.areal.config import TikConfig
     from areal_tik.areal.trainer import TikPPOTrainer
     monkeypatch.setattr(PPOTrainer, "__init__", lambda self, *a, **k: None)
-    monkeypatch.setenv("AREAL_TIK_PROFILE_STEP", "0")
+    cfg = types.SimpleNamespace(actor=types.SimpleNamespace(kernel_backend="tik", tik=TikConfig(profile_step=0)))
     monkeypatch.setenv("RANK", "0")
-    assert TikPPOTrainer(None, step_log=None)._profile_step is None
-    assert TikPPOTrainer(None, step_log=str(tmp_path / "s.jsonl"))._profile_step == 0
+    assert TikPPOTrainer(cfg, step_log=None)._profile_step is None
+    assert TikPPOTrainer(cfg, step_log=str(tmp_path / "s.jsonl"))._profile_step == 0
     monkeypatch.setenv("RANK", "1")
-    assert TikPPOTrainer(None, step_log=str(tmp_path / "s.jsonl"))._profile_step is None
+    assert TikPPOTrainer(cfg, step_log=str(tmp_path / "s.jsonl"))._profile_step is None

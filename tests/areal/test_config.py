@@ -3,10 +3,12 @@ import os
 
 import pytest
 
+from areal_tik.settings import Settings
+
 pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 
 from areal_tik.areal.config import ConfigError, TikGRPOConfig, TikPPOActorConfig  # noqa: E402
-from areal_tik.train import load_config  # noqa: E402
+from areal_tik.areal.train import load_config  # noqa: E402
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
 pytestmark = pytest.mark.areal
@@ -64,13 +66,13 @@ def test_server_settings_from_the_recipe():
     c = load_config(["--config", grpo, "stats_logger.fileroot=/tmp/areal_tik/test_cfg"])
     assert server_settings(c) == {"context_length": 2048, "max_running_requests": 256, "disable_cuda_graph": False,
                                   "cuda_graph_max_bs": None}
-    cmd = serve_cmd({**server_args("/m", "tik", **server_settings(c)), "port": 1})
+    cmd = serve_cmd({**server_args("/m", Settings(kernels="tik"), **server_settings(c)), "port": 1})
     assert "--disable-cuda-graph" not in cmd and "--cuda-graph-max-bs" not in cmd
     c = load_config(["--config", grpo, "stats_logger.fileroot=/tmp/areal_tik/test_cfg", "sglang.context_length=768",
                      "+sglang.max_running_requests=96", "+sglang.disable_cuda_graph=true", "+sglang.cuda_graph_max_bs=32"])
     assert server_settings(c) == {"context_length": 768, "max_running_requests": 96, "disable_cuda_graph": True,
                                   "cuda_graph_max_bs": 32}
-    cmd = serve_cmd({**server_args("/m", "tik", **server_settings(c)), "port": 1})
+    cmd = serve_cmd({**server_args("/m", Settings(kernels="tik"), **server_settings(c)), "port": 1})
     assert cmd[cmd.index("--context-length") + 1] == "768" and cmd[cmd.index("--max-running-requests") + 1] == "96"
     assert "--disable-cuda-graph" in cmd and cmd[cmd.index("--cuda-graph-max-bs") + 1] == "32"
 
@@ -102,12 +104,12 @@ def test_xccl_layout_check(monkeypatch):
     """xccl on CUDA is NCCL: the rollout server may not share the trainer's GPU (cuda:0)."""
     import torch
 
-    from areal_tik.train import check_xccl_layout
+    from areal_tik.areal.train import check_xccl_layout
     check_xccl_layout("disk", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     for dev in (None, "cuda", "cuda:0"):
-        with pytest.raises(SystemExit, match="AREAL_TIK_SERVER_DEVICE=cuda:1"):
+        with pytest.raises(SystemExit, match="actor.tik.server_device=cuda:1"):
             check_xccl_layout("xccl", dev)
     check_xccl_layout("xccl", "cuda:1")
     check_xccl_layout("disk", "cuda:0")

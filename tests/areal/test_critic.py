@@ -21,7 +21,7 @@ pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from areal_tik.train import single_process_dist_env  # noqa: E402
+from areal_tik.areal.train import single_process_dist_env  # noqa: E402
 
 pytestmark = pytest.mark.areal
 
@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from areal_tik.areal.arith import TOKENIZER_DIR
-    from areal_tik.models import build_model
+    from areal_tik.layers.models import build_model
     d = tmp_path_factory.mktemp("critic_model")
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     m = build_model("tiny-qwen2", dtype=torch.bfloat16, device="cpu", seed=3,
@@ -105,7 +105,7 @@ def _values(critic, seqs):
 
 
 def test_tik_critic_patched_names_kept(make_critic):
-    from areal_tik.backend.patch import kernels_of
+    from areal_tik.layers.patch import kernels_of
     c = make_critic("tik")
     assert c.kernel_backend == "tik"
     m = c.model
@@ -116,7 +116,7 @@ def test_tik_critic_patched_names_kept(make_critic):
 
 
 def test_tik_critic_packing_invariant_bitwise(make_critic):
-    from areal_tik.contract import check_packing_invariance
+    from areal_tik.verify.contract import check_packing_invariance
     c = make_critic("tik")
     seqs = _seqs((11, 7, 5))
     rep = check_packing_invariance(_packed_fn(c), seqs, n_packings=3, pad_to=8, name="tik critic values")
@@ -130,7 +130,7 @@ def test_tik_critic_packing_invariant_bitwise(make_critic):
 
 def test_default_critic_packing_correct(make_critic):
     c = make_critic("default")
-    from areal_tik.backend.patch import kernels_of
+    from areal_tik.layers.patch import kernels_of
     assert kernels_of(c.model) == "default"
     seqs = _seqs()
     two = _values(c, seqs)
@@ -143,7 +143,7 @@ def test_unpatched_areal_critic_not_packing_invariant(make_critic):
     """Control: AReaL's critic as it ships (sdpa on a packed row) mixes the sequences."""
     from areal.engine.fsdp_engine import FSDPPPOCritic
     c = make_critic("default", cls=FSDPPPOCritic)
-    from areal_tik.backend.patch import kernels_of
+    from areal_tik.layers.patch import kernels_of
     assert kernels_of(c.model) is None
     seqs = _seqs()
     two = _values(c, seqs)
@@ -166,7 +166,7 @@ def test_tiny_ppo_two_steps_tik(tmp_path):
     log, steps = tmp_path / "run.log", tmp_path / "steps.jsonl"
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "AREAL_LLM_SERVER_ADDRS")}
-    cmd = [sys.executable, "-m", "areal_tik.train", "--config", RECIPE_PPO, "actor.kernel_backend=tik",
+    cmd = [sys.executable, "-m", "areal_tik.areal.train", "--config", RECIPE_PPO, "actor.kernel_backend=tik",
            "total_train_steps=2", "experiment_name=tiktest-ppo", f"cluster.fileroot={tmp_path}/exp",
            f"cluster.name_resolve.nfs_record_root={tmp_path}/nr", "--step-log", str(steps)]
     with open(log, "wb") as f:

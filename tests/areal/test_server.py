@@ -6,7 +6,7 @@ Two engines behind the server:
   content type, pause -> abort with partial output -> AReaL's client re-posts and
   resumes, weight update version bump, input log-probs;
 - the real ``LLMEngine`` on a patched ``tiny-qwen2`` (skipped until the engine lands):
-  AReaL's ``agenerate`` log-probs equal ``areal_tik.ops`` recomputation bit for bit.
+  AReaL's ``agenerate`` log-probs equal ``areal_tik.dispatch.ops`` recomputation bit for bit.
 """
 import asyncio
 import socket
@@ -212,7 +212,7 @@ def test_real_engine_logprobs_match_ops(tmp_path):
         pytest.skip("areal_tik.engine.LLMEngine not available yet")
     import torch
 
-    from areal_tik import ops
+    from areal_tik.dispatch import ops
     from areal_tik.engine.server import build
     cfg = ServerConfig(model="tiny-qwen2", kernels="tik", port=_free_port())
     server = build(cfg, device="cpu", dtype="bfloat16")
@@ -410,7 +410,7 @@ def _tiny_weights(scale_seed: int):
     """(name, bf16 tensor) for every tiny-qwen2 parameter, drawn from a seeded CPU generator."""
     import torch
 
-    from areal_tik.models import build_model
+    from areal_tik.layers.models import build_model
     g = torch.Generator().manual_seed(scale_seed)
     model = build_model("tiny-qwen2", dtype=torch.float32, device="cpu")
     return [(n, (torch.randn(p.shape, generator=g) * 0.05).to(torch.bfloat16)) for n, p in model.named_parameters()]
@@ -442,7 +442,7 @@ def _xccl_real_engine(tmp_path, trainer_device, server_device):
     two-bucket update whose result has the sender's exact bits (weights digest)."""
     import multiprocessing as mp
 
-    from areal_tik.backend.weights_digest import digest
+    from areal_tik.layers.weights_digest import digest
     from areal_tik.engine.server import build
     cfg = ServerConfig(model="tiny-qwen2", kernels="tik", port=_free_port(), max_running_requests=8,
                        context_length=256)

@@ -17,6 +17,8 @@ import urllib.request
 
 import pytest
 
+from areal_tik.settings import Settings
+
 pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 
 pytestmark = pytest.mark.areal
@@ -39,14 +41,14 @@ def test_launch_server_starts_tik_serve(tmp_path):
 
     from areal_tik.areal.arith import TOKENIZER_DIR
     from areal_tik.areal.rollout import TikRemoteSGLangEngine, server_args
-    from areal_tik.models import build_model
+    from areal_tik.layers.models import build_model
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     build_model("tiny-qwen2", dtype=torch.bfloat16, device="cpu", seed=1,
                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(str(tmp_path))
     tok.save_pretrained(str(tmp_path))
     eng = TikRemoteSGLangEngine(InferenceEngineConfig(experiment_name="tiktest-ls", trial_name="t0",
                                                       backend="sglang:d1p1t1", setup_timeout=120))
-    info = eng.launch_server(server_args(str(tmp_path), "tik", dtype="bfloat16", seed=1))
+    info = eng.launch_server(server_args(str(tmp_path), Settings(kernels="tik"), dtype="bfloat16", seed=1))
     try:
         assert info.process is not None and info.process.poll() is None
         assert any("areal_tik.cli" in a for a in info.process.args) and "serve" in info.process.args
@@ -62,7 +64,7 @@ def test_launch_server_starts_tik_serve(tmp_path):
 @pytest.mark.slow
 def test_single_controller_tiny_tik_two_steps(tmp_path):
     steps, log = tmp_path / "steps.jsonl", tmp_path / "run.log"
-    cmd = [sys.executable, "-m", "areal_tik.train", "--config", RECIPE, "scheduler.type=local",
+    cmd = [sys.executable, "-m", "areal_tik.areal.train", "--config", RECIPE, "scheduler.type=local",
            "actor.kernel_backend=tik", "total_train_steps=2", "experiment_name=tiktest-sc",
            f"cluster.fileroot={tmp_path}/exp", f"cluster.name_resolve.nfs_record_root={tmp_path}/nr",
            "--step-log", str(steps)]

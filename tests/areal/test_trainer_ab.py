@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 engine = pytest.importorskip("areal_tik.engine")
 
-from areal_tik.bench.ab import PHASES, analyze, load_steps  # noqa: E402
+from areal_tik.ab.runner import PHASES, analyze, load_steps  # noqa: E402
 from areal_tik.cli import main as cli_main  # noqa: E402
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
@@ -26,12 +26,9 @@ pytestmark = [pytest.mark.areal, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def ab_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("ab")
-    os.environ["AREAL_TIK_PROFILE_STEP"] = "1"  # both arms record step 1 under torch.profiler
-    try:
-        rc = cli_main(["ab", "--config", RECIPE, "--steps", "2", "--out", str(out), "--no-progress", "--timeout",
-                       "400", "actor.tik.audit_interval=2", "experiment_name=tiktest-ab"])
-    finally:
-        del os.environ["AREAL_TIK_PROFILE_STEP"]
+    # both arms record step 1 under torch.profiler
+    rc = cli_main(["ab", "--config", RECIPE, "--steps", "2", "--out", str(out), "--no-progress", "--timeout",
+                   "400", "actor.tik.audit_interval=2", "actor.tik.profile_step=1", "experiment_name=tiktest-ab"])
     assert rc == 0
     return out
 
@@ -96,7 +93,7 @@ def test_report_consistent(ab_dir):
 
 
 def test_profiled_step_and_compile_counts(ab_dir):
-    """AREAL_TIK_PROFILE_STEP=1: each arm's step 1 is recorded under torch.profiler into a table next
+    """actor.tik.profile_step=1: each arm's step 1 is recorded under torch.profiler into a table next
     to its step log and marked in the report; every step record carries this process's Triton
     compiles, and every server interval its eager/graph/compile counters."""
     rep = json.load(open(os.path.join(ab_dir, "report.json")))
@@ -121,7 +118,7 @@ def test_tik_arm_with_xccl_weight_updates(tmp_path):
     import subprocess
     import sys
     log = tmp_path / "steps.jsonl"
-    cmd = [sys.executable, "-m", "areal_tik.train", "--config", os.path.abspath(RECIPE), "actor.kernel_backend=tik",
+    cmd = [sys.executable, "-m", "areal_tik.areal.train", "--config", os.path.abspath(RECIPE), "actor.kernel_backend=tik",
            "actor.weight_update_mode=xccl", "total_train_steps=2", "trial_name=xccl", "experiment_name=tiktest-xccl",
            f"cluster.fileroot={tmp_path}", "actor.tik.audit_interval=2", "--step-log", str(log)]
     env = {k: v for k, v in os.environ.items() if k not in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT")}

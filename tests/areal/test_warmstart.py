@@ -41,7 +41,7 @@ def test_saved_model_answers(warm_dir):
 def test_recipe_from_warm_start_has_reward(warm_dir, tmp_path):
     out, _ = warm_dir
     log = tmp_path / "steps.jsonl"
-    cmd = [sys.executable, "-m", "areal_tik.train", "--config", os.path.abspath(RECIPE), "actor.kernel_backend=tik",
+    cmd = [sys.executable, "-m", "areal_tik.areal.train", "--config", os.path.abspath(RECIPE), "actor.kernel_backend=tik",
            f"actor.path={out}", f"tokenizer_path={out}", "total_train_steps=2", "trial_name=warm",
            "experiment_name=tiktest-warm", f"cluster.fileroot={tmp_path}", "--step-log", str(log)]
     env = {k: v for k, v in os.environ.items() if k not in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT")}

@@ -5,7 +5,7 @@ import inspect
 import pytest
 import torch
 
-from areal_tik.backend import default_varlen as DV
+from areal_tik.layers import default_varlen as DV
 
 
 def _problem(lens, hq, hkv, D, device="cpu", dtype=torch.float32):
@@ -108,10 +108,10 @@ def test_loop_forced_by_env(monkeypatch):
     calls = []
     monkeypatch.setattr(DV, "_on_gpu", lambda t: True)
     monkeypatch.setattr(DV, "_torch_varlen", lambda: (f := _fake_varlen("2.12", calls), DV.varlen_call_plan(f)))
-    monkeypatch.setenv(DV.LOOP_ENV, "1")
+    monkeypatch.setattr(DV, "FORCE_LOOP", True)
     q, k, v, cu_host, cu = _problem([3, 6], 4, 2, 8)
     out = DV.packed_causal_attention(q, k, v, cu_host, cu, 6, 8 ** -0.5)
-    assert calls == [] and DV.status()["why"] == f"{DV.LOOP_ENV} set"
+    assert calls == [] and DV.status()["why"] == "FORCE_LOOP set"
     assert (out.double() - _reference(q, k, v, cu_host, 8 ** -0.5)).abs().max() < 1e-5
 
 
@@ -149,11 +149,11 @@ def test_gpu_torch_varlen_forward_backward(hq, hkv, D):
 def test_default_engine_prefill_paths_agree_with_hf(chunked, seed_rng, monkeypatch):
     """Default-kernel engine: a fresh prompt prefill (packed attention over the new K/V) and a
     chunked prefill (later chunks read the paged cache) both give HF's log-probs within bf16 noise."""
-    from areal_tik.backend.patch import patch_model
+    from areal_tik.layers.patch import patch_model
     from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
-    from areal_tik.models import build_model
+    from areal_tik.layers.models import build_model
 
-    from areal_tik.backend import modules as M
+    from areal_tik.layers import modules as M
     seen = {"packed": 0, "paged": 0}
     for name, key in (("packed_causal_attention", "packed"), ("default_paged_attention", "paged")):
         real = getattr(M, name)

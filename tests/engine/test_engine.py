@@ -4,10 +4,11 @@ import math
 import pytest
 import torch
 
-from areal_tik.backend.patch import patch_model
+from areal_tik.dispatch.bound import bind
+from areal_tik.layers.patch import patch_model
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
 from areal_tik.engine.sampler import Sampler
-from areal_tik.models import build_model
+from areal_tik.layers.models import build_model
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def _eng(model, **kw):
 
 def test_sampler_rows_independent_of_batch(seed_rng):
     V = 512
-    s = Sampler(V, "cpu", kernels="tik")
+    s = Sampler(V, "cpu", bind(), bind())
     logits = (torch.randn(7, V) * 3).to(torch.bfloat16)
     params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t, p, k in
               [(1.0, 1.0, -1), (0.7, 0.9, -1), (0.0, 1.0, -1), (1.3, 1.0, 20), (1.0, 0.5, 5), (0.9, 0.95, 10**8),
@@ -40,7 +41,7 @@ def test_sampler_rows_independent_of_batch(seed_rng):
 
 def test_sampler_distribution_matches_softmax():
     V = 8
-    s = Sampler(V, "cpu", kernels="tik")
+    s = Sampler(V, "cpu", bind(), bind())
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -2.0, 0.2, 1.5]]).to(torch.bfloat16)
     p = torch.softmax(logits.float()[0], -1)
     n = 3000

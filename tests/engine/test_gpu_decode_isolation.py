@@ -24,12 +24,12 @@ import random
 import pytest
 import torch
 
-from areal_tik import ops
-from areal_tik.backend.patch import patch_model
-from areal_tik.contract import compare_bits
+from areal_tik.dispatch import ops
+from areal_tik.layers.patch import patch_model
+from areal_tik.verify.contract import compare_bits
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
-from areal_tik.engine.parity import ParityConfig, run_parity
-from areal_tik.models import build_model
+from areal_tik.verify.parity import ParityConfig, run_parity
+from areal_tik.layers.models import build_model
 
 HAS_GPU = torch.cuda.is_available()
 

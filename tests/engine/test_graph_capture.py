@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import areal_tik.engine.model_runner as mr
-from areal_tik.backend.logprob_head import packed_logprobs
-from areal_tik.backend.patch import patch_model
+from areal_tik.layers.logprob_head import packed_logprobs
+from areal_tik.layers.patch import patch_model
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
-from areal_tik.engine.parity import ParityConfig, run_parity
-from areal_tik.models import build_model
+from areal_tik.verify.parity import ParityConfig, run_parity
+from areal_tik.layers.models import build_model
 
 HAS_GPU = torch.cuda.is_available()
 DEV = "cuda" if HAS_GPU else "cpu"

@@ -9,9 +9,9 @@ and training disagree.
 import pytest
 import torch
 
-from areal_tik.backend.patch import patch_model
-from areal_tik.engine.parity import ParityConfig, run_parity
-from areal_tik.models import build_model
+from areal_tik.layers.patch import patch_model
+from areal_tik.verify.parity import ParityConfig, run_parity
+from areal_tik.layers.models import build_model
 
 SMALL = dict(n_prompts=5, max_prompt_len=24, max_new_tokens=8, pad_to=64)
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from areal_tik.backend.logprob_head import packed_logprobs
-from areal_tik.backend.patch import UnsupportedModelError, patch_model
-from areal_tik.models import build_model, preset_config
+from areal_tik.layers.logprob_head import packed_logprobs
+from areal_tik.layers.patch import UnsupportedModelError, patch_model
+from areal_tik.layers.models import build_model, preset_config
 
 TINY = ["tiny-qwen2", "tiny-qwen3", "tiny-llama"]
 

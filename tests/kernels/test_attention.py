@@ -20,9 +20,12 @@ import pytest
 import torch
 
 import areal_tik.kernels.attention as A
+import areal_tik.kernels.attention.checks as CHK
+import areal_tik.kernels.attention.triton_ops as TO
+import areal_tik.kernels.attention.workspace as WS
 import areal_tik.kernels.kv_cache as KV
-from areal_tik import contract
-from areal_tik.contract import check_accuracy, check_regime_equality, compare_bits
+from areal_tik.verify import contract
+from areal_tik.verify.contract import check_accuracy, check_regime_equality, compare_bits
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_GPU = torch.cuda.is_available()
@@ -66,9 +69,9 @@ def tiny_meta(monkeypatch):
     """Interpreter: BLOCK_N=16, KV_PARTITION=32 so short sequences cross block and
     partition boundaries. GPU: the real META."""
     if INTERP:
-        monkeypatch.setattr(A, "BLOCK_N", 16)
-        monkeypatch.setattr(A, "KV_PARTITION", 32)
-    return A.BLOCK_N, A.KV_PARTITION
+        monkeypatch.setattr(A.tuning, "BLOCK_N", 16)
+        monkeypatch.setattr(A.tuning, "KV_PARTITION", 32)
+    return A.tuning.BLOCK_N, A.tuning.KV_PARTITION
 
 
 def dev():
@@ -149,7 +152,7 @@ def run_regimes(backend, seqs, page, rng, block_m=None):
     cu = cu_of(plens, device)
     q, k, v = (torch.cat([p[j] for p in parts]) for j in range(3))
     if block_m is not None and backend == "triton":
-        out = A._varlen_fwd(q, k, v, cu, max(plens), A._qk_scale(None, d)[1], False, block_m=block_m)[0]
+        out = TO._varlen_fwd(q, k, v, cu, max(plens), CHK._qk_scale(None, d)[1], False, block_m=block_m)[0]
     else:
         out = varlen(q, k, v, cu, max(plens))
     r1 = [None] * len(seqs)
@@ -270,7 +273,7 @@ def test_tile_shape_does_not_change_bits(tiny_meta, seed_rng):
 def test_real_meta_crosses_partition(seed_rng):
     """The shipped CPU META (defaults: BLOCK_N=64, KV_PARTITION=256): one sequence across
     the partition boundary."""
-    assert (A.BLOCK_N, A.KV_PARTITION) == (64, 256), "CPU runs the defaults (no tuned JSON off-GPU)"
+    assert (A.tuning.BLOCK_N, A.tuning.KV_PARTITION) == (64, 256), "CPU runs the defaults (no tuned JSON off-GPU)"
     torch.manual_seed(seed_rng)
     L = 300
     (q, k, v), = make_seqs([L], 2, 1, 64, "cpu")
@@ -295,7 +298,7 @@ def test_real_meta_crosses_partition(seed_rng):
 def _poison_alloc(monkeypatch):
     def alloc(shape, dtype, device):
         return contract.poison_(torch.empty(shape, dtype=dtype, device=device))
-    monkeypatch.setattr(A, "_alloc", alloc)
+    monkeypatch.setattr(WS, "alloc", alloc)
 
 
 def _no_poison(t):
@@ -389,8 +392,8 @@ def test_errors_are_clear(tiny_meta):
 
 
 def test_registered_ops_dispatch(tiny_meta):
-    from areal_tik import ops
-    from areal_tik.backend import registry
+    from areal_tik.dispatch import ops
+    from areal_tik.dispatch import registry
     impls = registry.implementations()
     for op in ("attention_varlen", "attention_paged", "kv_cache_write"):
         assert {"triton", "torch_ref"} <= set(impls[op])
@@ -403,7 +406,7 @@ def test_registered_ops_dispatch(tiny_meta):
 
 @pytest.fixture
 def restore_config():
-    prev, src, meta = A.current_config(), A._TUNED_SOURCE, dict(A.META)
+    prev, src, meta = A.current_config(), A.tuning._TUNED_SOURCE, dict(A.META)
     yield
     A.configure(prev, source=src)
     A.META.clear()
@@ -419,16 +422,16 @@ def test_launch_variants_same_bits(flat, hsplit, tiny_meta, restore_config, seed
         pytest.skip("GPU version: test_launch_variants_gpu")
     rng = random.Random(seed_rng)
     seqs = make_seqs([70, 1, 33], 8, 2, 64, dev())
-    base_flat, base_hsplit = A._fwd_tiles(64)["FLAT"], A.current_config()["decode"].get("HSPLIT", 1)
+    base_flat, base_hsplit = TO._fwd_tiles(64)["FLAT"], A.current_config()["decode"].get("HSPLIT", 1)
     assert (flat, hsplit) != (base_flat, base_hsplit)
     base = run_regimes("triton", seqs, 16, random.Random(seed_rng))
-    bn, part = A.BLOCK_N, A.KV_PARTITION
+    bn, part = A.tuning.BLOCK_N, A.tuning.KV_PARTITION
     cfg = A.current_config()
     cfg["fwd"]["64"]["FLAT"] = flat
     cfg["decode"]["HSPLIT"] = hsplit
     A.configure(cfg)
-    A.BLOCK_N, A.KV_PARTITION = bn, part      # configure() reset them; keep the tiny ones
-    _fwd_tiles = A._fwd_tiles
+    A.tuning.BLOCK_N, A.tuning.KV_PARTITION = bn, part      # configure() reset them; keep the tiny ones
+    _fwd_tiles = TO._fwd_tiles
     assert _fwd_tiles(64)["FLAT"] == flat
     res = run_regimes("triton", seqs, 16, rng)
     assert_regimes_equal(res, [70, 1, 33])
@@ -441,11 +444,11 @@ def test_decode_counters_return_to_zero(tiny_meta, seed_rng):
     """Single-launch decode: the arrival counters are back at 0 after every launch and a
     repeated launch gives the same bits (the merge order is fixed, not arrival order)."""
     rng = random.Random(seed_rng)
-    L = 4 * A.KV_PARTITION + 3 if INTERP or not HAS_GPU else 3000
+    L = 4 * A.tuning.KV_PARTITION + 3 if INTERP or not HAS_GPU else 3000
     seqs = make_seqs([L, 5], 8, 2, 64, dev())
     res = run_regimes("triton", seqs, 16, rng)
     assert_regimes_equal(res, [L, 5])
-    for buf in A._COUNTERS.values():
+    for buf in WS._COUNTERS.values():
         assert int(buf.abs().sum()) == 0, "decode left a non-zero arrival counter"
 
 
@@ -456,16 +459,14 @@ def test_tuned_json_is_applied_and_fingerprinted(tmp_path, restore_config, monke
              "decode": {"num_stages": 2}, "_source": "test"}
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"sm90": entry}))
-    monkeypatch.setattr(A, "_interpreting", lambda: False)
-    monkeypatch.delenv("AREAL_TIK_ATTN_TUNED", raising=False)
+    monkeypatch.setattr(A.tuning, "_interpreting", lambda: False)
     assert not A.load_tuned(str(path), arch="sm80")
     assert A.load_tuned(str(path), arch="sm90")
-    assert (A.BLOCK_N, A.KV_PARTITION) == (128, 512)
+    assert (A.tuning.BLOCK_N, A.tuning.KV_PARTITION) == (128, 512)
     assert A.META["BLOCK_N"] == 128 and A.META["KV_PARTITION"] == 512 and A.META["tuned"].startswith("t.json:sm90:")
-    assert A._FWD_GPU[128]["BLOCK_M"] == 64 and A._DEC_GPU["num_stages"] == 2
-    monkeypatch.setenv("AREAL_TIK_ATTN_TUNED", "0")
+    assert A.tuning._FWD_GPU[128]["BLOCK_M"] == 64 and A.tuning._DEC_GPU["num_stages"] == 2
     A.configure(None)
-    assert not A.load_tuned(str(path), arch="sm90") and A.BLOCK_N == 64
+    assert not A.load_tuned(str(tmp_path / "missing.json"), arch="sm90") and A.tuning.BLOCK_N == 64
 
 
 # ---- GPU: real shapes ------------------------------------------------------------------
@@ -475,7 +476,7 @@ def test_tuned_json_is_applied_and_fingerprinted(tmp_path, restore_config, monke
 @pytest.mark.parametrize("page", [16, 64, 256])
 def test_regimes_bitwise_equal_gpu(d, hq, hkv, page, seed_rng):
     rng = random.Random(seed_rng)
-    bn, part = A.BLOCK_N, A.KV_PARTITION
+    bn, part = A.tuning.BLOCK_N, A.tuning.KV_PARTITION
     lens = pick_lengths(rng, bn, part, 5, 1200) + [rng.randint(1, 1500)]
     seqs = make_seqs(lens, hq, hkv, d, "cuda")
     res = run_regimes("triton", seqs, page, rng)
@@ -530,7 +531,7 @@ def test_poisoned_gpu(monkeypatch, seed_rng):
 def test_launch_variants_gpu(flat, hsplit, restore_config, seed_rng):
     """(was (1, 1): identical to the tuned base launch, a vacuous comparison; NOT yet run on a GPU)"""
     rng = random.Random(seed_rng)
-    lens = [1, A.BLOCK_N + 1, A.KV_PARTITION + 1, 2 * A.KV_PARTITION + A.BLOCK_N - 1, 1100]
+    lens = [1, A.tuning.BLOCK_N + 1, A.tuning.KV_PARTITION + 1, 2 * A.tuning.KV_PARTITION + A.tuning.BLOCK_N - 1, 1100]
     seqs = make_seqs(lens, 32, 8, 128, "cuda")
     base_cfg = A.current_config()
     if (flat, hsplit) == (base_cfg["fwd"]["128"].get("FLAT", 1), base_cfg["decode"].get("HSPLIT", 1)):
@@ -573,5 +574,5 @@ def test_decode_cuda_graph_replay_gpu(seed_rng):
         g.replay()
         torch.cuda.synchronize()
         assert compare_bits(out, eager, name="graph replay")
-    for buf in A._COUNTERS.values():
+    for buf in WS._COUNTERS.values():
         assert int(buf.abs().sum()) == 0

@@ -3,7 +3,7 @@ tests/kernels/test_cuda_backend.py (both kernels against float64 autograd, selec
 import pytest
 import torch
 
-from areal_tik.kernels import attention_backward as ab
+from areal_tik.kernels.attention import flash_backward as ab
 
 
 def test_selector_on_cpu_tensors():
@@ -14,7 +14,7 @@ def test_selector_on_cpu_tensors():
     assert ab.select_backward(q, k, "triton") == "triton"
     with pytest.raises(RuntimeError, match="cannot run here: not a CUDA tensor"):
         ab.select_backward(q, k, "flash")
-    with pytest.raises(ValueError, match="AREAL_TIK_ATTN_BACKWARD"):
+    with pytest.raises(ValueError, match="attention_backward"):
         ab.select_backward(q, k, "cudnn")
     assert ab.ATTN_BACKWARD in ab.BACKWARDS
 
@@ -22,8 +22,8 @@ def test_selector_on_cpu_tensors():
 def test_triton_backward_is_the_cpu_path(monkeypatch):
     """On CPU tensors the autograd backward goes to the Triton recompute whatever auto would prefer."""
     calls = []
-    import areal_tik.kernels.attention as att
-    monkeypatch.setattr(att, "varlen_backward", lambda *a: calls.append(len(a)) or (a[0], a[1], a[2]))
+    import areal_tik.kernels.attention.triton_backward as tb
+    monkeypatch.setattr(tb, "varlen_backward", lambda *a: calls.append(len(a)) or (a[0], a[1], a[2]))
     q, k = torch.zeros(4, 8, 64), torch.zeros(4, 2, 64)
     out = ab.varlen_attention_backward(q, k, k, q, torch.zeros(4, 8), torch.tensor([0, 4]), 4, 0.125, 0.18, q)
     assert calls == [10] and out[0] is q

@@ -37,7 +37,7 @@ import torch
 from areal_tik.kernels.attention import attention_reference
 from areal_tik.kernels.rms_norm import rms_norm_reference
 from areal_tik.kernels.rope import apply_rope_reference, rope_table
-from areal_tik.contract import (
+from areal_tik.verify.contract import (
     check_accuracy, check_outputs_written, check_row_subset_invariance, compare_bits, poison_,
 )
 
@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _ops():
-    from areal_tik.kernels import cuda_ops
+    from areal_tik.kernels.cuda import ops as cuda_ops
     return cuda_ops
 
 
@@ -87,7 +87,7 @@ def test_csrc_compiles_for_sm80_and_sm90a():
 
 def test_parse_ptxas_report():
     """The ptxas -v parser reads registers, spills and performance warnings (format of CUDA 13 ptxas)."""
-    from areal_tik.backend.compile_check import parse_ptxas
+    from areal_tik.dispatch.compile_check import parse_ptxas
     text = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function '_Z1fv' for 'sm_90a'
 ptxas info    : Function properties for _Z1fv
@@ -106,7 +106,7 @@ ptxas info    : Used 240 registers, used 16 barriers
 
 
 def test_cuda_ops_registered_with_sources():
-    from areal_tik.backend import registry
+    from areal_tik.dispatch import registry
     impls = registry.implementations()
     for op in ("attention_varlen", "attention_paged", "kv_cache_write", "rms_norm", "apply_rope"):
         info = impls[op]["cuda"]
@@ -625,11 +625,11 @@ def test_decode_fused_counter_growth_and_capture_fallback(seed_rng):
 
 
 def test_decode_merge_argument_cpu():
-    """decode_merge: "fused" / "kernel" / None (module default from AREAL_TIK_CUDA_DECODE_MERGE,
-    "fused" unless set); anything else is refused before any CUDA call. The binding takes it."""
+    """decode_merge: "fused" / "kernel" / None (the module default, "fused"); anything else is
+    refused before any CUDA call. The binding takes it."""
     import inspect
     cu = _ops()
-    assert cu.DECODE_MERGE == os.environ.get("AREAL_TIK_CUDA_DECODE_MERGE", "fused")
+    assert cu.DECODE_MERGE == "fused"
     assert inspect.signature(cu.attention_paged_cuda).parameters["decode_merge"].default is None
     assert cu._decode_merge("fused") == 0 and cu._decode_merge("kernel") == 1
     with pytest.raises(ValueError, match="decode_merge"):
@@ -668,7 +668,7 @@ def test_stale_extension_rejected_cpu(monkeypatch):
     """An extension built before the single decode path (it exported DECODE_VARIANTS and would
     run the removed 1-warp decode by default) is refused with a rebuild message."""
     import types
-    from areal_tik.backend import cuda_ext
+    from areal_tik.kernels.cuda import loader as cuda_ext
     cu = _ops()
     stale = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_VARIANTS=2, __file__="stale.so")
     monkeypatch.setattr(cuda_ext, "load", lambda: stale)
@@ -692,11 +692,11 @@ def test_stale_extension_rejected_cpu(monkeypatch):
 
 
 def test_prefill_kernel_argument_cpu():
-    """prefill_kernel: "auto" / "mma" / "wgmma" / None (module default from AREAL_TIK_CUDA_PREFILL,
-    "auto" unless set); anything else is refused before any CUDA call; csrc and the binding agree."""
+    """prefill_kernel: "auto" / "mma" / "wgmma" / None (the module default, "auto"); anything else is
+    refused before any CUDA call; csrc and the binding agree."""
     import inspect
     cu = _ops()
-    assert cu.PREFILL_KERNEL == os.environ.get("AREAL_TIK_CUDA_PREFILL", "auto")
+    assert cu.PREFILL_KERNEL == "auto"
     for fn in (cu.attention_varlen_cuda, cu.attention_paged_cuda):
         assert inspect.signature(fn).parameters["prefill_kernel"].default is None
     assert (cu._prefill_kernel("auto"), cu._prefill_kernel("mma"), cu._prefill_kernel("wgmma")) == (0, 1, 2)
@@ -829,7 +829,7 @@ def test_attention_varlen_backward(case, bwd, seed_rng, monkeypatch):
     """Gradients of the CUDA varlen forward (either backward kernel on the lse the forward writes; float32
     recompute under a forced split) against the float64 reference; the forward's bits do not change
     when autograd asks for the lse."""
-    from areal_tik.kernels import attention_backward
+    from areal_tik.kernels.attention import flash_backward as attention_backward
     monkeypatch.setattr(attention_backward, "ATTN_BACKWARD", bwd)
     lens, Hq, Hkv, D, pk, mode = _BWD_CASES[case]
     cu = _ops()
@@ -858,7 +858,7 @@ def test_attention_backward_selection_and_determinism(seed_rng):
     """auto takes PyTorch's flash backward on an H100/H200-class GPU, and the Triton backward under
     torch.use_deterministic_algorithms, whose gradients are then the same bits on every run; both are the
     same gradient (float64 reference within 2e-2; each other within 1e-2)."""
-    from areal_tik.kernels import attention_backward as ab
+    from areal_tik.kernels.attention import flash_backward as ab
     cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
     lens, Hq, Hkv, D = [600, 3, 1000], 12, 2, 128

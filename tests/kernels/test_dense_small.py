@@ -3,7 +3,7 @@ poisoned outputs, errors — CPU interpreter with tiny shapes, GPU at real shape
 import pytest
 import torch
 
-from areal_tik import contract
+from areal_tik.verify import contract
 from areal_tik.kernels import rms_norm as R, rope as P, swiglu as S
 
 ON_GPU = torch.cuda.is_available()

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from areal_tik import contract
+from areal_tik.verify import contract
 from areal_tik.kernels import linear as L
 
 ON_GPU = torch.cuda.is_available()
@@ -191,7 +191,7 @@ def test_clear_errors(monkeypatch):
 
 
 def test_dispatch_through_ops(seed_rng):
-    from areal_tik import ops
+    from areal_tik.dispatch import ops
     x, w = _rand((3, 64)), _rand((32, 64))
     assert torch.equal(ops.linear(x, w, backend="torch_ref"), L.linear_torch(x, w))
     assert torch.equal(ops.linear(x, w, backend="triton"), L.linear_triton(x, w))

@@ -3,7 +3,7 @@ chunk-size independence, float64 accuracy, entropy, gradients, errors."""
 import pytest
 import torch
 
-from areal_tik import contract
+from areal_tik.verify import contract
 from areal_tik.kernels import linear as L, logprobs as LP
 
 ON_GPU = torch.cuda.is_available()

@@ -1,13 +1,13 @@
-"""``backend/precompile.py``: the linear tile configs compiled before the first step are all the
+"""``layers/precompile.py``: the linear tile configs compiled before the first step are all the
 ones ``linear_fwd`` can pick, and afterwards no M in range compiles anything (GPU)."""
 import pytest
 import torch
 
-from areal_tik.backend.patch import patch_model
-from areal_tik.backend.precompile import _m_grid, linear_config_names, linear_shapes, precompile_linears
+from areal_tik.layers.patch import patch_model
+from areal_tik.layers.precompile import _m_grid, linear_config_names, linear_shapes, precompile_linears
 from areal_tik.kernels import jit_watch
 from areal_tik.kernels.linear import config_name_for
-from areal_tik.models import build_model
+from areal_tik.layers.models import build_model
 
 # the 1.5B model's linear shapes as the patched HF model runs them (q/o, k/v, gate/up, down), the fused
 # qkv and gate_up, lm_head and a value head
@@ -63,7 +63,7 @@ def test_after_precompile_no_m_compiles():
     assert jit_watch.install()
     m = torch.nn.Module()
     dev = torch.device("cuda", torch.cuda.current_device())
-    from areal_tik.backend.modules import TikLinear
+    from areal_tik.layers.modules import TikLinear
     m.layers = torch.nn.ModuleList()
     for n, k in SHAPES_15B[:4]:
         lin = torch.nn.Linear(k, n, bias=(n == 256), device=dev, dtype=torch.bfloat16)  # k/v carry a bias

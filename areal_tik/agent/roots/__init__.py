@@ -39,7 +39,7 @@ def root_path(op: str) -> str:
     """The file a root's source is read from."""
     r = ROOTS[op]
     if "csrc" in r:
-        from areal_tik.backend.cuda_ext import CSRC_DIR
+        from areal_tik.kernels.cuda.loader import CSRC_DIR
         return os.path.join(CSRC_DIR, r["csrc"])
     return os.path.join(HERE, r["file"])
 

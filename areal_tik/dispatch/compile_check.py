@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import pkgutil
 import re
 import shutil
 import subprocess
@@ -27,14 +26,12 @@ TRITON_ARCHS = (80, 90)
 NVCC_ARCHS = ("80", "90a")
 
 
-EXTRA_KERNEL_MODULES = ("areal_tik.backend.weights_digest",)  # Triton kernels outside areal_tik.kernels
+EXTRA_KERNEL_MODULES = ("areal_tik.layers.weights_digest",)  # Triton kernels outside areal_tik.kernels
 
 
 def triton_specs():
-    import areal_tik.kernels as kpkg
-    names = [f"{kpkg.__name__}.{m.name}" for m in sorted(pkgutil.iter_modules(kpkg.__path__), key=lambda m: m.name)
-             if not m.name.startswith("_")]
-    for name in (*names, *EXTRA_KERNEL_MODULES):
+    from areal_tik.kernels import op_modules
+    for name in (*op_modules(), *EXTRA_KERNEL_MODULES):
         mod = importlib.import_module(name)
         for spec in getattr(mod, "COMPILE_SPECS", ()):
             yield name.rsplit(".", 1)[-1], spec
@@ -100,7 +97,7 @@ def nvcc_object(nvcc: str, src: str, arch: str, out_dir: str, flags: list[str]) 
 
 
 def compile_cuda(archs=NVCC_ARCHS) -> list[dict]:
-    from areal_tik.backend.cuda_ext import sources
+    from areal_tik.kernels.cuda.loader import sources
     nvcc = shutil.which("nvcc")
     rows = []
     srcs = [s for s in sources() if s.endswith(".cu")]
@@ -146,7 +143,7 @@ def _cuda_include_dir(nvcc: str, tmp: str) -> str | None:
 
 def _check_binding_syntax(nvcc: str, incs: list[str], tmp: str) -> list[dict]:
     """``c++ -fsyntax-only`` of every csrc/*.cpp with torch's, Python's and the CUDA toolkit's headers."""
-    from areal_tik.backend.cuda_ext import sources
+    from areal_tik.kernels.cuda.loader import sources
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     cpps = [s for s in sources() if s.endswith(".cpp")]
     if not cpps:

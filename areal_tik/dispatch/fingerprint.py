@@ -12,7 +12,7 @@ import hashlib
 import json
 import platform
 
-from areal_tik.backend import registry
+from areal_tik.dispatch import registry
 
 
 def _read(path: str) -> bytes:

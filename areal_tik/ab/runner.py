@@ -1,6 +1,6 @@
 """End-to-end throughput A/B: the recompute baseline against tik, same recipe, seed and data.
 
-Each arm is one ``python -m areal_tik.train`` process (AReaL's real trainer):
+Each arm is one ``python -m areal_tik.areal.train`` process (AReaL's real trainer):
 
 - ``baseline``: ``actor.kernel_backend=default`` (recompute runs every step);
 - ``tik``: ``actor.kernel_backend=tik`` (recompute skipped when DESIGN.md section 3
@@ -47,7 +47,7 @@ def _runs_dir(out: str, runs_dir: str | None) -> str:
 
 
 def _arm_cmd(config: str, arm: str, steps: int, out: str, overrides: list[str], runs_dir: str | None = None) -> list[str]:
-    return [sys.executable, "-m", "areal_tik.train", "--config", os.path.abspath(config),
+    return [sys.executable, "-m", "areal_tik.areal.train", "--config", os.path.abspath(config),
             *ARM_OVERRIDES[arm], f"total_train_steps={steps}", f"trial_name={arm}",
             f"cluster.fileroot={_runs_dir(out, runs_dir)}",
             "--step-log", os.path.join(os.path.abspath(out), arm, "steps.jsonl"), *overrides]
@@ -585,7 +585,7 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
             "arms_run_here": list(to_run),
             "server_intervals": {a: server_intervals(out, a) for a in ARMS}}
     try:
-        from areal_tik.backend.fingerprint import compute
+        from areal_tik.dispatch.fingerprint import compute
         meta["environment"] = compute()["environment"]
     except Exception:  # noqa: BLE001
         pass

@@ -13,7 +13,8 @@ import logging
 import os
 import shutil
 
-CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+CSRC_DIR = os.path.join(_REPO, "csrc")
 
 
 def sources() -> list[str]:
@@ -40,7 +41,7 @@ def load():
         "cached under torch's extensions directory afterwards; pip install -e . builds it ahead of time)")
     cc = torch.cuda.get_device_capability()
     arch = f"{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")
-    flags = ["-O3", "--use_fast_math" if os.environ.get("AREAL_TIK_FAST_MATH") else "-DNO_FAST_MATH",
+    flags = ["-O3", "-DNO_FAST_MATH",
              f"-gencode=arch=compute_{arch},code=sm_{arch}", "-std=c++17"]
     return _load(name="areal_tik_C", sources=srcs, extra_cuda_cflags=flags, extra_cflags=["-O3"], verbose=False)
 

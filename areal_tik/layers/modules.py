@@ -4,15 +4,17 @@ Every class here is installed by ``__class__`` swap on an existing HF module, so
 parameters, their names, tying and the module tree stay exactly as HF built them
 (state dicts, FSDP2 wrapping by ``_no_split_modules`` class name, optimizers unchanged):
 
-- ``TikLinear`` (``nn.Linear``): ``ops.linear`` -- one GEMM schedule for every M.
-- ``TikRMSNorm``: ``ops.rms_norm`` with HF's ``weight`` / ``variance_epsilon``.
-- ``TikMLP``: ``down_proj(ops.silu_mul(gate_proj(x), up_proj(x)))``.
+- ``TikLinear`` (``nn.Linear``): the bound ``linear`` -- one GEMM schedule for every M.
+- ``TikRMSNorm``: the bound ``rms_norm`` with HF's ``weight`` / ``variance_epsilon``.
+- ``TikMLP``: ``down_proj(silu_mul(gate_proj(x), up_proj(x)))``.
 - ``PagedAttention``: q/k/v/o projections (and Qwen3's ``q_norm``/``k_norm``) as HF
-  names them; RoPE and attention either through the tik ops (``kernels="tik"``) or
-  through HF's own math (``kernels="default"``: HF RoPE in the model dtype, SDPA). In
-  both modes it reads the engine context (``attn_context``) when one is set and then
-  writes/reads the paged KV cache; otherwise it runs the training path over packed
-  sequences.
+  names them; RoPE and attention through the tik ops (:class:`TikAttention`) or through
+  HF's own math (:class:`DefaultAttention`: HF RoPE in the model dtype, SDPA). Both read
+  the engine context (``attn_context``) when one is set and then write/read the paged KV
+  cache; otherwise they run the training path over packed sequences.
+
+The tik modules call ``self._tik_ops``, the model's :class:`~areal_tik.dispatch.bound.BoundOps`
+bound by ``patch_model``: implementations are chosen once, when the model is patched.
 
 Decoder layers and the base model keep their HF classes; ``patch.py`` binds
 ``decoder_layer_forward`` / ``base_model_forward`` on the instances, so the whole
@@ -28,26 +30,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areal_tik import ops
-from areal_tik.backend.attn_context import AttentionContext, get_context
-from areal_tik.backend.default_varlen import packed_causal_attention, sdpa_causal
+from areal_tik.layers.attn_context import AttentionContext, get_context
+from areal_tik.layers.default_varlen import packed_causal_attention, sdpa_causal
 
-__all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "PagedAttention", "ForwardMeta", "RopeCache",
-           "decoder_layer_forward", "base_model_forward"]
+__all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "PagedAttention", "TikAttention", "DefaultAttention", "ForwardMeta",
+           "RopeCache", "decoder_layer_forward", "base_model_forward", "tik_rope_inputs", "default_rope_inputs"]
 
 
 class TikLinear(nn.Linear):
-    """``nn.Linear`` computed by ``ops.linear`` (batch-invariant rows, fp32 accumulate)."""
+    """``nn.Linear`` computed by the bound ``linear`` (batch-invariant rows, fp32 accumulate)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self._tik_ops.linear(x, self.weight, self.bias)
 
 
 class TikRMSNorm(nn.Module):
     """HF RMSNorm (``weight``, ``variance_epsilon``) computed by ``ops.rms_norm``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.variance_epsilon)
+        return self._tik_ops.rms_norm(x, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, tik"
@@ -57,15 +58,16 @@ class TikMLP(nn.Module):
     """HF gated MLP (``gate_proj``/``up_proj``/``down_proj``) with ``ops.silu_mul``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self._tik_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class RopeCache:
     """The fp32 RoPE table, built once per device by ``ops.rope_table`` (never a buffer
     or parameter, so ``.to(dtype)`` and FSDP mixed precision cannot cast it)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, rope_table):
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self._rope_table = rope_table
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +76,7 @@ class RopeCache:
             device = torch.device("cuda", torch.cuda.current_device())
         t = self._tables.get(device)
         if t is None:
-            t = ops.rope_table(self.head_dim, self.max_positions, self.theta, device, scaling=self.scaling)
+            t = self._rope_table(self.head_dim, self.max_positions, self.theta, device, scaling=self.scaling)
             self._tables[device] = t
         return t
 
@@ -98,8 +100,10 @@ class ForwardMeta:
 class PagedAttention(nn.Module):
     """Causal GQA self-attention over packed sequences or the engine's paged KV cache.
 
-    Attributes set by ``patch_model``: ``_tik_kernels`` ("tik"|"default"), ``_tik_heads``,
-    ``_tik_kv_heads``, ``head_dim``, ``scaling``, ``layer_idx``; children as HF names them.
+    Attributes set by ``patch_model``: ``_tik_heads``, ``_tik_kv_heads``, ``head_dim``,
+    ``scaling``, ``layer_idx`` (and ``_tik_ops`` on :class:`TikAttention`, ``_tik_hf_module`` on
+    :class:`DefaultAttention`); children as HF names them. The subclass, chosen when the model is
+    patched, decides RoPE and attention (``_attend``).
     """
 
     def forward(self, hidden_states: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
@@ -112,14 +116,15 @@ class PagedAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q = self.q_norm(q)
             k = self.k_norm(k)
-        if self._tik_kernels == "tik":
-            out = self._tik(q, k, v, meta)
-        else:
-            out = self._default(q, k, v, meta)
+        out = self._attend(q, k, v, meta)
         return self.o_proj(out.reshape(B, L, hq * D))
 
-    # ---- tik kernels -------------------------------------------------------------------
-    def _tik(self, q, k, v, meta: ForwardMeta) -> torch.Tensor:
+
+class TikAttention(PagedAttention):
+    """RoPE and attention on the bound tik ops (``kernels="tik"``)."""
+
+    def _attend(self, q, k, v, meta: ForwardMeta) -> torch.Tensor:
+        ops = self._tik_ops
         q = ops.apply_rope(q, meta.cos, meta.sin, meta.positions)
         k = ops.apply_rope(k, meta.cos, meta.sin, meta.positions)
         ctx = meta.ctx
@@ -130,8 +135,12 @@ class PagedAttention(nn.Module):
                                        ctx.max_seqlen_q, scale=self.scaling)
         return ops.attention_varlen(q, k, v, meta.cu_seqlens, meta.max_seqlen, scale=self.scaling)
 
-    # ---- HF's own math (baseline) ------------------------------------------------------
-    def _default(self, q, k, v, meta: ForwardMeta) -> torch.Tensor:
+
+class DefaultAttention(PagedAttention):
+    """HF's own RoPE (model dtype) and SDPA, made packed-varlen and paged-cache aware
+    (``kernels="default"``, the baseline)."""
+
+    def _attend(self, q, k, v, meta: ForwardMeta) -> torch.Tensor:
         B, L = meta.batch, meta.length
         hq, hkv, D = q.shape[1], k.shape[1], q.shape[2]
         rope = sys.modules[self._tik_hf_module].apply_rotary_pos_emb
@@ -214,6 +223,18 @@ def default_paged_attention(q, k_cache, v_cache, ctx: AttentionContext, scale) -
 
 # ---- forwards bound on HF decoder-layer and base-model instances ----------------------------
 
+def tik_rope_inputs(self, meta: ForwardMeta, h: torch.Tensor, position_ids: torch.Tensor) -> None:
+    """tik: the fp32 RoPE table of ``h``'s device (applied per layer by the bound ``apply_rope``)."""
+    meta.cos, meta.sin = self._tik_rope.get(h.device)
+
+
+def default_rope_inputs(self, meta: ForwardMeta, h: torch.Tensor, position_ids: torch.Tensor) -> None:
+    """default: HF's rotary embedding in the model dtype; a plain ``[B, L]`` batch runs one batched SDPA."""
+    if meta.cu_host == list(range(0, meta.batch * meta.length + 1, meta.length)):
+        meta.cu_host = None
+    meta.position_embeddings = self.rotary_emb(h, position_ids)
+
+
 def decoder_layer_forward(self, hidden_states: torch.Tensor, meta: ForwardMeta, *args, **kwargs) -> torch.Tensor:
     residual = hidden_states
     h = self.input_layernorm(hidden_states)
@@ -286,12 +307,7 @@ def base_model_forward(self, input_ids=None, attention_mask=None, position_ids=N
         meta.cu_host = cu_host
         meta.cu_seqlens = torch.tensor(cu_host, dtype=torch.int32, device=h.device)
         meta.max_seqlen = max(b - a for a, b in zip(cu_host[:-1], cu_host[1:]))
-        if self._tik_kernels == "default" and cu_host == list(range(0, B * L + 1, L)):
-            meta.cu_host = None  # plain [B, L]: one batched SDPA
-    if self._tik_kernels == "tik":
-        meta.cos, meta.sin = self._tik_rope.get(h.device)
-    else:
-        meta.position_embeddings = self.rotary_emb(h, position_ids)
+    self._tik_rope_inputs(meta, h, position_ids)
     for layer in self.layers[: self.config.num_hidden_layers]:
         h = layer(h, meta)
     h = self.norm(h)

@@ -11,7 +11,7 @@ by ``sm_scale * log2(e)``). From those, two backward kernels compute dq, dk, dv:
   (``bench/results/*_s14-flash-backward-probe``): 1.16-1.79x faster than the Triton backward on 12/2 and
   32/8 heads at D 128; relative error against float64 autograd 0.0025-0.0030 (Triton 0.0023-0.0025).
 
-``AREAL_TIK_ATTN_BACKWARD`` (read once at import) picks: ``auto`` (default) takes ``flash`` where PyTorch
+``Settings.attention_backward`` (set once by the entry point through :func:`configure`) picks: ``auto`` (default) takes ``flash`` where PyTorch
 has the kernel for these tensors (a CUDA device of compute capability >= 8.0, bf16/fp16, head dim a
 multiple of 8 up to 256) and ``torch.are_deterministic_algorithms_enabled()`` is False, else ``triton``;
 ``flash`` or ``triton`` force one (``flash`` where it cannot run raises). The forward's bits, the rollout /
@@ -20,15 +20,16 @@ training contract, do not depend on this choice: gradients are correct, not bitw
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-__all__ = ["BACKWARDS", "ATTN_BACKWARD", "flash_backward_supported", "select_backward", "varlen_backward_flash",
+from areal_tik.kernels.attention import triton_backward
+
+__all__ = ["BACKWARDS", "ATTN_BACKWARD", "configure", "flash_backward_supported", "select_backward", "varlen_backward_flash",
            "varlen_attention_backward", "describe"]
 
 BACKWARDS = ("auto", "flash", "triton")
-ATTN_BACKWARD = os.environ.get("AREAL_TIK_ATTN_BACKWARD", "auto")
+ATTN_BACKWARD = "auto"   # the process's choice: configure() at the entry point (Settings.attention_backward)
 _LN2 = math.log(2.0)
 
 
@@ -53,11 +54,19 @@ def flash_backward_supported(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, st
     return True, ""
 
 
+def configure(choice: str) -> None:
+    """Set the process's attention backward (``Settings.attention_backward``), once, at the entry point."""
+    global ATTN_BACKWARD
+    if choice not in BACKWARDS:
+        raise ValueError(f"attention_backward={choice!r}: expected one of {BACKWARDS}")
+    ATTN_BACKWARD = choice
+
+
 def select_backward(q: torch.Tensor, k: torch.Tensor, choice: str | None = None) -> str:
     """``"flash"`` or ``"triton"`` for these tensors under ``choice`` (default :data:`ATTN_BACKWARD`)."""
     choice = ATTN_BACKWARD if choice is None else choice
     if choice not in BACKWARDS:
-        raise ValueError(f"AREAL_TIK_ATTN_BACKWARD={choice!r}: expected one of {BACKWARDS}")
+        raise ValueError(f"attention_backward={choice!r}: expected one of {BACKWARDS}")
     if choice == "triton":
         return "triton"
     ok, why = flash_backward_supported(q, k)
@@ -85,8 +94,7 @@ def varlen_attention_backward(q, k, v, out, lse2, cu_seqlens, max_seqlen, sm_sca
     """dq, dk, dv of the causal varlen attention from the forward's saved tensors (module docstring)."""
     if select_backward(q, k, choice) == "flash":
         return varlen_backward_flash(q, k, v, out, lse2, cu_seqlens, max_seqlen, sm_scale, dout)
-    from areal_tik.kernels.attention import varlen_backward
-    return varlen_backward(q, k, v, out, lse2, cu_seqlens, max_seqlen, sm_scale, qk_scale, dout)
+    return triton_backward.varlen_backward(q, k, v, out, lse2, cu_seqlens, max_seqlen, sm_scale, qk_scale, dout)
 
 
 def describe() -> str:

@@ -3,10 +3,10 @@
 Every op the model uses (``linear``, ``rms_norm``, ``attention``, ...) has one or more
 implementations, each registered with an :class:`ImplInfo`. :func:`select_impl` picks
 one per op; the same choice must hold on the rollout side and the trainer side, and the
-fingerprint (``backend/fingerprint.py``) records it.
+fingerprint (``dispatch/fingerprint.py``) records it.
 
-Selection: an explicit request (argument, or the one documented override, environment
-variable ``AREAL_TIK_BACKEND``, e.g. ``triton`` or ``linear=cuda,attention=triton``)
+Selection: an explicit request (``Settings.backend``, e.g. ``triton`` or
+``attention_paged=triton``, which the entry point takes from ``AREAL_TIK_BACKEND``)
 that cannot be met raises :class:`BackendUnavailable` — never a silent fallback to a
 different numerical path. Without a request, ops take their architecture's preferred
 backend (``ARCH_PREFERRED``, where measured faster) when it is available, else the first
@@ -22,15 +22,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from typing import Callable
+
+from areal_tik.settings import BACKEND_ENV, BACKENDS, SettingsError
+from areal_tik.settings import parse_backend_spec as _parse
 
 __all__ = [
     "ImplInfo", "BackendUnavailable", "register", "select_impl", "implementations",
     "backend_status", "BACKENDS", "parse_backend_spec",
 ]
 
-BACKENDS = ("triton", "cuda", "torch_ref")
 DEFAULT_ORDER = ("triton", "cuda", "torch_ref")
 # Per GPU architecture (``gpu_arch_name()``), ops whose default is another backend than DEFAULT_ORDER's first,
 # because it measured faster there. sm90 (H100/H200), the csrc attention pair (H200, same-run ratios):
@@ -46,7 +47,6 @@ DEFAULT_ORDER = ("triton", "cuda", "torch_ref")
 ARCH_PREFERRED: dict[str, dict[str, str]] = {
     "sm90": {"attention_varlen": "cuda", "attention_paged": "cuda"},
 }
-ENV_VAR = "AREAL_TIK_BACKEND"
 
 
 class BackendUnavailable(RuntimeError):
@@ -95,23 +95,20 @@ def _ensure_loaded() -> None:
     if _LOADED:
         return
     import importlib
-    import pkgutil
 
-    import areal_tik.kernels as kpkg
-    from areal_tik.backend import availability
+    from areal_tik.dispatch import availability
+    from areal_tik.kernels import module_sources, op_modules
 
     avail = {
         "triton": availability.triton_status,
         "cuda": availability.cuda_status,
         "torch_ref": lambda: (True, ""),
     }
-    for m in sorted(pkgutil.iter_modules(kpkg.__path__), key=lambda m: m.name):
-        if m.name.startswith("_"):
-            continue
-        mod = importlib.import_module(f"{kpkg.__name__}.{m.name}")
+    for name in op_modules():
+        mod = importlib.import_module(name)
         for op, impls in getattr(mod, "OPS", {}).items():
             for be, fn in impls.items():
-                srcs = [mod.__file__]
+                srcs = module_sources(mod)
                 if be == "cuda":
                     srcs += list(getattr(mod, "CUDA_SOURCES", ()))
                 meta = tuple(sorted(getattr(mod, "META", {}).items()))
@@ -173,39 +170,29 @@ def implementations() -> dict[str, dict[str, ImplInfo]]:
 
 
 def parse_backend_spec(spec: str | None) -> dict[str, str]:
-    """``"triton"`` -> {"*": "triton"}; ``"linear=cuda,attention=triton"`` -> per op."""
+    """``"triton"`` -> {"*": "triton"}; ``"linear=cuda,attention_paged=triton"`` -> per op."""
     return dict(_parsed_spec(spec))
 
 
 @functools.lru_cache(maxsize=64)
 def _parsed_spec(spec: str | None) -> tuple[tuple[str, str], ...]:
-    """parse_backend_spec's work, once per distinct string (select_impl reads the env var on every op call)."""
-    out: dict[str, str] = {}
-    if not spec:
-        return ()
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        op, _, be = part.rpartition("=")
-        op = op.strip() or "*"
-        be = be.strip()
-        if be not in BACKENDS:
-            raise BackendUnavailable(f"{ENV_VAR}/backend spec names unknown backend {be!r}; choose from {BACKENDS}")
-        out[op] = be
-    return tuple(out.items())
+    try:
+        return tuple(_parse(spec).items())
+    except SettingsError as e:
+        raise BackendUnavailable(str(e)) from None
 
 
 def select_impl(op: str, backend: str | None = None) -> ImplInfo:
-    """The implementation of ``op`` to use. ``backend`` (or the env override) is binding."""
+    """The implementation of ``op`` to use. ``backend`` is a backend name or a spec
+    (``Settings.backend``: ``"triton"``, ``"attention_paged=triton"``); when it names a backend for
+    ``op`` that backend is binding (unavailable -> :class:`BackendUnavailable`), else the op takes
+    its default."""
     _ensure_loaded()
     impls = _REGISTRY.get(op)
     if not impls:
         raise KeyError(f"no implementation registered for op {op!r}")
-    req = backend
-    if req is None:
-        spec = dict(_parsed_spec(os.environ.get(ENV_VAR)))
-        req = spec.get(op, spec.get("*"))
+    spec = dict(_parsed_spec(backend)) if backend else {}
+    req = spec.get(op, spec.get("*"))
     if req is not None:
         info = impls.get(req)
         if info is None:
@@ -240,15 +227,15 @@ def _warn_preferred_unavailable(arch: str, backend: str, why: str) -> None:
         return
     _WARNED_PREFERRED.add((arch, backend))
     ops = sorted(op for op, be in ARCH_PREFERRED.get(arch, {}).items() if be == backend)
-    logging.getLogger("areal_tik.backend").warning(
+    logging.getLogger("areal_tik.dispatch").warning(
         "areal-tik: %s prefers the %s backend for %s, but it is unavailable here (%s); those ops run on the "
-        "next available backend instead (set %s to choose explicitly)", arch, backend, ", ".join(ops), why, ENV_VAR)
+        "next available backend instead (set %s to choose explicitly)", arch, backend, ", ".join(ops), why, BACKEND_ENV)
 
 
 def _has_gpu() -> bool:
     """torch.cuda.is_available(), asked once per process (it reads os.environ on every call, and
     select_impl runs per op call: cProfile of one 1.5B-shape eager prefill on the H200 counted 990 calls for 396
-    op calls, 5 ms of its 60 ms under the profiler; bench/results/*_s10-host-and-po)."""
+    op calls, 5 ms of its 60 ms under the profiler)."""
     return _cuda_available()
 
 
@@ -263,7 +250,7 @@ def _cuda_available() -> bool:
 
 def backend_status() -> dict[str, tuple[bool, str]]:
     """Whether each backend can run here, with the reason when it cannot."""
-    from areal_tik.backend import availability
+    from areal_tik.dispatch import availability
     return {
         "triton": availability.triton_status(),
         "cuda": availability.cuda_status(),

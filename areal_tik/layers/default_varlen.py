@@ -19,7 +19,7 @@ real AReaL baseline. This module picks, once per process:
 If the varlen call raises, the reason is logged once and the loop is used for that
 (dtype, head dim) for the rest of the process (``status()`` reports which path ran last
 and why). The signature is inspected once per process. Errors in the backward are not
-caught (the GPU test runs it); ``AREAL_TIK_DEFAULT_ATTN_LOOP=1`` forces the loop. Neither path
+caught (the GPU test runs it); ``FORCE_LOOP = True`` forces the loop. Neither path
 promises batch invariance: this is the negative-control baseline.
 """
 from __future__ import annotations
@@ -28,7 +28,6 @@ import functools
 import inspect
 import logging
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 __all__ = ["varlen_call_plan", "packed_causal_attention", "sdpa_causal", "status"]
 
 log = logging.getLogger(__name__)
-LOOP_ENV = "AREAL_TIK_DEFAULT_ATTN_LOOP"   # =1: always the per-sequence loop (escape hatch)
+FORCE_LOOP = False   # True: always the per-sequence loop (a diagnostic switch for probes)
 _STATE = {"path": None, "why": "not used yet", "disabled": {}}   # disabled: (dtype, head dim) -> reason
 
 
@@ -90,7 +89,7 @@ def packed_causal_attention(q, k, v, cu_host: list, cu: torch.Tensor, max_seqlen
     """Causal attention within each packed sequence. q [T, Hq, D], k/v [T, Hkv, D];
     ``cu_host`` / ``cu``: the same cumulative lengths on the host and on q's device."""
     key = (q.dtype, q.shape[-1])
-    forced_loop = os.environ.get(LOOP_ENV, "") not in ("", "0")
+    forced_loop = FORCE_LOOP
     fn, plan = _torch_varlen() if _on_gpu(q) and key not in _STATE["disabled"] and not forced_loop else (None, None)
     if fn is not None and plan is not None and (plan["scale"] or math.isclose(scale, q.shape[-1] ** -0.5)):
         kw = {plan["causal"][0]: plan["causal"][1]}
@@ -111,7 +110,7 @@ def packed_causal_attention(q, k, v, cu_host: list, cu: torch.Tensor, max_seqlen
             _STATE["disabled"][key] = f"varlen_attn raised {type(e).__name__}: {e}"[:300]
             log.warning("default attention (%s, head dim %d): %s; using the per-sequence SDPA loop for these",
                         q.dtype, q.shape[-1], _STATE["disabled"][key])
-    why = (_STATE["disabled"].get(key) or (f"{LOOP_ENV} set" if forced_loop else "CPU tensors" if not _on_gpu(q) else
+    why = (_STATE["disabled"].get(key) or ("FORCE_LOOP set" if forced_loop else "CPU tensors" if not _on_gpu(q) else
            "no usable torch.nn.attention.varlen.varlen_attn in this torch (or a non-default scale)"))
     _STATE.update(path="per-sequence SDPA loop", why=why)
     return _loop(q, k, v, cu_host, scale)

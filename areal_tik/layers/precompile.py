@@ -9,12 +9,11 @@ same binary), so that no later step compiles.
 
 What it covers: every ``TikLinear`` shape of the model for M in ``[1, max_tokens]``. It does not
 change any result (dummy tensors only; the model's weights are only read for their shapes).
-``AREAL_TIK_PRECOMPILE=0`` turns it off (compiles then happen at first use, as before).
+``Settings.precompile = False`` (``actor.tik.precompile=false``, ``serve --no-precompile``) turns it off.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -30,7 +29,7 @@ def linear_shapes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> l
     """Distinct ``(N, K, dtype, has_bias)`` of the model's ``TikLinear`` modules (global shapes:
     a DTensor-sharded weight reports the full one). ``dtype``: the dtype the forward runs in,
     when it is not the stored weights' (FSDP2 keeps fp32 masters and computes in bf16)."""
-    from areal_tik.backend.modules import TikLinear
+    from areal_tik.layers.modules import TikLinear
     seen = []
     for m in model.modules():
         if isinstance(m, TikLinear):
@@ -59,8 +58,9 @@ def linear_config_names(n: int, k: int, arch: str, m_min: int, m_max: int, dtype
 
 def precompile_linears(model: torch.nn.Module, max_tokens: int, min_tokens: int = 1,
                        device: torch.device | str | None = None, progress: bool = False,
-                       dtype: torch.dtype | None = None) -> dict:
-    """Launch each reachable linear config of ``model`` once (CUDA only; a no-op elsewhere).
+                       dtype: torch.dtype | None = None, enabled: bool = True) -> dict:
+    """Launch each reachable linear config of ``model`` once (CUDA only; a no-op elsewhere and when
+    ``enabled`` is False, ``Settings.precompile``).
     ``dtype``: the compute dtype when it differs from the stored weights' (see :func:`linear_shapes`).
 
     Returns ``{"shapes", "configs", "compiles", "compile_s", "seconds"}``; ``compiles`` counts
@@ -74,7 +74,7 @@ def precompile_linears(model: torch.nn.Module, max_tokens: int, min_tokens: int 
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     shapes = linear_shapes(model, dtype)
     res = {"shapes": len(shapes), "configs": 0, "compiles": 0, "compile_s": 0.0, "seconds": 0.0}
-    if dev.type != "cuda" or interpreting() or not shapes or os.environ.get("AREAL_TIK_PRECOMPILE", "1") == "0":
+    if dev.type != "cuda" or interpreting() or not shapes or not enabled:
         return res
     jit_watch.install()
     before, t0 = jit_watch.snapshot(), time.perf_counter()

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m areal_tik.train --config recipes/<x>.yaml [overrides...]``.
+"""Entry point: ``python -m areal_tik.areal.train --config recipes/<x>.yaml [overrides...]``.
 
 Loads the recipe through AReaL's own ``load_expr_config`` into :class:`TikGRPOConfig`
 (so ``actor.kernel_backend=tik`` is a plain override), then runs AReaL's ``PPOTrainer``
@@ -8,7 +8,7 @@ Extra flags (ours, removed before AReaL sees argv):
   ``--step-log FILE``   append one JSON line of stats per step (the A/B harness reads it)
 
 Recipe conventions resolved here (the only place that reads files / environment):
-- ``actor.path: preset:<name>`` -> the preset (``areal_tik.models``) is built with seed
+- ``actor.path: preset:<name>`` -> the preset (``areal_tik.layers.models``) is built with seed
   ``seed`` and saved (bf16) as an HF dir under the fileroot, with the tokenizer; the
   actor, ref and rollout server all load that dir.
 - ``tokenizer_path: builtin:tiny-char`` -> the character tokenizer in ``areal_tik/data``.
@@ -21,7 +21,7 @@ Recipe conventions resolved here (the only place that reads files / environment)
   ``launch_server`` starts ``areal-tik serve``; the workflow travels as a dotted path.
 - Without ``scheduler.type`` (null) this process runs AReaL's SPMD mode as a world of
   one (``AREAL_SPMD_MODE=1``, gloo on a CPU); if ``AREAL_LLM_SERVER_ADDRS`` is unset it
-  starts ``areal-tik serve`` itself (``AREAL_TIK_SERVER_DEVICE`` picks its device, e.g.
+  starts ``areal-tik serve`` itself (``actor.tik.server_device`` picks its device, e.g.
   ``cuda:1``) and stops it at the end.
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def materialize_model(config) -> str:
     import torch
     from transformers import AutoTokenizer
 
-    from areal_tik.models import build_model
+    from areal_tik.layers.models import build_model
     name = spec.split(":", 1)[1]
     tok = AutoTokenizer.from_pretrained(config.tokenizer_path)
     root = os.path.join(config.cluster.fileroot, config.experiment_name, config.trial_name, "init_model")
@@ -138,13 +138,13 @@ def check_xccl_layout(weight_update_mode: str, server_device: str | None) -> Non
     dev = torch.device(server_device or "cuda")
     if dev.type != "cuda":
         raise SystemExit(f"actor.weight_update_mode=xccl on a CUDA machine broadcasts over NCCL: the rollout server "
-                         f"must be on a GPU, not AREAL_TIK_SERVER_DEVICE={server_device}")
+                         f"must be on a GPU, not actor.tik.server_device={server_device}")
     if (dev.index or 0) == 0:
         raise SystemExit("actor.weight_update_mode=xccl needs the rollout server on another GPU than the trainer "
-                         "(NCCL refuses two ranks on one device): set AREAL_TIK_SERVER_DEVICE=cuda:1, or use "
+                         "(NCCL refuses two ranks on one device): set actor.tik.server_device=cuda:1, or use "
                          "actor.weight_update_mode=disk on one GPU")
     if dev.index >= torch.cuda.device_count():
-        raise SystemExit(f"AREAL_TIK_SERVER_DEVICE={server_device}: only {torch.cuda.device_count()} GPU(s) visible")
+        raise SystemExit(f"actor.tik.server_device={server_device}: only {torch.cuda.device_count()} GPU(s) visible")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,11 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                          "start an SGLang server and set AREAL_LLM_SERVER_ADDRS=host:port, or use "
                          "scheduler.type=local (AReaL launches it)")
     if spmd and use_tik_server(config) and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
-        check_xccl_layout(config.actor.weight_update_mode, os.getenv("AREAL_TIK_SERVER_DEVICE"))
+        settings = config.actor.tik.settings(config.actor.kernel_backend)
+        check_xccl_layout(config.actor.weight_update_mode, settings.server_device)
         log_dir = os.path.join(config.cluster.fileroot, config.experiment_name, config.trial_name)
         os.makedirs(log_dir, exist_ok=True)
-        server, addr = launch_local_server(model_dir, config.actor.kernel_backend, dtype=config.actor.dtype,
-                                           seed=config.seed, device=os.getenv("AREAL_TIK_SERVER_DEVICE"),
+        server, addr = launch_local_server(model_dir, settings, dtype=config.actor.dtype,
+                                           seed=config.seed, device=settings.server_device,
                                            log_path=os.path.join(log_dir, "tik_server.log"), **server_settings(config))
         os.environ["AREAL_LLM_SERVER_ADDRS"] = addr
         stamp(f"rollout server up at {addr}")

@@ -1,21 +1,22 @@
 """The one log-prob path shared by the rollout sampler and the trainer.
 
-``logprobs_of(logits, tokens, T, kernels)`` is what the engine's sampler records;
+``logprobs_of(logits, tokens, T, ops)`` is what the engine's sampler records;
 ``packed_logprobs(model, input_ids, ...)`` is the training-side value for a packed batch
 (AReaL's shifted form: entry t is ``log p(input_ids[t+1] | tokens <= t)`` at temperature
 T, over the whole packed row, so the last entry of each sequence is meaningless and
 masked by the caller, exactly as AReaL's ``gather_logprobs(logits, roll(ids, -1))``).
 
-With ``kernels="tik"`` both go through ``areal_tik.ops``: ``logprobs_from_logits`` on
-``linear(hidden, W)`` logits, or the fused ``token_logprobs(hidden, W, ...)`` which is
-bitwise equal to it. With ``kernels="default"`` both use plain
-``log_softmax(logits.float() / T)`` (the baseline). T == 0 (greedy) uses T = 1.
+On a model patched with ``kernels="tik"`` both go through the model's bound ops
+(``ops_of(model)``): ``logprobs_from_logits`` on ``linear(hidden, W)`` logits, or the fused
+``token_logprobs(hidden, W, ...)`` which is bitwise equal to it. With ``kernels="default"``
+(``ops`` None) both use plain ``log_softmax(logits.float() / T)`` (the baseline). T == 0
+(greedy) uses T = 1.
 """
 from __future__ import annotations
 
 import torch
 
-from areal_tik import ops
+from areal_tik.layers.patch import kernels_of, ops_of
 
 __all__ = ["logprobs_of", "packed_logprobs", "effective_temperature"]
 
@@ -24,10 +25,11 @@ def effective_temperature(t: float) -> float:
     return 1.0 if t == 0 else float(t)
 
 
-def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, kernels: str = "tik") -> torch.Tensor:
-    """fp32 ``log_softmax(logits.float() / T)[token]`` per row."""
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, ops=None) -> torch.Tensor:
+    """fp32 ``log_softmax(logits.float() / T)[token]`` per row: by the tik kernel of ``ops`` (a
+    model's bound ops), or by plain torch when ``ops`` is None (default kernels)."""
     t = effective_temperature(temperature)
-    if kernels == "tik":
+    if ops is not None:
         return ops.logprobs_from_logits(logits, tokens, t)
     lp = torch.log_softmax(logits.float() / t, dim=-1)
     return lp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
@@ -44,10 +46,7 @@ def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | N
     loss). ``fused=True`` uses ``ops.token_logprobs`` on the final hidden states (bounded
     memory) with tik kernels; otherwise logits from ``lm_head`` then ``logprobs_of``.
     """
-    from areal_tik.backend.patch import kernels_of
-
-    kernels = kernels_of(model)
-    if kernels is None:
+    if kernels_of(model) is None:
         raise ValueError("packed_logprobs needs a patched model (areal_tik.patch_model)")
     ids = input_ids.reshape(-1)
     T = ids.numel()
@@ -68,19 +67,20 @@ def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | N
     hidden = hidden.last_hidden_state[0]
     labels = torch.roll(ids, shifts=-1)
     if not isinstance(temperature, torch.Tensor):
-        return _head(model, hidden, labels, float(temperature), kernels, fused)
+        return _head(model, hidden, labels, float(temperature), fused)
     # per-token temperatures: one call per distinct value on its rows (rows are independent)
     temps = temperature.reshape(-1).to(device=dev)
     out = None
     for t in sorted(set(temps.tolist())):
         rows = torch.nonzero(temps == t).flatten()
-        lp = _head(model, hidden.index_select(0, rows), labels.index_select(0, rows), t, kernels, fused)
+        lp = _head(model, hidden.index_select(0, rows), labels.index_select(0, rows), t, fused)
         out = lp.new_zeros(T) if out is None else out
         out = out.index_put((rows,), lp)
     return out
 
 
-def _head(model, hidden, labels, temperature, kernels, fused):
-    if kernels == "tik" and fused:
+def _head(model, hidden, labels, temperature, fused):
+    ops = ops_of(model)
+    if ops is not None and fused:
         return ops.token_logprobs(hidden, model.lm_head.weight, labels, effective_temperature(temperature))
-    return logprobs_of(model.lm_head(hidden), labels, temperature, kernels)
+    return logprobs_of(model.lm_head(hidden), labels, temperature, ops)

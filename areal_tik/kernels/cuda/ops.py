@@ -3,7 +3,7 @@
 The kernels live in ``csrc/tik_attention.cu`` and ``csrc/tik_elementwise.cu`` (plain CUDA,
 no torch headers, C launcher API in ``csrc/tik_api.h``); ``csrc/tik_bindings.cpp`` binds
 them to torch. The module is ``areal_tik._C`` when ``setup.py`` built it, else a JIT build
-by :func:`areal_tik.backend.cuda_ext.load`. Nothing here touches CUDA at import time, so
+by :func:`areal_tik.kernels.cuda.loader.load`. Nothing here touches CUDA at import time, so
 the registry can import this module on a CPU machine (the cuda backend then reports
 itself unavailable).
 
@@ -33,8 +33,7 @@ kernel bit-identical and 1.6-2.4x faster). Its split-KV merge runs, by default, 
 same launch (``decode_merge="fused"``): a tile whose rows end in the first 256-position
 chunk finalizes in registers; otherwise the chunk CTA that finishes last (atomic ticket on a
 per-device counter buffer that each launch leaves zeroed) merges the chunk partials in
-ascending order with the merge kernel's operations. ``decode_merge="kernel"`` (or
-``AREAL_TIK_CUDA_DECODE_MERGE=kernel``) keeps the earlier decode + merge-kernel pair; both
+ascending order with the merge kernel's operations. ``decode_merge="kernel"`` keeps the earlier decode + merge-kernel pair; both
 give the same bits (GPU tests compare them). Fused decode launches on one device must not
 run concurrently on two streams (they share the counters).
 Prefill kernel (launches that are not decode-shaped, FOLD mode): on sm_90a at D = 128 the
@@ -42,15 +41,15 @@ default (``prefill_kernel="auto"``) is a warpgroup-MMA kernel fed by TMA (csrc/
 tik_attention_wgmma.cuh: 2 consumer warpgroups x 64 rows per CTA and a producer warpgroup that
 issues the K/V loads, the same per-row arithmetic as the mma.sync kernel, so the same bits; the GPU
 tests and bench_cuda compare them); ``"mma"`` forces the mma.sync kernel, ``"wgmma"`` the warpgroup
-kernel (an error where it cannot run); None reads ``PREFILL_KERNEL`` (``AREAL_TIK_CUDA_PREFILL``).
+kernel (an error where it cannot run); None takes ``PREFILL_KERNEL``.
 Tensors without a TMA descriptor (a k/v base not 16-byte aligned) fall back to the mma.sync kernel
 under "auto".
 Accuracy: relative Frobenius error vs ``attention_reference`` (float64) < 1e-2.
 
 Backward of ``attention_varlen``: the forward also writes each row's base-2 log-sum-exp (same
 output bits; FOLD mode) and the backward runs on it, as the Triton forward's does
-(``kernels/attention_backward.py``: PyTorch's flash-attention-2 backward kernel by default, the Triton
-recompute under deterministic algorithms or ``AREAL_TIK_ATTN_BACKWARD=triton``): correct, not bitwise
+(``kernels/attention/flash_backward.py``: PyTorch's flash-attention-2 backward kernel by default, the Triton
+recompute under deterministic algorithms or with ``Settings.attention_backward="triton"``): correct, not bitwise
 invariant, not the exact derivative of the bf16 forward. A forced ``mode="split"`` keeps the older float32
 recompute through PyTorch's ``scaled_dot_product_attention`` per sequence. ``rms_norm`` and
 ``apply_rope`` backward: the Triton RMSNorm backward kernel on each row's rstd from the Triton
@@ -67,13 +66,14 @@ import os
 
 import torch
 
+from areal_tik.kernels.cuda import loader
+
 __all__ = [
     "attention_varlen_cuda", "attention_paged_cuda", "kv_cache_write_cuda", "rms_norm_cuda", "apply_rope_cuda",
     "OPS", "META", "CUDA_SOURCES", "BLOCK_N", "SPLIT", "extension",
 ]
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CUDA_SOURCES = tuple(os.path.join(_ROOT, "csrc", f) for f in
+CUDA_SOURCES = tuple(os.path.join(loader.CSRC_DIR, f) for f in
                      ("tik_api.h", "tik_attention.cu", "tik_attention_wgmma.cuh", "tik_elementwise.cu",
                       "tik_bindings.cpp"))
 
@@ -84,15 +84,15 @@ _MODES = {"auto": 0, "fold": 1, "split": 2}
 DECODE_PATH = 4   # must equal TIK_ATTN_DECODE_PATH (4-warp decode, fused merge, chunks per CTA, lse output)
 _DECODE_MERGES = {"fused": 0, "kernel": 1}
 # Default split-KV merge of decode-shaped launches ("fused": in the decode launch; "kernel":
-# the separate merge kernel). Read once at import; same bits either way.
-DECODE_MERGE = os.environ.get("AREAL_TIK_CUDA_DECODE_MERGE", "fused")
+# the separate merge kernel); a launch may pass decode_merge=. Same bits either way.
+DECODE_MERGE = "fused"
 PREFILL_KERNELS = 2  # must equal TIK_ATTN_PREFILL_KERNELS (the build knows prefill_kernel)
 _PREFILL = {"auto": 0, "mma": 1, "wgmma": 2}
 ELEMENTWISE_API = 2  # must equal TIK_ELEMENTWISE_API (2: apply_rope_fwd has the backward transpose)
 # Kernel of FOLD-mode launches that are not decode-shaped ("auto": the sm_90a wgmma kernel where
-# the GPU and the build have it and D = 128, else mma.sync; "mma"/"wgmma" force one). Read once at
-# import; the GPU tests check both give the same bits.
-PREFILL_KERNEL = os.environ.get("AREAL_TIK_CUDA_PREFILL", "auto")
+# the GPU and the build have it and D = 128, else mma.sync; "mma"/"wgmma" force one); a launch may
+# pass prefill_kernel=. The GPU tests check both give the same bits.
+PREFILL_KERNEL = "auto"
 LOG2E = 1.4426950408889634
 
 META = {"cuda.attn.BLOCK_N": BLOCK_N, "cuda.attn.SPLIT": SPLIT, "cuda.attn.mma": "m16n8k16 bf16->f32",
@@ -109,8 +109,7 @@ META = {"cuda.attn.BLOCK_N": BLOCK_N, "cuda.attn.SPLIT": SPLIT, "cuda.attn.mma":
 
 def extension():
     """The compiled module (prebuilt or JIT). Raises RuntimeError with the reason."""
-    from areal_tik.backend import cuda_ext
-    mod = cuda_ext.load()
+    mod = loader.load()
     if getattr(mod, "BLOCK_N", BLOCK_N) != BLOCK_N or getattr(mod, "SPLIT", SPLIT) != SPLIT:
         raise RuntimeError(f"areal-tik CUDA extension built with BLOCK_N={mod.BLOCK_N}, SPLIT={mod.SPLIT}; "
                            f"cuda_ops expects {BLOCK_N}/{SPLIT}: rebuild")
@@ -183,22 +182,21 @@ def _mode(mode):
     return _MODES[mode]
 
 
-def _env_choice(arg, value, module_default, codes, env_var, env_default):
-    """The binding's code for ``value`` (None: the module default, read from ``env_var``)."""
+def _choice(arg, value, module_default, codes):
+    """The binding's code for ``value`` (None: the module default)."""
     v = module_default if value is None else value
     if v not in codes:
         raise ValueError(f"attention (cuda): {arg} must be one of {sorted(codes)} (or None: "
-                         f"{env_var}, default {env_default!r}), got {v!r}")
+                         f"{module_default!r}), got {v!r}")
     return codes[v]
 
 
 def _prefill_kernel(prefill_kernel):
-    return _env_choice("prefill_kernel", prefill_kernel, PREFILL_KERNEL, _PREFILL, "AREAL_TIK_CUDA_PREFILL", "auto")
+    return _choice("prefill_kernel", prefill_kernel, PREFILL_KERNEL, _PREFILL)
 
 
 def _decode_merge(decode_merge):
-    return _env_choice("decode_merge", decode_merge, DECODE_MERGE, _DECODE_MERGES, "AREAL_TIK_CUDA_DECODE_MERGE",
-                       "fused")
+    return _choice("decode_merge", decode_merge, DECODE_MERGE, _DECODE_MERGES)
 
 
 # ---------------------------------------------------------------------------------------
@@ -235,8 +233,8 @@ def _varlen_grad_reference(q, k, v, cu_seqlens, scale, dout):
 class _VarlenCudaFunction(torch.autograd.Function):
     """Autograd for the CUDA varlen forward. The forward also writes each row's base-2 log-sum-exp
     (csrc ``TikAttnParams::lse``; same output bits) and the backward runs on it
-    (:mod:`areal_tik.kernels.attention_backward`: PyTorch's flash-attention-2 backward kernel, or the Triton
-    recompute where that cannot run, under deterministic algorithms, or by ``AREAL_TIK_ATTN_BACKWARD``). A
+    (:mod:`areal_tik.kernels.attention.flash_backward`: PyTorch's flash-attention-2 backward kernel, or the Triton
+    recompute where that cannot run, under deterministic algorithms, or by ``Settings.attention_backward``). A
     forced ``mode="split"`` (no lse in that mode) keeps the float32 PyTorch recompute
     (:func:`_varlen_grad_reference`)."""
 
@@ -257,7 +255,7 @@ class _VarlenCudaFunction(torch.autograd.Function):
         if not lse:
             dq, dk, dv = _varlen_grad_reference(q, k, v, cu, ctx.scale, dout)
         else:
-            from areal_tik.kernels.attention_backward import varlen_attention_backward
+            from areal_tik.kernels.attention.flash_backward import varlen_attention_backward
             dq, dk, dv = varlen_attention_backward(q, k, v, out, lse[0], cu, ctx.max_seqlen, ctx.scale,
                                                    ctx.scale * LOG2E, dout)
         return dq, dk, dv, None, None, None, None, None
@@ -302,8 +300,7 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
     across CTAs. ``out``: optional contiguous ``[Tq, Hq, D]`` bf16 buffer to write (CUDA graphs,
     poisoned-output tests); rows of tokens outside ``cu_seqlens_q[B]`` are left untouched.
     ``decode_merge``: ``"fused"`` (the split-KV merge of decode-shaped launches runs in the
-    decode launch), ``"kernel"`` (a second, merge-kernel launch) or None (``DECODE_MERGE``,
-    from ``AREAL_TIK_CUDA_DECODE_MERGE``); same bits. The fused path needs the per-device
+    decode launch), ``"kernel"`` (a second, merge-kernel launch) or None (``DECODE_MERGE``); same bits. The fused path needs the per-device
     counter buffer, created by the first eager (not graph-captured) attention call on the
     device; a capture before any eager call falls back to the merge kernel. ``prefill_kernel``: as
     :func:`attention_varlen_cuda` (launches that are not decode-shaped)."""
@@ -470,7 +467,7 @@ OPS = {
 
 def _rope_table(*args, **kwargs):
     """The one RoPE table (built on the CPU in float64, see ``kernels/rope.py``); listed here so
-    ``AREAL_TIK_BACKEND=cuda`` finds it. Identical for every backend."""
+    a ``backend="cuda"`` request finds it. Identical for every backend."""
     from areal_tik.kernels.rope import rope_table
     return rope_table(*args, **kwargs)
 

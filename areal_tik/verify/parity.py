@@ -30,8 +30,8 @@ from typing import Callable
 
 import torch
 
-from areal_tik import contract
-from areal_tik.backend.logprob_head import packed_logprobs
+from areal_tik.verify import contract
+from areal_tik.layers.logprob_head import packed_logprobs
 from areal_tik.engine.config import EngineConfig
 from areal_tik.engine.llm_engine import LLMEngine
 from areal_tik.engine.sequence import RequestOutput, SamplingParams

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import types
 
-import torch
 from torch import nn
 
-from areal_tik.backend import modules as M
+from areal_tik.dispatch.bound import BoundOps, bind
+from areal_tik.layers import modules as M
 
-__all__ = ["patch_model", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES", "kernels_of", "apply_tik_to_qwen2",
-           "apply_tik_to_qwen3", "apply_tik_to_llama", "MODEL_TYPE_TO_APPLY_FN"]
+__all__ = ["patch_model", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES", "kernels_of", "ops_of"]
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 _SUPPORTED_HEAD_DIMS = (64, 128)
@@ -45,6 +44,12 @@ class UnsupportedModelError(ValueError):
 def kernels_of(model: nn.Module) -> str | None:
     """``"tik"``/``"default"`` for a patched model, None for an unpatched one."""
     return getattr(model, "_tik_kernels", None)
+
+
+def ops_of(model: nn.Module) -> BoundOps | None:
+    """The ops bound to a model patched with ``kernels="tik"`` (None otherwise): its log-prob head
+    and the engine's sampler call these, so the whole model runs one selection."""
+    return getattr(model, "_tik_ops", None)
 
 
 def _rope_spec(cfg) -> tuple[float, dict | None]:
@@ -114,11 +119,13 @@ def _head_name(model: nn.Module) -> str | None:
     return None
 
 
-def _swap(module: nn.Module, cls: type) -> None:
+def _swap(module: nn.Module, cls: type, ops: BoundOps | None = None) -> None:
     module.__class__ = cls
+    if ops is not None:
+        module._tik_ops = ops
 
 
-def patch_model(model: nn.Module, kernels: str = "tik") -> nn.Module:
+def patch_model(model: nn.Module, kernels: str = "tik", backend: str | None = None) -> nn.Module:
     """Patch ``model`` (an HF Qwen2/Qwen3/Llama ``*ForCausalLM``, or the same decoder under a
     ``*ForTokenClassification`` value head as AReaL's critic builds it) in place and return it.
 
@@ -126,6 +133,10 @@ def patch_model(model: nn.Module, kernels: str = "tik") -> nn.Module:
     ``kernels="default"``: HF's own math, but attention understands packed sequences and
     the engine's paged cache (the baseline). Patching twice with the same kernels is a
     no-op; with different kernels it raises (build a fresh model).
+
+    ``backend`` (``Settings.backend``: None, ``"triton"``, ``"attention_paged=triton"``, ...)
+    selects each op's implementation now, once, for every layer of this model; an unavailable
+    request raises ``BackendUnavailable`` before anything is touched.
     """
     if kernels not in ("tik", "default"):
         raise ValueError(f"kernels must be 'tik' or 'default', got {kernels!r}")
@@ -135,6 +146,7 @@ def patch_model(model: nn.Module, kernels: str = "tik") -> nn.Module:
             raise ValueError(f"model already patched with kernels={prev!r}; build a fresh model for {kernels!r}")
         return model
     base, cfg = _validate(model)
+    ops = bind(backend) if kernels == "tik" else None
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     hf_module = type(base.layers[0].self_attn).__module__
     tik = kernels == "tik"
@@ -143,17 +155,18 @@ def patch_model(model: nn.Module, kernels: str = "tik") -> nn.Module:
         attn = layer.self_attn
         if tik:
             for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                _swap(getattr(attn, n), M.TikLinear)
+                _swap(getattr(attn, n), M.TikLinear, ops)
             for n in ("q_norm", "k_norm"):
                 if hasattr(attn, n):
-                    _swap(getattr(attn, n), M.TikRMSNorm)
+                    _swap(getattr(attn, n), M.TikRMSNorm, ops)
             for n in ("gate_proj", "up_proj", "down_proj"):
-                _swap(getattr(layer.mlp, n), M.TikLinear)
-            _swap(layer.mlp, M.TikMLP)
-            _swap(layer.input_layernorm, M.TikRMSNorm)
-            _swap(layer.post_attention_layernorm, M.TikRMSNorm)
-        _swap(attn, M.PagedAttention)
-        attn._tik_kernels = kernels
+                _swap(getattr(layer.mlp, n), M.TikLinear, ops)
+            _swap(layer.mlp, M.TikMLP, ops)
+            _swap(layer.input_layernorm, M.TikRMSNorm, ops)
+            _swap(layer.post_attention_layernorm, M.TikRMSNorm, ops)
+            _swap(attn, M.TikAttention, ops)
+        else:
+            _swap(attn, M.DefaultAttention)
         attn._tik_heads = cfg.num_attention_heads
         attn._tik_kv_heads = cfg.num_key_value_heads
         attn._tik_hf_module = hf_module
@@ -162,20 +175,15 @@ def patch_model(model: nn.Module, kernels: str = "tik") -> nn.Module:
         attn.layer_idx = i
         layer.forward = types.MethodType(M.decoder_layer_forward, layer)
     if tik:
-        _swap(base.norm, M.TikRMSNorm)
-        _swap(getattr(model, _head_name(model)), M.TikLinear)
+        _swap(base.norm, M.TikRMSNorm, ops)
+        _swap(getattr(model, _head_name(model)), M.TikLinear, ops)
         theta, scaling = _rope_spec(cfg)
-        base._tik_rope = M.RopeCache(head_dim, cfg.max_position_embeddings, theta, scaling)
+        base._tik_rope = M.RopeCache(head_dim, cfg.max_position_embeddings, theta, scaling, ops.rope_table)
+        base._tik_rope_inputs = types.MethodType(M.tik_rope_inputs, base)
+        model._tik_ops = ops
+    else:
+        base._tik_rope_inputs = types.MethodType(M.default_rope_inputs, base)
     base._tik_kernels = kernels
     base.forward = types.MethodType(M.base_model_forward, base)
     model._tik_kernels = kernels
     return model
-
-
-def apply_tik_to_qwen2(model: nn.Module, kernels: str = "tik") -> nn.Module:
-    return patch_model(model, kernels)
-
-
-apply_tik_to_qwen3 = apply_tik_to_qwen2
-apply_tik_to_llama = apply_tik_to_qwen2
-MODEL_TYPE_TO_APPLY_FN = {"qwen2": apply_tik_to_qwen2, "qwen3": apply_tik_to_qwen3, "llama": apply_tik_to_llama}

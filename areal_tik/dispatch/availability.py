@@ -27,7 +27,7 @@ def cuda_status() -> tuple[bool, str]:
     if torch.version.cuda is None:
         return False, "torch is a CPU build"
     try:
-        from areal_tik.backend import cuda_ext
+        from areal_tik.kernels.cuda import loader as cuda_ext
     except Exception as e:
         return False, f"cuda extension loader failed: {e}"
     return cuda_ext.status()
