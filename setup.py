@@ -1,7 +1,7 @@
 """Install areal-tik.
 
 The pure-Python package installs everywhere. When a CUDA toolkit (nvcc) and a CUDA
-build of torch are both present, the CUDA extension ``areal_tik._C`` is built from
+build of torch are both present, the CUDA extension ``areal_tik.kernels.cuda._C`` is built from
 ``csrc/`` too (sm_80 and sm_90a); otherwise the build is skipped with a message and
 ``areal-tik env`` reports the cuda backend as unavailable (it can still be built just
 in time from the sources on a GPU machine).
@@ -38,7 +38,7 @@ def cuda_extension():
         print(f"areal-tik: skipping the CUDA extension: {why}", file=sys.stderr)
         return [], {}
     gencode = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a"]
-    ext = CUDAExtension("areal_tik._C", srcs, extra_compile_args={"cxx": ["-O3"],
+    ext = CUDAExtension("areal_tik.kernels.cuda._C", srcs, extra_compile_args={"cxx": ["-O3"],
                                                                    "nvcc": ["-O3", "-std=c++17", *gencode]})
     return [ext], {"build_ext": BuildExtension}
 

@@ -4,6 +4,6 @@
 (initialize, act, audit, lineage) · ``proposers`` (offline, llm, replay) · ``evaluator``
 (checks + timing in a separate process) · ``loop`` · ``export`` · ``plot``. A kernel is
 source text + meta-parameters (``kinds``: triton, cuda_inline); ops are ``tasks``;
-starting points are ``roots``. DESIGN.md section 5.
+starting points are ``roots``. docs/design.md, "The agent".
 """
 __all__ = ["store", "records", "roles", "proposers", "evaluator", "loop", "export", "plot", "kinds", "tasks", "roots"]

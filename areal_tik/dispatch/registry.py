@@ -38,7 +38,7 @@ DEFAULT_ORDER = ("triton", "cuda", "torch_ref")
 #   * bench cells (32/8 heads, pages of 64): wgmma prefill 1.23-1.31x Triton at L 4K-16K, decode faster in
 #     14 of 16 cells (bench/results/*_fce4b88_cuda-decode-final); training forward + Triton backward
 #     1.02-1.04x (*_2ee03d5_cuda-lse-backward);
-#   * the engine's shapes (Qwen2.5-1.5B, 12/2 heads, pages of 16, session 9): decode 0.90-1.03x Triton per
+#   * the engine's shapes (Qwen2.5-1.5B, 12/2 heads, pages of 16): decode 0.90-1.03x Triton per
 #     kernel (*_f68fc3b_decode-working-ctas), in a profiled B=64 engine decode step 0.514 vs 0.521 ms of
 #     attention per step, device busy 3.80 vs 3.81 ms (*_f127a84_engine-profile-ab); 64 x 512-token paged
 #     prefill 0.97x (*_a9ce38d_engine-shape-bisect). A wash there, a gain on long prefill and training.

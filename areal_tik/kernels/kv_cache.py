@@ -1,4 +1,4 @@
-"""Write new K/V rows into the paged KV cache (issue 4).
+"""Write new K/V rows into the paged KV cache.
 
 ``kv_cache_write(k, v, k_cache, v_cache, slot_mapping)``: k/v ``[Tk, Hkv, D]``, caches
 ``[num_pages, page_size, Hkv, D]`` (contiguous, same dtype as k/v), ``slot_mapping``

@@ -1,4 +1,4 @@
-"""Checkers for the numerical contract (DESIGN.md section 2).
+"""Checkers for the numerical contract (docs/design.md, "The contract").
 
 Everyone who must judge a kernel uses these: the tests, the trainer's audit and the
 agent's evaluator. Each checker returns a :class:`Report` (counts, max |diff|, first

@@ -1,4 +1,4 @@
-"""The agent with a csrc kernel as its root (issue 9): rms_norm starts from csrc/tik_elementwise.cu.
+"""The agent with a csrc kernel as its root: rms_norm starts from csrc/tik_elementwise.cu.
 
 CPU: the root is the csrc file as it stands; the offline proposer moves its build-time knob; the root and
 every proposal compile for sm_90a and sm_80 (nvcc -c; skipped without nvcc); the rms_norm task's checks pass

@@ -1,4 +1,4 @@
-"""Unified attention (issue 4): R1 == R2 == R3 == R4 bit for bit, float64 accuracy,
+"""Unified attention: R1 == R2 == R3 == R4 bit for bit, float64 accuracy,
 backward, poisoned outputs, errors — for the Triton kernels (CPU interpreter with tiny
 meta-parameters, GPU at real shapes) and for torch_ref.
 

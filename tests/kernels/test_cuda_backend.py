@@ -1,4 +1,4 @@
-"""CUDA C++ backend (csrc/, issue 9): the contract within the cuda backend.
+"""CUDA C++ backend (csrc/): the contract within the cuda backend.
 
 GPU tests (``-m gpu``, run by ``bash bench/gpu_check.sh tests``):
 - attention: R1 varlen (two packings, with a padding segment) == R2 paged prefill ==
@@ -65,7 +65,7 @@ def test_csrc_compiles_for_sm80_and_sm90a():
     rows = {(c["source"], c["arch"]): c for c in info["cuda"]}
     every_cu = sorted(f for f in os.listdir(os.path.join(ROOT, "csrc")) if f.endswith(".cu"))
     assert {"tik_attention.cu", "tik_elementwise.cu"} <= set(every_cu)
-    for src in every_cu:  # every csrc/*.cu, for both architectures (the CI compile check of issue 9)
+    for src in every_cu:  # every csrc/*.cu, for both architectures (the CI compile check)
         for arch in ("sm_80", "sm_90a"):
             row = rows.get((src, arch))
             assert row is not None, f"{src} {arch} not compiled"

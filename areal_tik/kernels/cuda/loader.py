@@ -1,6 +1,6 @@
 """Loader for the CUDA extension built from ``csrc/``.
 
-``setup.py`` builds ``areal_tik._C`` when a CUDA toolkit and a CUDA build of torch are
+``setup.py`` builds ``areal_tik.kernels.cuda._C`` when a CUDA toolkit and a CUDA build of torch are
 present. Otherwise :func:`load` compiles the installed sources just in time with
 ``torch.utils.cpp_extension.load`` (needs nvcc). :func:`status` says which, or why
 neither works.
@@ -23,9 +23,9 @@ def sources() -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def load():
-    """The compiled module (prebuilt ``areal_tik._C`` or a JIT build). Raises on failure."""
+    """The compiled module (prebuilt ``areal_tik.kernels.cuda._C`` or a JIT build). Raises on failure."""
     try:
-        from areal_tik import _C  # type: ignore[attr-defined]
+        from areal_tik.kernels.cuda import _C  # type: ignore[attr-defined]
         return _C
     except ImportError:
         pass
@@ -33,7 +33,7 @@ def load():
     if not srcs:
         raise RuntimeError(f"no CUDA sources under {CSRC_DIR}")
     if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
-        raise RuntimeError("areal_tik._C not built and nvcc not found for a JIT build")
+        raise RuntimeError("areal_tik.kernels.cuda._C not built and nvcc not found for a JIT build")
     from torch.utils.cpp_extension import load as _load
     import torch
     logging.getLogger("areal_tik.cuda_ext").info(

@@ -1,8 +1,8 @@
-"""CUDA C++ backend (``csrc/``) for attention, KV-cache write, RMSNorm and RoPE (issue 9).
+"""CUDA C++ backend (``csrc/``) for attention, KV-cache write, RMSNorm and RoPE.
 
 The kernels live in ``csrc/tik_attention.cu`` and ``csrc/tik_elementwise.cu`` (plain CUDA,
 no torch headers, C launcher API in ``csrc/tik_api.h``); ``csrc/tik_bindings.cpp`` binds
-them to torch. The module is ``areal_tik._C`` when ``setup.py`` built it, else a JIT build
+them to torch. The module is ``areal_tik.kernels.cuda._C`` when ``setup.py`` built it, else a JIT build
 by :func:`areal_tik.kernels.cuda.loader.load`. Nothing here touches CUDA at import time, so
 the registry can import this module on a CPU machine (the cuda backend then reports
 itself unavailable).
@@ -117,14 +117,14 @@ def extension():
         raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} was built from other csrc "
                            f"(DECODE_PATH={getattr(mod, 'DECODE_PATH', None)}, expected {DECODE_PATH}: it predates "
                            "the current decode path, e.g. the removed 1-warp decode, the decode without the "
-                           "fused merge, or a build without the lse output): rebuild it (pip install -e . to rebuild areal_tik._C, or delete the stale "
-                           "areal_tik/_C*.so to use the JIT build)")
+                           "fused merge, or a build without the lse output): rebuild it (pip install -e . to rebuild areal_tik.kernels.cuda._C, or delete the stale "
+                           "areal_tik/kernels/cuda/_C*.so to use the JIT build)")
     # revision markers of later csrc features: a build without one predates that feature
     for attr, want, feature in (("PREFILL_KERNELS", PREFILL_KERNELS, "the prefill_kernel selector (wgmma prefill)"),
                                 ("ELEMENTWISE_API", ELEMENTWISE_API, "the RoPE backward kernel (ELEMENTWISE_API)")):
         if getattr(mod, attr, None) != want:
             raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} predates {feature}: "
-                               "rebuild it (pip install -e ., or delete the stale areal_tik/_C*.so to use the JIT "
+                               "rebuild it (pip install -e ., or delete the stale areal_tik/kernels/cuda/_C*.so to use the JIT "
                                "build)")
     return mod
 
