@@ -2,11 +2,11 @@
 
 :class:`TikFSDPPPOActor` subclasses AReaL's ``FSDPPPOActor``:
 
-- the model is patched (``areal_tik.layers.patch.patch_model``) right after AReaL
-  builds it and *before* FSDP2 wraps it (``_create_device_model``), so parameter names,
-  checkpoints and weight updates are unchanged;
-- with ``kernel_backend=tik`` the trainer's log-probs come from ``areal_tik.dispatch.ops
-  .logprobs_from_logits`` (the function the rollout sampler uses), not AReaL's
+- the model is patched (``areal_tik.layers.patch.patch_model``, through
+  :class:`~areal_tik.areal.device_model.TikModelMixin`) right after AReaL builds it and
+  *before* FSDP2 wraps it, so parameter names, checkpoints and weight updates are unchanged;
+- with ``kernel_backend=tik`` the trainer's log-probs come from the model's bound
+  ``logprobs_from_logits`` (the function the rollout sampler uses), not AReaL's
   ``gather_logprobs``;
 - ``compute_logp`` (called by the trainer under the ``recompute_logp`` timer when
   ``should_compute_prox_logp()``) decides per batch (docs/design.md, "The skip rule"):
@@ -61,7 +61,7 @@ logger = logging.getLogger("TikActor")
 
 __all__ = ["TikFSDPPPOActor", "TikAuditError", "skip_reasons", "rolled_rollout_logprobs", "audit_compare"]
 
-REASONS = ("backend_default", "fallback_after_mismatch", "no_server_info", "server_kernels", "fingerprint",
+REASONS = ("kernels_default", "fallback_after_mismatch", "no_server_info", "server_kernels", "fingerprint",
            "stale_versions", "server_version", "weights_digest", "logprob_definition")
 
 
@@ -78,12 +78,12 @@ def _gen_mask_rolled(traj: dict[str, Any]) -> torch.Tensor:
     return torch.roll(traj["loss_mask"].bool(), shifts=-1, dims=-1)
 
 
-def skip_reasons(batch: list[dict[str, Any]], version: int, *, backend: str, fallback: bool,
+def skip_reasons(batch: list[dict[str, Any]], version: int, *, kernels: str, fallback: bool,
                  own_fingerprint: str | None, servers: list[dict] | None, own_digest: str | None) -> list[str]:
     """Every reason (from :data:`REASONS`) why the recompute may NOT be skipped; [] = skip."""
     why = []
-    if backend != "tik":
-        return ["backend_default"]
+    if kernels != "tik":
+        return ["kernels_default"]
     if fallback:
         why.append("fallback_after_mismatch")
     if not servers:
@@ -146,8 +146,8 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
 
     def __init__(self, config):
         super().__init__(config)
-        self.kernel_backend = getattr(config, "kernel_backend", "default")
-        self.settings = settings_of(config, self.kernel_backend)
+        self.kernels = getattr(config, "kernel_backend", "default")
+        self.settings = settings_of(config, self.kernels)
         self.tik_ops = None
         self.tik_cfg = getattr(config, "tik", None)
         self.fallback = False
@@ -197,13 +197,13 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         return (lp, out[1].detach()) if entropy else lp
 
     def _compute_logprobs(self, logits, inputs, ulysses_pad_size=0):
-        if self.kernel_backend != "tik":
+        if self.kernels != "tik":
             return super()._compute_logprobs(logits, inputs, ulysses_pad_size)
         self._no_sp()
         return self._tik_logprobs(logits, self._labels(inputs))
 
     def _compute_logprobs_entropy(self, logits, inputs, ulysses_pad_size=0):
-        if self.kernel_backend != "tik":
+        if self.kernels != "tik":
             return super()._compute_logprobs_entropy(logits, inputs, ulysses_pad_size)
         self._no_sp()
         # one pass over the [T, V] logits for both (the separate torch entropy pass this replaces
@@ -240,7 +240,7 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         the recompute phase restores it) and a world of one (the digest of a sharded model
         all-gathers, and a side thread's collectives could interleave differently on each rank
         with the rollout's own); otherwise ``own_digest`` digests on the spot, as before."""
-        if self.kernel_backend != "tik" or getattr(self, "model", None) is None or getattr(self, "is_offload", False):
+        if self.kernels != "tik" or getattr(self, "model", None) is None or getattr(self, "is_offload", False):
             return
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -305,16 +305,16 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
     @torch.no_grad()
     def compute_logp(self, data, *args, **kwargs):
         version = int(self.get_version())
-        rec: dict[str, Any] = {"version": version, "kernel_backend": self.kernel_backend,
+        rec: dict[str, Any] = {"version": version, "kernel_backend": self.kernels,
                                "gen_tokens": int(sum(int(t["loss_mask"].sum()) for t in data)),
                                "total_tokens": int(sum(int(t["attention_mask"].sum()) for t in data)),
                                "n_seqs": len(data),
                                "reward_mean": float(sum(float(t["rewards"].float().sum()) for t in data)
                                                     / max(1, sum(int(t["rewards"].numel()) for t in data)))}
-        if self.kernel_backend != "tik":
+        if self.kernels != "tik":
             t0 = time.perf_counter()
             out = super().compute_logp(data, *args, **kwargs)
-            rec.update(skipped=False, reasons=["backend_default"], audit=False,
+            rec.update(skipped=False, reasons=["kernels_default"], audit=False,
                        recompute_forward_s=time.perf_counter() - t0)
             from areal_tik.layers.default_varlen import status as default_attention_status
             rec["default_attention"] = default_attention_status()["path"]  # which baseline attention ran
@@ -336,7 +336,7 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
             servers = [{"kernels": "tik", "kernel_fingerprint": self.own_fingerprint(), "weight_version": version,
                         "weights_digest": None, "logprobs": "log_softmax(logits.float()/T)[token], unfiltered"}]
             own_digest = self.own_digest()
-        reasons = skip_reasons(data, version, backend=self.kernel_backend, fallback=self.fallback,
+        reasons = skip_reasons(data, version, kernels=self.kernels, fallback=self.fallback,
                                own_fingerprint=self.own_fingerprint(), servers=servers,
                                own_digest=own_digest if servers else None)
         if servers is not None and self.tik_cfg is not None and not self.tik_cfg.server_check:

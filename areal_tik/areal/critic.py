@@ -45,5 +45,5 @@ class TikFSDPPPOCritic(TikModelMixin, FSDPPPOCritic):
 
     def __init__(self, config):
         super().__init__(config)
-        self.kernel_backend = critic_kernels(config)
-        self.settings = settings_of(config, self.kernel_backend)
+        self.kernels = critic_kernels(config)
+        self.settings = settings_of(config, self.kernels)

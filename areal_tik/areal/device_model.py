@@ -2,7 +2,7 @@
 then, once wrapped, keep the RoPE table fp32 and pre-compile the linear tiles.
 
 :class:`TikModelMixin` goes before AReaL's engine class in the bases
-(``class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor)``); the subclass sets ``kernel_backend``
+(``class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor)``); the subclass sets ``kernels``
 and ``settings`` in its ``__init__``.
 """
 from __future__ import annotations
@@ -60,19 +60,19 @@ def precompile_model(model, config, enabled: bool) -> None:
 
 
 class TikModelMixin:
-    """Patches ``self.model`` with ``self.kernel_backend`` and ``self.settings.backend`` when AReaL
+    """Patches ``self.model`` with ``self.kernels`` and ``self.settings.backend`` when AReaL
     creates it (before FSDP2), and finishes the tik model after ``initialize``.
 
     ``default`` on a flash-attention implementation leaves AReaL's model untouched; ``default``
     on ``sdpa``/``eager`` (wrong for packed batches, see docs/design.md) gets the varlen-aware
     default modules: same maths, no invariance promise."""
 
-    kernel_backend: str
+    kernels: str
     settings: Settings
 
     def _create_device_model(self):
         super()._create_device_model()
-        kernels = self.kernel_backend
+        kernels = self.kernels
         if kernels == "default" and self.config.attn_impl in FLASH_IMPLS:
             logger.info("%s: kernel_backend=default with %s: AReaL's model left unpatched", type(self).__name__,
                         self.config.attn_impl)
@@ -83,7 +83,7 @@ class TikModelMixin:
 
     def initialize(self, *args, **kwargs):
         out = super().initialize(*args, **kwargs)
-        if self.kernel_backend == "tik":
+        if self.kernels == "tik":
             keep_rope_fp32(self.model)
             precompile_model(self.model, self.config, self.settings.precompile)
         return out

@@ -107,7 +107,7 @@ def _values(critic, seqs):
 def test_tik_critic_patched_names_kept(make_critic):
     from areal_tik.layers.patch import kernels_of
     c = make_critic("tik")
-    assert c.kernel_backend == "tik"
+    assert c.kernels == "tik"
     m = c.model
     assert kernels_of(m) == "tik" and type(m).__name__.endswith("Qwen2ForTokenClassification")  # FSDP2 wraps the class
     names = {n for n, _ in m.named_parameters()}

@@ -49,7 +49,7 @@ def test_default_arm_recomputes(ab_dir):
     assert len(steps) == 2
     for s in steps:
         rec = s["tik"][0]
-        assert not rec["skipped"] and rec["reasons"] == ["backend_default"] and rec["recompute_forward_s"] > 0
+        assert not rec["skipped"] and rec["reasons"] == ["kernels_default"] and rec["recompute_forward_s"] > 0
         assert s["stats"]["timeperf/recompute_logp"] >= rec["recompute_forward_s"]
 
 
