@@ -6,19 +6,20 @@ pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself 
 
 def test_tik_entropy_comes_from_the_log_prob_pass():
     """The tik actor's (log-prob, entropy) for AReaL's training loss: the log-probs are exactly
-    ``ops.logprobs_from_logits`` with their autograd graph; the entropy (same pass, detached)
+    ``logprobs_from_logits`` of the bound ops with their autograd graph; the entropy (same pass, detached)
     equals -(p log p).sum of softmax(logits/T) to fp32 rounding."""
     import random
     import types
 
     import torch
 
-    from areal_tik.dispatch import ops
     from areal_tik.areal.actor import TikFSDPPPOActor
+    from areal_tik.dispatch import ops
+    from areal_tik.dispatch.bound import bind
     g = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     logits = (torch.randn(37, 300, generator=g) * 3).bfloat16().requires_grad_()
     labels = torch.randint(0, 300, (37,), generator=g)
-    fake = types.SimpleNamespace(config=types.SimpleNamespace(temperature=0.7))
+    fake = types.SimpleNamespace(config=types.SimpleNamespace(temperature=0.7), tik_ops=bind())
     lp, ent = TikFSDPPPOActor._tik_logprobs(fake, logits, labels, entropy=True)
     assert torch.equal(lp.detach(), ops.logprobs_from_logits(logits.detach(), labels, 0.7))
     assert lp.grad_fn is not None and ent.grad_fn is None
@@ -45,7 +46,7 @@ def test_digest_started_with_the_rollout_is_the_weights_digest(monkeypatch):
     monkeypatch.setattr(FSDPPPOActor, "prepare_batch", lambda self, *a, **k: "batch")
     model = patch_model(build_model("tiny-qwen2", device="cpu", seed=3))
     actor = object.__new__(TikFSDPPPOActor)
-    actor.model, actor.kernel_backend, actor._digest_cache = model, "tik", None
+    actor.model, actor.kernels, actor._digest_cache = model, "tik", None
     actor.config = types.SimpleNamespace(dtype="bfloat16")
     actor.set_version(1)
     assert getattr(actor, "_digest_pending", None) is None  # not at set_version (the stats commit follows it)
@@ -78,7 +79,7 @@ def test_actor_precompiles_its_compute_dtype_and_skips_unsafe_background_digests
     seen = {}
     monkeypatch.setattr(pc, "precompile_linears", lambda model, **kw: seen.update(kw))
     actor = object.__new__(TikFSDPPPOActor)
-    actor.model, actor.kernel_backend, actor._digest_cache = torch.nn.Linear(2, 2), "tik", None
+    actor.model, actor.kernels, actor._digest_cache = torch.nn.Linear(2, 2), "tik", None
     actor.config = types.SimpleNamespace(dtype="bfloat16", mb_spec=types.SimpleNamespace(max_tokens_per_mb=4096))
     precompile_model(actor.model, actor.config, enabled=True)
     assert seen == {"max_tokens": 4096, "min_tokens": 64, "dtype": torch.bfloat16, "enabled": True}
