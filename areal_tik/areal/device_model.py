@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from areal.utils import logging
 
+from areal_tik.dispatch.process import configure_process
 from areal_tik.layers.patch import ops_of, patch_model
 from areal_tik.settings import Settings
 
@@ -77,6 +78,7 @@ class TikModelMixin:
             logger.info("%s: kernel_backend=default with %s: AReaL's model left unpatched", type(self).__name__,
                         self.config.attn_impl)
             return
+        configure_process(self.settings)
         self.model = patch_model(self.model, kernels=kernels, backend=self.settings.backend)
         self.tik_ops = ops_of(self.model)
         logger.info("%s: model patched with kernels=%s before FSDP wrapping", type(self).__name__, kernels)
