@@ -17,7 +17,8 @@ def collect() -> dict:
     env["transformers"] = _version("transformers")
     env["areal"] = _version("areal")
     env["areal_tik"] = _version("areal-tik")
-    fp = fingerprint.compute(env=env)
+    from areal_tik.settings import Settings
+    fp = fingerprint.compute(Settings.from_env().backend, env=env)
     status = registry.backend_status()
     from areal_tik.kernels.attention import flash_backward as attention_backward
     return {

@@ -10,6 +10,12 @@ def add_parser(sub):
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--kernels", choices=["tik", "default"], default="tik")
+    p.add_argument("--backend", default=None,
+                   help="op implementations: 'triton', 'attention_paged=triton,...' (default: AREAL_TIK_BACKEND, else "
+                        "each op's measured default)")
+    p.add_argument("--attention-backward", choices=["auto", "flash", "triton"], default="auto",
+                   help="training attention backward (unused by the server; accepted so a trainer passes its settings)")
+    p.add_argument("--no-precompile", action="store_true", help="do not compile the linear tile configs at start-up")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0)
@@ -32,10 +38,16 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    from areal_tik.dispatch.process import configure_process
     from areal_tik.engine.server import ServerConfig, build, run_server
+    from areal_tik.settings import Settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = ServerConfig(model=args.model, kernels=args.kernels, host=args.host, port=args.port,
+    settings = Settings.from_env(kernels=args.kernels, backend=args.backend, attention_backward=args.attention_backward,
+                                 precompile=not args.no_precompile)
+    configure_process(settings)
+    cfg = ServerConfig(model=args.model, kernels=settings.kernels, backend=settings.backend,
+                       precompile=settings.precompile, host=args.host, port=args.port,
                        served_model_name=args.served_model_name, seed=args.seed,
                        max_running_requests=args.max_running_requests, context_length=args.context_length,
                        mem_fraction=args.mem_fraction, disable_cuda_graph=args.disable_cuda_graph,

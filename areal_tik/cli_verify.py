@@ -35,8 +35,10 @@ def run(args) -> int:
     from areal_tik.verify.parity import ParityConfig, run_parity
     from areal_tik.layers.models import build_model
 
+    from areal_tik.settings import Settings
+    settings = Settings.from_env(kernels=args.kernels)
     model = build_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
-    patch_model(model, kernels=args.kernels)
+    patch_model(model, kernels=settings.kernels, backend=settings.backend)
     cfg = ParityConfig(n_prompts=args.prompts, min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,
                        max_new_tokens=args.max_new_tokens, seed=args.seed, pad_to=args.pad_to,
                        backward=not args.no_backward, regimes=tuple(r.strip() for r in args.regimes.split(",")))
@@ -49,9 +51,9 @@ def run(args) -> int:
             rep = run_parity(model, cfg, progress=lambda name, frac: prog.update(task, completed=frac,
                                                                                      description=name))
     rep.update(model=args.model, kernels=args.kernels, device=str(next(model.parameters()).device))
-    if args.kernels == "tik":  # which backend ran each op (AREAL_TIK_BACKEND may pick cuda per op)
+    if args.kernels == "tik":  # which backend ran each op (AREAL_TIK_BACKEND may pick one per op)
         from areal_tik.dispatch.fingerprint import compute
-        fp = compute()
+        fp = compute(settings.backend)
         rep.update(kernel_fingerprint=fp["fingerprint"], kernel_selection=fp["selection"])
     if args.json:
         from areal_tik.cli import print_json

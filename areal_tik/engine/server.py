@@ -66,6 +66,8 @@ class ServerConfig:
     ``cuda_graph_max_bs``; ``prefill_graph_max_tokens``: ``EngineConfig``'s (``None``: its default)."""
     model: str
     kernels: str = "tik"
+    backend: str | None = None          # Settings.backend: the op implementations (bound at patch time)
+    precompile: bool = True             # Settings.precompile
     host: str = "127.0.0.1"
     port: int = 30000
     served_model_name: str | None = None
@@ -669,7 +671,7 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, dtype=getattr(torch, dtype), device=device)
     from areal_tik.layers.patch import patch_model
-    model = patch_model(model, kernels=cfg.kernels) or model
+    model = patch_model(model, kernels=cfg.kernels, backend=cfg.backend)
     model.eval()
     t1 = time.perf_counter()
     max_pos = int(getattr(model.config, "max_position_embeddings", 8192))
@@ -687,11 +689,12 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
         # every linear tile config a prefill or decode step can pick, compiled now rather than
         # inside a rollout (a no-op off CUDA)
         from areal_tik.layers.precompile import precompile_linears
-        precompile_linears(model, max_tokens=max(engine.config.max_num_batched_tokens, engine.config.max_num_seqs))
+        precompile_linears(model, max_tokens=max(engine.config.max_num_batched_tokens, engine.config.max_num_seqs),
+                           enabled=cfg.precompile)
 
     if cfg.kernels == "tik":
         from areal_tik.dispatch.fingerprint import compute
-        fp = compute()
+        fp = compute(cfg.backend)
         fingerprint, selection = fp["fingerprint"], fp["selection"]
     else:
         fingerprint, selection = _default_fingerprint(), {}
