@@ -73,9 +73,11 @@
 // acc *= alpha when a warp's alphas are all 1 (1-6% slower), the P V wait after the softmax (branch pin and/or
 // P double-buffered: 1-6% slower), the persistent kernel (+2.5-10% only on <= 512-token prompts).
 
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define TIK_SM90A_DEVICE 1
-#endif
+#pragma once
+#include <type_traits>
+
+#include "tik_attention_common.cuh"
+#include "tik_attention_tma.cuh"
 
 namespace tik_attn {
 
@@ -87,8 +89,6 @@ constexpr int WG_CTA_THREADS = WG_THREADS + 128;  // + the producer warpgroup (T
 constexpr int WG_PRODUCER_REGS = 24, WG_CONSUMER_REGS = 240;
 static_assert(128 * WG_PRODUCER_REGS + WG_THREADS * WG_CONSUMER_REGS <= 65536, "register file");
 constexpr int WG_STAGES = 6;      // K/V ring (5 stages: -2% at L 4K, bench/results/2026-11-30T1910_*)
-constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
-constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
 // + the full, empty and tail mbarriers, + alignment
 constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 128 + 1024; }
@@ -136,83 +136,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint32_t a_lo
         "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a_lo), "r"(b_lo), "r"(scale_d), "r"(WG_DESC_HI));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// One 3-d TMA box (D-columns c0.., head c1, rows c2..) -> shared memory, completion on bar.
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
-// K/V block j (positions j * BN ..) -> one ring stage by TMA, completion on bar: K at ks, V at ks + WG_TILE_BYTES,
-// each two 64-column halves of BN rows in the 128-byte swizzle. Boxes of box_rows rows (BN, or the page size
-// when pages are smaller); boxes starting at or past kv_len are not loaded (their block-table entries may be
-// garbage). slot_of(pos): the K/V row (cache slot or token) of position pos. Serves the wgmma prefill's
-// producer and the decode kernel's TMA loader.
-template <typename SlotOf>
-__device__ __forceinline__ void tma_kv_block(uint32_t ks, uint32_t bar, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
-                                             int hk, int j, int box_rows, int kv_len, SlotOf slot_of) {
-  // Fast path, one box per half (box_rows == BN: contiguous K/V, or pages of >= 64 rows; the caller loads
-  // only blocks starting before kv_len). When thread 0 of the prefill's compute warps issued the refills in a
-  // lockstep walk, the general loop below cost 9-11% of that kernel's time (H200, bench/results/*_wgmma-fastload).
-  if (box_rows == BN) {
-    const int64_t slot = slot_of(j * BN);
-    mbar_expect_tx(bar, (uint32_t)(BN * 128 * 4));
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tma_load_3d(ks + h * WG_HALF_BYTES, tm_k, h * 64, hk, (int)slot, bar);
-      tma_load_3d(ks + WG_TILE_BYTES + h * WG_HALF_BYTES, tm_v, h * 64, hk, (int)slot, bar);
-    }
-    return;
-  }
-  const int nbox = BN / box_rows;
-  int nload = 0;
-  for (int u = 0; u < nbox; ++u) nload += (j * BN + u * box_rows < kv_len);
-  mbar_expect_tx(bar, (uint32_t)(nload * box_rows * 128 * 4));
-  for (int u = 0; u < nbox; ++u) {
-    const int pos = j * BN + u * box_rows;
-    if (pos >= kv_len) break;
-    const int64_t slot = slot_of(pos);
-    const uint32_t ro = (uint32_t)(u * box_rows * 128);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tma_load_3d(ks + h * WG_HALF_BYTES + ro, tm_k, h * 64, hk, (int)slot, bar);
-      tma_load_3d(ks + WG_TILE_BYTES + h * WG_HALF_BYTES + ro, tm_v, h * 64, hk, (int)slot, bar);
-    }
-  }
-}
-// V rows r0 .. BN - 1 of a stage's V block at vs (two 64-column halves in the 128-byte swizzle) -> 0: the
-// stores of thread tid of nthreads, then the proxy fence that orders them before the async proxy's accesses
-// to the stage (wgmma reads, a later TMA refill). The zero-fill of rows at or past kv_len that the cp.async
-// loaders get from their src-size operand: a masked score's P is exactly 0, and 0 * V must not meet a NaN.
-__device__ __forceinline__ void zero_v_rows(uint32_t vs, int r0, int tid, int nthreads) {
-  constexpr int SEGS = 16;  // 16-byte segments per 128-column row
-  for (int i = tid; i < (BN - r0) * SEGS; i += nthreads) {
-    const int r = r0 + i / SEGS, sg = i % SEGS;
-    const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
-    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
-  }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 #endif  // TIK_SM90A_DEVICE
 
