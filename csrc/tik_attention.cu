@@ -1,44 +1,49 @@
-// areal-tik causal attention over packed (varlen) or paged KV, bf16, D in {64, 128}.
+// areal-tik causal attention over packed (varlen) or paged KV: the C entry points of tik_api.h.
 //
-// One kernel family serves attention_varlen (R1 training forward) and attention_paged
-// (R2 prefill, R3 chunked prefill, R4 decode). The contract (DESIGN.md section 2,
-// within this backend): for a query at absolute position p the output bits do not
-// depend on batch mix, packing, page size, chunking or launch shape. How:
-//   * a "row" is one (query token, query head). Rows are packed 16 per warp into the
-//     M dimension of mma.sync.m16n8k16 (bf16 in, fp32 accumulate). The GQA group of one
-//     KV head shares each CTA, so K/V are read once per group. An mma row's result
-//     depends only on that row of A, B and the accumulator row, so which rows share a
-//     warp never changes a row's bits.
-//   * KV is walked in blocks of TIK_ATTN_BLOCK_N positions aligned to position 0,
-//     ascending; S = Q K^T chains the D/16 k-steps ascending; the online softmax uses
-//     only explicitly rounded fp32 ops (__fmul_rn/__fadd_rn/__fsub_rn/__fdiv_rn, no
-//     contraction) and ex2.approx; P is rounded to bf16 for P V.
-//   * Split-KV: positions are partitioned into chunks of TIK_ATTN_SPLIT (absolute,
-//     fixed). Each chunk runs its own online softmax from a fresh state; the chunk
-//     partials (m, l, acc) are merged in ascending chunk order by merge_coeffs /
-//     merge_val. FOLD mode does that merge in registers as the walk passes each chunk
-//     end; SPLIT mode stores each chunk's fp32 partial (a chunk per CTA, or in the decode
-//     kernel possibly several chunks per CTA, each from a fresh state) and merges them with
-//     the same scalar code. Both modes and both entry points give the same bits; AUTO picks
-//     SPLIT for decode-shaped launches (FOLD when the caller asks for the rows' lse).
-//   * Two kernels walk the rows: attn_kernel (4 warps, 16 rows each, 64 rows per CTA;
-//     + attn_merge_kernel in SPLIT mode) for launches with max_seqlen_q * G > 16, and
-//     attn_decode_kernel (4 warps sharing 16 rows, each computing a quarter of S's columns and
-//     of the head dim; a CTA may walk several split chunks; SPLIT mode merges in the same
-//     launch, by the CTA that finishes a tile's last chunk, or,
-//     without a counter buffer, in attn_decode_merge_kernel: same operations) for
-//     decode-shaped launches (max_seqlen_q * G <= 16).
-//     The decode kernel repeats attn_kernel's per-row arithmetic op for op (see its
-//     comment), so which kernel ran never changes a row's bits. On sm_90a, FOLD-mode launches
-//     that are not decode-shaped run attn_kernel_wgmma (tik_attention_wgmma.cuh: the same
-//     per-row arithmetic on warpgroup MMAs fed by TMA; TikAttnParams::prefill_kernel selects).
-//   * K/V positions at or beyond the sequence's KV length are zero-filled (never read),
+// Supports bf16 q/k/v/out, head dim D in {64, 128}, GQA (Hq a multiple of Hkv), contiguous
+// [tokens, heads, D] q/out, varlen k/v [tokens, Hkv, D] or a paged cache [pages, page_size, Hkv, D]
+// with a block table. One kernel family serves attention_varlen (training forward) and
+// attention_paged (prefill, chunked prefill, decode).
+//
+// Contract (DESIGN.md section 2, within this backend): for a query at absolute position p the
+// output bits do not depend on batch mix, packing, page size, chunking, launch shape, which kernel
+// ran or the SPLIT/FOLD mode. How:
+//   * a "row" is one (query token, query head). Rows are packed 16 per warp into the M dimension
+//     of mma.sync.m16n8k16 (bf16 in, fp32 accumulate); a CTA holds rows of one KV head's GQA
+//     group, so K/V are read once per group. An MMA row's result depends only on that row of A,
+//     B and the accumulator, so which rows share a warp never changes a row's bits.
+//   * KV is walked in blocks of TIK_ATTN_BLOCK_N positions aligned to position 0, ascending;
+//     S = Q K^T chains the D/16 k-steps ascending; the online softmax uses only explicitly rounded
+//     fp32 ops (__fmul_rn/__fadd_rn/__fsub_rn/__fdiv_rn, no contraction) and ex2.approx; P is
+//     rounded to bf16 for P V (tik_attention_common.cuh: softmax_block, the one definition).
+//   * Split-KV: positions are partitioned into chunks of TIK_ATTN_SPLIT (absolute, fixed). Each
+//     chunk runs its own online softmax from a fresh state; the chunk partials (m, l, acc) are
+//     merged in ascending chunk order by merge_coeffs / merge_val. FOLD mode merges in registers
+//     as the walk passes each chunk end; SPLIT mode stores each chunk's fp32 partial and merges
+//     them with the same scalar code (tik_attention_merge.cuh). AUTO picks SPLIT for
+//     decode-shaped launches with more than one chunk, FOLD otherwise (and whenever the caller
+//     asks for the rows' lse).
+//   * K/V positions at or beyond the sequence's KV length are zero-filled (never read) and
 //     causal-masked scores are -inf, so cache garbage never reaches a result.
+//
+// Files:
+//   tik_attention_common.cuh   constants, mma.sync/ldmatrix/cp.async wrappers, the per-row arithmetic
+//   tik_attention_merge.cuh    SPLIT-mode merges of chunk partials
+//   tik_attention_tma.cuh      sm_90a TMA box loads and mbarriers (wgmma prefill, decode TMA loader)
+//   tik_attention_prefill.cu   launches with max_seqlen_q * G > 16: attn_kernel (mma.sync, any
+//                              mode) or, on sm_90a at D = 128 in FOLD mode, attn_kernel_wgmma
+//                              (tik_attention_wgmma.cuh); TikAttnParams::prefill_kernel selects
+//   tik_attention_decode.cu    launches with max_seqlen_q * G <= 16: attn_decode_kernel
+//   tik_attention_launch.h     host interface between these translation units
+// Every kernel repeats attn_kernel's per-row arithmetic op for op, so which one ran never changes
+// a row's bits (the GPU tests compare them bit for bit).
 #include "tik_attention_common.cuh"
 #include "tik_attention_launch.h"
 
 namespace tik_attn {
 
+// The driver's cuTensorMapEncodeTiled through the runtime's entry-point query (no libcuda link), or
+// nullptr when the driver lacks it. Looked up once per process.
 TensorMapEncodeTiled tensor_map_encoder() {
   static TensorMapEncodeTiled fn = []() -> TensorMapEncodeTiled {
     void* f = nullptr;
@@ -51,6 +56,7 @@ TensorMapEncodeTiled tensor_map_encoder() {
   return fn;
 }
 
+// See tik_attention_launch.h.
 bool make_kv_map(CUtensorMap* map, const void* base, int64_t rows, int hkv, int box_rows) {
   TensorMapEncodeTiled enc = tensor_map_encoder();
   if (enc == nullptr || rows <= 0 || rows > 0x7fffffffLL) return false;  // coordinates are int32
@@ -71,6 +77,7 @@ int tik_attention_max_chunks(const TikAttnParams* p) { return tik_attn::max_chun
 
 int tik_attention_wgmma_available(void) { return tik_attn::wgmma_prefill_available() ? 1 : 0; }
 
+// Decode-shaped: at most 16 rows (query token x query head of one GQA group) per KV head, one decode tile.
 static bool tik_small(const TikAttnParams* p) { return (int64_t)p->max_seqlen_q * (p->Hq / p->Hkv) <= 16; }
 
 int tik_attention_resolve_mode(const TikAttnParams* p) {

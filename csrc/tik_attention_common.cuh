@@ -1,5 +1,10 @@
-// Shared by every attention kernel: the bit-defining constants, the mma.sync / ldmatrix / cp.async
-// wrappers, and the per-row arithmetic (online-softmax step, chunk merge).
+// What every attention kernel shares: the bit-defining constants (KV block, split chunk), the
+// mma.sync / ldmatrix / cp.async wrappers (sm_80+), and the per-row arithmetic: the online-softmax
+// step of one KV block (scale_block, softmax_block) and the merge of a finished split chunk
+// (merge_coeffs, merge_val, merge_chunk_row). Every kernel calls these same functions on the same
+// values in the same order, which is what makes their outputs bit-identical (see tik_attention.cu).
+// Values are in the m16n8 accumulator layout of mma.sync.m16n8k16: a thread holds two rows
+// (lane / 4 and lane / 4 + 8 of a 16-row group), element e of n-tile nt belongs to row e >> 1.
 #pragma once
 #include "tik_api.h"
 
@@ -9,20 +14,23 @@
 
 namespace tik_attn {
 
-constexpr int BN = TIK_ATTN_BLOCK_N;
-constexpr int SPLIT = TIK_ATTN_SPLIT;
-constexpr int BPC = SPLIT / BN;  // blocks per chunk
+constexpr int BN = TIK_ATTN_BLOCK_N;  // KV positions per block (blocks aligned to position 0)
+constexpr int SPLIT = TIK_ATTN_SPLIT;  // KV positions per split chunk (chunks aligned to position 0)
+constexpr int BPC = SPLIT / BN;        // blocks per chunk
 static_assert(SPLIT % BN == 0, "split size must be a multiple of the KV block");
 static_assert(BN % 16 == 0, "KV block must be a multiple of 16");
 
 typedef __nv_bfloat16 bf16;
 
+// 2^x, MUFU.EX2 (flush-to-zero): every exponential of the softmax.
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
+// d += a * [b0; b1]: one m16n8k16 MMA step, bf16 operands, fp32 accumulator (the k-step of every S and P V
+// chain on sm_80+).
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -31,6 +39,7 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// ldmatrix x4 from shared memory, transposed (V fragments as the B operand of P V) and not transposed (K).
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
                                               uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -46,6 +55,7 @@ __device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2
                : "memory");
 }
 
+// 16-byte global -> shared copy; src_bytes < 16 zero-fills the rest (0: a zero segment, the source unread).
 __device__ __forceinline__ void cp_async16(uint32_t saddr, const void* gptr, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(src_bytes)
                : "memory");
@@ -56,12 +66,15 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Two fp32 values rounded to nearest bf16, packed (lo in the low half): P for P V, and the output.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Merge of chunk partial (m, l) into the running (M, L): the one formula every path uses.
+// Merge of chunk partial (m, l) into the running (M, L), giving the coefficients a (old state) and b
+// (the chunk) that merge_val applies to each accumulator: the one formula every merge uses (FOLD in
+// registers, every SPLIT merge kernel). Merging into the empty state (M = -inf) gives a = 0.
 __device__ __forceinline__ void merge_coeffs(float& M, float& L, float m, float l, float& a, float& b) {
   const float Mn = fmaxf(M, m);
   a = (M == -CUDART_INF_F) ? 0.f : ex2(__fsub_rn(M, Mn));
@@ -109,7 +122,7 @@ __device__ __forceinline__ void thread_rows(const TikAttnParams& p, int r0, int 
 }
 
 // v[0] = op-tree of v[0 .. 2W): v[nt] = op(v[nt], v[nt + W]) for W, W / 2, .., 1, as a compile-time recursion
-// (a rolled halving loop put a 16-value tree in local memory, bench/results/*_s13-bn128-probe).
+// (fully unrolled, so the values stay in registers; a rolled loop would put a 16-value tree in local memory).
 template <int W, typename Op>
 __device__ __forceinline__ void halving_tree(float* v, Op op) {
 #pragma unroll
@@ -185,10 +198,11 @@ __device__ __forceinline__ void scale_block(float* s, int col0, int t, const int
     }
 }
 
+// Split chunks of the longest KV sequence the launch allows (the stride of the SPLIT-mode workspace).
 __host__ __device__ __forceinline__ int max_chunks_of(const TikAttnParams& p) {
   return (p.max_seqlen_k + SPLIT - 1) / SPLIT;
 }
 
-constexpr int DEC_WARPS = 4;
+constexpr int DEC_WARPS = 4;  // warps of a decode CTA (attn_decode_kernel; the fused merge strides over them)
 
 }  // namespace tik_attn

@@ -1,4 +1,42 @@
-// Decode attention (launches of at most 16 rows per KV head): attn_decode_kernel and its launchers.
+// Decode attention: launches of at most 16 rows per KV head (max_seqlen_q * G <= 16), i.e.
+// attention_paged decode steps and short chunks. attn_decode_kernel and its launchers; the SPLIT-mode
+// merges it uses are in tik_attention_merge.cuh.
+//
+// attn_decode_kernel repeats attn_kernel's per-row arithmetic instruction for instruction on every
+// value that reaches a row's result, so its bits are attn_kernel's (the GPU tests compare them):
+//   * 4 warps per CTA all hold the same 16 rows. Each computes S = Q K^T for a quarter of the
+//     block's columns (each S value is attn_kernel's chain: k-steps ascending, same fragments), the
+//     quarters are exchanged through shared memory (4 KB, one extra barrier per block), then every
+//     warp runs the online softmax for the whole block exactly as attn_kernel does (redundantly),
+//     and P V only for its quarter of the head dim (D/4 output columns; an output column's
+//     accumulator sees the same P, the same V column and the same k-step order).
+//   * Loader, cp.async: 128 threads; the page-table entries of the next block are loaded a block
+//     ahead (registers, not waited for), so no copy waits for its page lookup; blocks inside one page
+//     (contiguous K/V, pages of >= 64 rows) take one entry and constant row strides. K fragments by
+//     ldmatrix.x4 (the values attn_kernel reads with 32-bit loads). A DEC_STAGES-deep ring, one
+//     barrier per block.
+//   * Loader, TMA (sm_90a, D = 128, power-of-two pages of >= TIK_DECODE_TMA_MIN_ROWS rows): thread 0
+//     issues boxes by tma_kv_block into a swizzled ring, one mbarrier per stage; ldmatrix reads the same
+//     values from the swizzled addresses. Same bits as the cp.async loader.
+//   * The causal select runs only in blocks reaching past the tile's earliest row (elsewhere it would
+//     select nothing); tiles of at most 8 rows (HALF) skip every operation on each thread's second
+//     row, which is empty.
+//   * SPLIT mode: a CTA walks up to cpc chunks of its tile's chunks that hold positions (strided over
+//     as few CTAs as cpc allows), each from a fresh state with its own stored partial, exactly as cpc
+//     CTAs of one chunk each would. Then either
+//     - two launches (FUSED = false, when the caller passes no counter buffer): attn_decode_merge_kernel
+//       folds the partials; or
+//     - one launch (FUSED = true, when p.counters is large enough): a tile whose rows all end in chunk 0
+//       finalizes in registers (merge_coeffs from the empty state, then O / L: the merge of one
+//       partial, and FOLD mode's arithmetic at the end of chunk 0); otherwise each participating CTA
+//       stores its partials, then a CTA barrier, one thread's __threadfence and one atomicAdd on the
+//       tile's counter; the CTA that draws the last ticket resets the counter to 0 (so the next launch,
+//       e.g. a CUDA-graph replay, starts from 0 without a memset) and merges the tile's rows with
+//       decode_merge_tile. Which CTA draws the last ticket changes who merges, never the operations
+//       or their order, so the bits are those of the two-launch path. The counters are shared by every
+//       launch on the device: fused launches on one device must not overlap in time.
+//   * Launch shape (chunks per CTA, ring depth, loader) changes timing only, never bits.
+
 #include <algorithm>
 
 #include "tik_attention_launch.h"
@@ -7,55 +45,11 @@
 
 namespace tik_attn {
 
-// ---------------------------------------------------------------------------------------
-// Decode path (launches with at most 16 rows per KV head, i.e. max_seqlen_q * G <= 16).
-// Same per-row arithmetic as attn_kernel, instruction for instruction on every value that
-// reaches a row's result, so the bits are those of attn_kernel:
-//   * 4 warps per CTA all hold the same 16 rows. Each computes S = Q K^T for a quarter of the
-//     block's columns (each S value is attn_kernel's chain: kc ascending, same fragments), the
-//     quarters are exchanged through shared memory (4 KB, one extra barrier per block), then
-//     every warp runs the online softmax (m, l) for the whole block exactly as attn_kernel does
-//     (redundantly), and P V only for its quarter of the head dim (D/4 output columns; an
-//     output column's accumulator sees the same P, the same V column and the same k-step order).
-//     (Until 2026-11-30 session 8 every warp computed all of S: four times the MMAs and K reads.)
-//   * loader: 128 threads, cp.async; the page-table entries of the next block are loaded a block
-//     ahead (registers, not waited for), so no copy waits for its page lookup; blocks inside one
-//     page (contiguous K/V, pages of >= 64 rows) take one entry and constant row strides.
-//   * 3-stage cp.async ring, or 2 stages at D = 128 where three CTAs per SM (which then fit) save a
-//     wave (decode_auto_shape; decode_stages forces either), one barrier per block; K fragments by
-//     ldmatrix.x4 (the values of 32-bit loads, four k-step halves per instruction).
-//   * causal select only in blocks reaching past the tile's earliest row; tiles of at most 8 rows
-//     (HALF) skip all work on each thread's empty second row.
-//   * SPLIT mode: a CTA walks up to cpc chunks (decode_cpc, or decode_auto_shape) of the tile's chunks
-//     that hold positions, strided over as few CTAs as cpc allows, each from a fresh state with its
-//     own stored partial, exactly as cpc CTAs of one chunk each would.
-//   * SPLIT mode, two launches (FUSED = false; kept as the reference path, selected when no
-//     counter buffer is passed): the merge kernel prefetches the chunk partials 16 at a time
-//     and folds them in the same ascending order with the same scalar code; it derives each
-//     row's chunk count from cu_seqlens_q / seqlens_k, so no ws_nc memset node is needed.
-//   * SPLIT mode, one launch (FUSED = true, the default when the caller passes p.counters):
-//     - a tile whose rows all end in chunk 0 (one participating CTA) finalizes in registers:
-//       merge_coeffs from the empty state (M = -inf, L = 0, O = 0) then O / L, i.e. the merge
-//       kernel's arithmetic for one partial (and FOLD mode's at the end of chunk 0);
-//     - otherwise every participating chunk CTA stores its partials as in the two-launch
-//       path, then a barrier, one thread's __threadfence and one atomicAdd on the tile's counter; the CTA
-//       that draws the last ticket resets the counter to 0 (so the next launch, e.g. a
-//       CUDA-graph replay, starts from 0 without a memset) and merges each of the tile's rows
-//       over chunks 0..nc-1 ascending with merge_coeffs / merge_val, then O / L rounded once
-//       to bf16, exactly the merge kernel's per-element operations. Which CTA draws the last
-//       ticket changes who merges, never the operations or their order, so the bits are
-//       those of the two-launch path. Partials are read with ld.global.cg (L2, never a
-//       stale L1 line). The counters are shared by every launch on the device: fused launches
-//       on one device must not overlap in time (one stream at a time, as the engine runs).
-// ---------------------------------------------------------------------------------------
-// cp.async ring depth of the decode kernel (a template parameter; launch_decode picks): 3 stages
-// (more prefetch per CTA) for small grids, 2 at D = 128 when the grid exceeds four CTAs per SM
-// (2 x 35 KB + the 4 KB S exchange: three CTAs per SM, where three stages fit two). Changes timing only,
-// not bits; TikAttnParams::decode_stages forces either (session 8: 3 stages within 3% at large grids,
-// 4 stages 20-50% slower). Session 11 (bench/results/*_s11-*): in the bandwidth cells the kernel is
-// loader-bound (no compute: 1.5% faster) at ~3.6 TB/s; 4- or 6-stage rings at one CTA per SM, 8-32 chunks
-// per CTA, L2 prefetch hints and head-major addressing move it by at most 2%. A bare cp.async ring is ~4%
-// faster (bench/probe_load_paths.py), 16 KB bulk copies of head-major pages ~10%; SDPA ~20%.
+// cp.async ring depth (a template parameter; launch_decode picks): 3 stages (more prefetch per CTA) for
+// small grids, 2 at D = 128 when the grid exceeds four CTAs per SM (2 x 35 KB + the 4 KB S exchange:
+// three CTAs per SM, where three stages fit two); TikAttnParams::decode_stages forces either. On the
+// H200 the large-grid cells are loader-bound at ~3.6 TB/s (skipping all compute is 1.5% faster), and
+// 4-stage rings are 20-50% slower.
 constexpr int DEC_STAGES_DEEP = 3;
 constexpr int DEC_STAGES_WIDE = 2;
 
@@ -63,11 +57,10 @@ template <int D, int STAGES>
 constexpr int decode_smem_bytes() {
   return STAGES * 2 * BN * (D + 8) * 2 + BN * 16 * 4;  // K/V ring + the S exchange (16 rows x BN fp32)
 }
-// TMA loader (sm_90a, D = 128): a stage is K then V, each two 64-column halves of BN rows in the 128-byte
-// swizzle (no padding), + the S exchange, one mbarrier per stage, 1024-byte alignment. Measured on the H200
-// (bench/results/2026-11-30T1825_*): same bits as the cp.async loader, 4.5-17% faster with pages of 64 (16 x 8K
-// 150 -> 143.5 us, 64 x 550 at the 1.5B shape 15.7 -> 13.3 us), 2% slower with pages of 16 (4 boxes per
-// block), so by default it serves boxes of at least TIK_DECODE_TMA_MIN_ROWS rows.
+// TMA loader's shared memory (sm_90a, D = 128): a stage is K then V, each two 64-column halves of BN rows in
+// the 128-byte swizzle (no padding), + the S exchange, one mbarrier per stage, 1024-byte alignment. On the
+// H200 it is 4.5-17% faster than the cp.async loader with pages of 64 and 2% slower with pages of 16 (four
+// boxes per block), hence TIK_DECODE_TMA_MIN_ROWS; TIK_DECODE_TMA=0 builds without it.
 #ifndef TIK_DECODE_TMA
 #define TIK_DECODE_TMA 1
 #endif
@@ -83,14 +76,22 @@ constexpr int decode_tma_smem_bytes() {
 // Split chunks per decode CTA in SPLIT mode (p.decode_cpc, or picked from the grid), and the CTAs per 16-row tile.
 __host__ __device__ __forceinline__ int decode_ctas_per_tile(int maxc, int cpc) { return (maxc + cpc - 1) / cpc; }
 
+// attn_decode_kernel: causal attention of one 16-row tile (query token x query head of KV head
+// blockIdx.y's GQA group, of sequence blockIdx.z) per CTA of DEC_WARPS = 4 warps; see the file header.
+//   bf16 q/k/v/out, D in {64, 128} (TMA and DEC_STAGES = 2 only at D = 128), varlen or paged K/V with any
+//   page size. Writes out (and p.lse in FOLD mode when set); in SPLIT mode the chunk partials, and with
+//   FUSED the merged rows. Guarantee: the bits of attn_kernel for every row, whatever SPLITM, FUSED,
+//   DEC_STAGES, HALF, TMA, cpc or box_rows.
+//   cpc: SPLIT mode's chunks per CTA (grid x = tiles x decode_ctas_per_tile). tm_k / tm_v / box_rows:
+//   the TMA descriptors and their box height (TMA only).
 // HALF: launches of at most 8 rows per KV head (max_seqlen_q * G <= 8: one-query decode with up to 8
 // query heads per KV head), so a thread's second row (g + 8) is always empty; the kernel then skips
 // every operation on it (softmax, alpha scaling, the exchange of its scores), leaving row g's operations
 // as they are.
-// TMA (sm_90a, D = 128): K/V blocks arrive by TMA boxes (thread 0, one mbarrier per stage) in the 128-byte
-// swizzle instead of cp.async into padded rows; ldmatrix reads the same values from the swizzled addresses,
-// V rows at or past kv_len are zeroed after landing (the cp.async zero-fill), K rows there stay unloaded or
-// stale: every such column is past every valid row's position, so the causal select replaces its score.
+// TMA: K/V blocks arrive by TMA boxes (thread 0, one mbarrier per stage) in the 128-byte swizzle instead
+// of cp.async into padded rows; ldmatrix reads the same values from the swizzled addresses, V rows at or
+// past kv_len are zeroed after landing (the cp.async zero-fill), K rows there stay unloaded or stale: every
+// such column is past every valid row's position, so the causal select replaces its score.
 template <int D, bool SPLITM, bool FUSED = false, int DEC_STAGES = DEC_STAGES_DEEP, bool HALF = false, bool TMA = false>
 __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const TikAttnParams p, int cpc,
                                                                         const __grid_constant__ CUtensorMap tm_k,
@@ -225,15 +226,14 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
   const uint32_t ks_s = (uint32_t)__cvta_generic_to_shared(Ks), vs_s = (uint32_t)__cvta_generic_to_shared(Vs);
 
   // The page-table entries of block j + 1 are loaded (into registers, not waited for) right after block
-  // j's copies are issued, so the copies of a block never wait for its page lookups (H200, session 8:
-  // before this a decode CTA took ~2 us per 64-position block, with the page-table round trip and
-  // ~860 instructions per warp, mostly address arithmetic, on its path).
+  // j's copies are issued, so the copies of a block never wait for its page lookups (a page-table round
+  // trip per block would sit on the critical path of every block).
   // Three loaders behind one uniform branch:
   //   * blocks that lie in one page (contiguous K/V, or power-of-two pages of at least BN rows): one
   //     page-table entry per block, and a thread's PER_T rows are a constant stride apart;
   //   * power-of-two pages of RSTEP .. BN / 2 rows (16 and 32 at D = 128; the engine's default is 16):
-  //     the entries are the same for every thread (small_pages below). H200, session 9, 12/2 heads,
-  //     pages of 16: 2-23% faster than the per-row loader (B=16 ctx 550 13.1 -> 10.6 us);
+  //     the entries are the same for every thread (small_pages below); 2-23% faster than the per-row
+  //     loader with pages of 16 on the H200;
   //   * otherwise (a size the binding accepts that is no power of two) one entry per row.
   int pg[PER_T];  // next block's pages of this thread's rows (pg[0] only on the one-page path)
   const int ps = p.paged ? p.page_size : BN;
@@ -552,6 +552,8 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
   }
 }
 
+// One decode instantiation on grid (gx, Hkv, batch): in SPLIT mode the fused kernel when p.counters holds
+// enough counters, else the decode kernel followed (SPLIT mode) by attn_decode_merge_kernel.
 template <int D, bool SPLITM, int STAGES, bool HALF, bool TMA>
 cudaError_t launch_decode_kern(const TikAttnParams& p, int64_t gx, int cpc, cudaStream_t stream, const CUtensorMap& mk,
                                const CUtensorMap& mv, int box_rows) {
@@ -596,6 +598,7 @@ cudaError_t launch_decode_stages(const TikAttnParams& p, int64_t gx, int cpc, cu
   return launch_decode_rows<D, SPLITM, STAGES, false>(p, gx, cpc, stream);
 }
 
+// SMs of the current device (cached per device).
 int device_sm_count() {
   static int cached[64];
   return per_device_cached(cached, [](int dev) {
@@ -607,17 +610,15 @@ int device_sm_count() {
 
 // Chunks per CTA and ring depth when the caller leaves them to the launcher (timing only; every choice
 // gives the same bits). A 3-stage D = 128 CTA takes 108 KB of shared memory (two per SM), a 2-stage one
-// 72 KB (three per SM). For a grid of `tasks` chunk CTAs (H200, session 8, bench/results/
-// *_decode-sx-mc-bisect, and session 9, *_engine-shape-bisect):
+// 72 KB (three per SM). For a grid of `tasks` chunk CTAs (rules measured on the H200):
 //   * one wave at two per SM: one chunk per CTA, 3 stages;
-//   * one wave at three per SM (D = 128 only): one chunk per CTA, 2 stages. B=64 x ctx 550, 12/2 heads,
-//     384 CTAs: 16.3 us, against 23.1 at 3 stages (two waves) and 22.0 at 2 chunks per CTA;
+//   * one wave at three per SM (D = 128 only): one chunk per CTA, 2 stages (B=64 x ctx 550, 12/2 heads:
+//     30% faster than two waves of 3-stage CTAs or 2 chunks per CTA);
 //   * else, when at most DEC_CPC_MAX chunks per CTA make one wave at two per SM: that many per CTA,
-//     3 stages (B=16 ctx 1K 28.6 -> 26.3 us at 2 per CTA, B=4 ctx 8K 47.5 -> 46.3 at 4; B=128 ctx 550,
-//     12/2 heads: 30.7 us at 3 per CTA, against 34.0 at 1 per CTA and 2 stages);
-//   * else one chunk per CTA, and 2 stages for grids over four CTAs per SM (512 CTAs 0.91-0.92x,
-//     1024+ CTAs 1.09-1.19x the 3-stage time). Grids of several waves gain nothing from several chunks
-//     per CTA and lose up to 14% where the fewer CTAs leave a partial last wave.
+//     3 stages;
+//   * else one chunk per CTA, and 2 stages for grids over four CTAs per SM. Grids of several waves gain
+//     nothing from several chunks per CTA and lose up to 14% where the fewer CTAs leave a partial last
+//     wave.
 constexpr int DEC_CPC_MAX = 4;
 // The grid-size rule for the ring depth at D = 128: 2 stages past four CTAs per SM.
 int decode_grid_stages(int64_t ctas) {
@@ -636,6 +637,8 @@ DecodeShape decode_auto_shape(int64_t tasks, int maxc, bool wide_ok) {
   return {1, wide_ok ? decode_grid_stages(tasks) : DEC_STAGES_DEEP};
 }
 
+// A decode-shaped launch: tiles of 16 rows, chunks per CTA and ring depth (decode_auto_shape unless the
+// caller forces them), then the loader and HALF choice below it.
 template <int D, bool SPLITM>
 cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
   const int64_t rows = (int64_t)p.max_seqlen_q * (p.Hq / p.Hkv);
@@ -660,6 +663,7 @@ cudaError_t launch_decode(const TikAttnParams& p, cudaStream_t stream) {
   return launch_decode_stages<D, SPLITM, DEC_STAGES_DEEP>(p, gx, cpc, stream);
 }
 
+// See tik_attention_launch.h.
 cudaError_t decode_attention(const TikAttnParams& p, int mode, cudaStream_t stream) {
   const bool sp = mode == TIK_ATTN_SPLIT_MODE;
   if (p.D == 64) return sp ? launch_decode<64, true>(p, stream) : launch_decode<64, false>(p, stream);

@@ -1,5 +1,6 @@
-// Host-side interface between the attention translation units (tik_attention.cu, tik_attention_prefill.cu,
-// tik_attention_decode.cu).
+// Host-side interface between the attention translation units: tik_attention.cu (C entry points, TMA
+// descriptors), tik_attention_prefill.cu and tik_attention_decode.cu (their launchers). Each function is
+// defined in the file named above its declaration. Only nvcc compiles this header.
 #pragma once
 #include <cuda.h>  // CUtensorMap
 #include <stdio.h>
@@ -14,6 +15,7 @@ typedef CUresult (*TensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuui
                                          CUtensorMapFloatOOBfill);
 
 // tik_attention.cu
+// cuTensorMapEncodeTiled from the driver, or nullptr when it has none.
 TensorMapEncodeTiled tensor_map_encoder();
 // TMA descriptor of a K or V tensor viewed as [rows][Hkv][D] bf16 (rows = tokens or cache slots):
 // boxes of 64 columns x 1 head x box_rows rows, 128-byte swizzle. False if the encoder refuses
@@ -25,13 +27,16 @@ bool make_kv_map(CUtensorMap* map, const void* base, int64_t rows, int hkv, int 
 // sm_90a body (binaryVersion 90; an sm_80-only build has no wgmma code) and the driver has the
 // TMA descriptor encoder. Per device.
 bool wgmma_prefill_available();
-// Launches that are not decode-shaped (max_seqlen_q * G > 16), resolved mode.
+// Launches that are not decode-shaped (max_seqlen_q * G > 16); mode is resolved (FOLD or SPLIT), p validated.
+// cudaErrorInvalidValue for a head dim other than 64 or 128.
 cudaError_t prefill_attention(const TikAttnParams& p, int mode, cudaStream_t stream);
+// Appends one describe_one line per prefill kernel instantiation to buf (used bytes so far); returns the new count.
 int describe_prefill(char* buf, int buflen, int used);
 
 // tik_attention_decode.cu
-// Decode-shaped launches (max_seqlen_q * G <= 16), resolved mode.
+// Decode-shaped launches (max_seqlen_q * G <= 16); as prefill_attention.
 cudaError_t decode_attention(const TikAttnParams& p, int mode, cudaStream_t stream);
+// As describe_prefill, for the decode kernels.
 int describe_decode(char* buf, int buflen, int used);
 
 // A non-zero per-device property of the current device, computed once per device (compute(dev)
@@ -51,6 +56,7 @@ __host__ __device__ __forceinline__ int64_t decode_counters_needed(const TikAttn
   return (int64_t)p.batch * p.Hkv * ((rows + 15) / 16);
 }
 
+// One line of tik_attention_describe: kernel `name`'s registers, spill, shared memory and binary version.
 template <typename K>
 void describe_one(char* buf, int buflen, int& used, const char* name, K kern, int smem) {
   cudaFuncAttributes a;

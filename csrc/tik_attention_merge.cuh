@@ -1,10 +1,19 @@
-// SPLIT-mode merges of chunk partials into the output.
+// SPLIT-mode merges: chunk partials -> the output rows.
+//
+// In SPLIT mode every (row, split chunk) leaves an fp32 partial in the workspace: ws_acc[row][c][D]
+// (the chunk's unnormalised accumulator), ws_ml[row][c] = (m, l) (its running max and sum, log2
+// domain), c < max_chunks_of(p); rows are token * Hq + q head. Each merge below folds a row's chunks
+// 0 .. nc-1 in ascending order with merge_coeffs / merge_val from the empty state, then O / L
+// (__fdiv_rn) rounded once to bf16: the operations of FOLD mode's in-register merge, so every path
+// gives the same bits. Only when loads are issued differs between them, never the fold order.
 #pragma once
 #include "tik_attention_common.cuh"
 
 namespace tik_attn {
 
-// SPLIT mode: merge the chunk partials of one row in ascending chunk order.
+// attn_merge_kernel: the SPLIT-mode merge after attn_kernel. One CTA of D threads per row
+// (grid total_q * Hq), thread d owns output column d; nc = ws_nc[row] (attn_kernel stores it; rows
+// it never reached keep the caller's 0 and are left untouched). bf16 out, D in {64, 128}.
 template <int D>
 __global__ void __launch_bounds__(D) attn_merge_kernel(const TikAttnParams p) {
   const int64_t row = blockIdx.x;
@@ -22,16 +31,13 @@ __global__ void __launch_bounds__(D) attn_merge_kernel(const TikAttnParams p) {
   static_cast<bf16*>(p.out)[row * D + d] = __float2bfloat16_rn(__fdiv_rn(O, L));
 }
 
-// chunk partials in flight per thread in the fused merge: 8 (session 8: 16 at D = 128 spilled once
-// the S exchange and the per-chunk partial stores joined the kernel under its 3-CTAs-per-SM register
-// bound). The prefetch depth changes only when loads are issued, not the fold order or its operations.
-// (Set in decode_merge_tile as DEC_FUSED_PF.)
-
-// Fused decode merge, run by the one CTA that drew a tile's last ticket: every valid row of
-// the tile (rows row0 .. row0 + nrows - 1 of sequence b / KV head hk) is folded over its
-// chunks 0..nc-1 in ascending order. Thread work item = (row, 4 consecutive columns); per
-// element the operations are attn_decode_merge_kernel's (merge_coeffs per chunk, merge_val,
-// __fdiv_rn(O, L), round to nearest bf16).
+// decode_merge_tile: the fused decode merge, run inside attn_decode_kernel by the one CTA that drew
+// a tile's last ticket: every valid row of the tile (rows row0 .. row0 + nrows - 1 of the sequence
+// starting at token q0, KV head hk) is folded over its chunks 0 .. nc-1, nc = its last position /
+// SPLIT + 1. Work item = (row, 4 consecutive columns), strided over the CTA's threads; per element
+// the operations of attn_decode_merge_kernel. Partials are read with ld.global.cg (L2: never a stale
+// L1 line of another CTA's stores), DEC_FUSED_PF chunks in flight per thread (8: at 16 the D = 128
+// decode kernel spills under its three-CTAs-per-SM register bound).
 template <int D>
 __device__ __forceinline__ void decode_merge_tile(const TikAttnParams& p, int row0, int nrows, int G, int q0,
                                                   int pos_off, int hk, int maxc) {
@@ -77,9 +83,12 @@ __device__ __forceinline__ void decode_merge_tile(const TikAttnParams& p, int ro
   }
 }
 
-// Decode merge: same ascending fold as attn_merge_kernel; partials prefetched 16 chunks
-// at a time; chunk count recomputed from the sequence metadata (what attn_kernel stores in
-// ws_nc: last position / SPLIT + 1 for a valid row, nothing otherwise).
+// attn_decode_merge_kernel: the SPLIT-mode merge after a decode launch without tile counters (the
+// two-launch path). One CTA of D threads per row of [total_q * Hq], thread d owns column d. The chunk
+// count is derived from the sequence metadata (cu_seqlens_q, seqlens_k: last position / SPLIT + 1,
+// capped at max_chunks_of), so no ws_nc buffer or memset is needed; rows outside every sequence, past
+// the decode kernel's 16-row tiles or at negative positions are left untouched. Partials are
+// prefetched DEC_MERGE_PF chunks at a time. bf16 out, D in {64, 128}.
 constexpr int DEC_MERGE_PF = 16;
 
 template <int D>

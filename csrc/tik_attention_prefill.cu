@@ -1,15 +1,34 @@
-// Prefill attention: attn_kernel (mma.sync, sm_80+), its SPLIT-mode merge, and the sm_90a wgmma kernel's launcher.
+// Prefill attention: launches with more than 16 rows per KV head (max_seqlen_q * G > 16), i.e.
+// attention_varlen (training forward) and attention_paged prefill / chunked prefill.
+//   * attn_kernel (mma.sync, sm_80+): every such launch in either mode, D in {64, 128}, any page size;
+//     in SPLIT mode followed by attn_merge_kernel (tik_attention_merge.cuh).
+//   * attn_kernel_wgmma (tik_attention_wgmma.cuh, sm_90a, D = 128, FOLD mode): preferred where it can
+//     run (TikAttnParams::prefill_kernel AUTO), with the same per-row arithmetic, so the same bits.
 #include "tik_attention_launch.h"
 #include "tik_attention_merge.cuh"
 #include "tik_attention_wgmma.cuh"
 
 namespace tik_attn {
 
+// attn_kernel's dynamic shared memory: a double-buffered K and V block, rows padded by 8 elements.
 template <int D>
 constexpr int smem_bytes() {
   return 2 * 2 * BN * (D + 8) * 2;
 }
 
+// attn_kernel: causal attention of one tile of WARPS x 16 rows (query token x query head of KV head
+// blockIdx.y's GQA group, of sequence blockIdx.z); launched with WARPS = 4 (64 rows per CTA).
+//   Computes out[row] = softmax(scale * q[row] . k[j], j <= pos(row)) @ v in bf16, fp32 accumulation,
+//   D in {64, 128}; varlen (K/V rows = the sequence's tokens) or paged (any page size: each K/V row's
+//   page is looked up). K/V blocks of BN positions arrive by cp.async into a double buffer (zero-filled
+//   at or past kv_len); each warp skips blocks past all of its rows.
+//   FOLD (SPLITM = false): the CTA walks blocks 0 .. the tile's last, merges each split chunk into
+//   (M, L, O) in registers as the walk passes its end, writes out (and p.lse when set). Tiles are
+//   launched longest walk first.
+//   SPLIT (SPLITM = true): one CTA per (tile, chunk) walks that chunk's blocks from a fresh state and
+//   stores its partial (ws_acc, ws_ml; ws_nc from chunk 0); attn_merge_kernel finishes.
+//   Guarantee: a row's bits depend only on its own q, its sequence's K/V and its position, never on
+//   the batch, packing, paging, the mode or which rows share the warp (see tik_attention.cu).
 template <int D, int WARPS, bool SPLITM>
 __global__ void __launch_bounds__(WARPS * 32) attn_kernel(const TikAttnParams p) {
   constexpr int NT = BN / 8;   // n-tiles of S
@@ -236,6 +255,7 @@ __global__ void __launch_bounds__(WARPS * 32) attn_kernel(const TikAttnParams p)
   }
 }
 
+// attn_kernel's grid: (tiles [x max chunks in SPLIT mode], Hkv, batch); SPLIT mode then merges.
 template <int D, int WARPS, bool SPLITM>
 cudaError_t launch(const TikAttnParams& p, cudaStream_t stream) {
   constexpr int ROWS = WARPS * 16;
@@ -256,6 +276,7 @@ cudaError_t launch(const TikAttnParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// See tik_attention_launch.h. Cached per device.
 bool wgmma_prefill_available() {
   static int cached[64];  // 0 unknown, 1 yes, 2 no
   return per_device_cached(cached, [](int dev) {
@@ -270,10 +291,11 @@ bool wgmma_prefill_available() {
          }) == 1;
 }
 
-// cudaErrorNotSupported when no TMA descriptor can be made, or when a box of box_rows cache rows
+// attn_kernel_wgmma's launch: grid (ceil(max_seqlen_q * G / 128), Hkv, batch), K/V TMA boxes of
+// min(page size, 64) rows. cudaErrorNotSupported when no TMA descriptor can be made, or when a box
 // could cross a page (page sizes that neither divide 64 nor are a multiple of it; the Python entry
-// points accept only powers of two 16..256, the binding itself any size): the caller then runs
-// attn_kernel, which looks up every row's page.
+// points accept only powers of two 16..256, the binding any size): the caller then runs attn_kernel,
+// which looks up every row's page.
 cudaError_t launch_wgmma(const TikAttnParams& p, cudaStream_t stream) {
   const int G = p.Hq / p.Hkv;
   const int64_t rows = (int64_t)p.max_seqlen_q * G;
@@ -299,6 +321,8 @@ bool use_wgmma(const TikAttnParams& p, int mode) {
   return mode == TIK_ATTN_FOLD && p.D == 128 && wgmma_prefill_available();
 }
 
+// The prefill kernel for one launch: the wgmma kernel where use_wgmma says so and its descriptors can be
+// made, else attn_kernel; prefill_kernel = WGMMA refuses the fallback (cudaErrorNotSupported).
 template <int D>
 cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
   if (D == 128 && use_wgmma(p, mode)) {
@@ -309,6 +333,7 @@ cudaError_t dispatch(const TikAttnParams& p, int mode, cudaStream_t stream) {
   return mode == TIK_ATTN_SPLIT_MODE ? launch<D, 4, true>(p, stream) : launch<D, 4, false>(p, stream);
 }
 
+// See tik_attention_launch.h.
 cudaError_t prefill_attention(const TikAttnParams& p, int mode, cudaStream_t stream) {
   if (p.D == 64) return dispatch<64>(p, mode, stream);
   if (p.D == 128) return dispatch<128>(p, mode, stream);
