@@ -12,7 +12,7 @@ wgmma prefill (tik_attention_wgmma.cuh):
     SRS      probe: S's A operand from registers (P's), not Q from shared memory (would Q in registers pay?)
     NOSHFL   probe: no quad shuffles in softmax_block (row max / row sum): the per-block reduction latency
     KONLY    every computation, half the bytes: the one-box-per-half K/V path loads K only (L2 -> SMEM bound?)
-decode (attn_decode_kernel in tik_attention.cu):
+decode (attn_decode_kernel in tik_attention_decode.cu):
     DECLOAD  no compute on any block (S, softmax, P V skipped at run time): the cp.async loader's floor,
              with the split-chunk stores and the fused merge still running
     DECHM    a layout probe: the loader reads each page as head-major (a head's block rows contiguous) instead
@@ -33,14 +33,16 @@ import shutil
 import sys
 
 KERNEL = "tik_attention_wgmma.cuh"
-DECODE = "tik_attention.cu"
+DECODE = "tik_attention_decode.cu"
+COMMON = "tik_attention_common.cuh"  # softmax_block, shared by every attention kernel
+TMA = "tik_attention_tma.cuh"  # tma_kv_block, the K/V box issue of the wgmma prefill and the decode TMA loader
 
 _S_LOOP = """      wgmma_m64n64k16_ss(s, q_lo + off, k_lo + off, kc > 0);"""
 _PV_LOOP = """      wgmma_m64n128k16_rs_tb(acc, pa[kc], v_lo + (uint32_t)(kc * 16 * 128 / 16));"""
 _SM_HEAD = """  auto softmax = [&](int j) {  // attn_kernel's per-row operations on S_j; updates m, l, alpha, s := P
 """
 
-# the decode kernel's per-block compute guard (the first such line in the file is attn_kernel's, with a comment)
+# the decode kernel's per-block compute guard
 _DEC_GUARD = """    if (warp_max_pos >= j * BN) {
       const bf16* Vb = Vs + buf * BN * LDS;"""
 
@@ -85,9 +87,9 @@ _SM_SHFL = ["    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));",
             "    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));",
             "    rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 1));",
             "    rs[i] = __fadd_rn(rs[i], __shfl_xor_sync(0xffffffffu, rs[i], 2));"]
-EDITS["NOSHFL"] = [(DECODE, a, "    // ABLATION NOSHFL") for a in _SM_SHFL]
-EDITS["KONLY"] = [(KERNEL, _KV_TX, _KV_TX.replace("* 4", "* 2  /* ABLATION KONLY */")),
-                  (KERNEL, _KV_V, "      // ABLATION KONLY: no V box")]
+EDITS["NOSHFL"] = [(COMMON, a, "    // ABLATION NOSHFL") for a in _SM_SHFL]
+EDITS["KONLY"] = [(TMA, _KV_TX, _KV_TX.replace("* 4", "* 2  /* ABLATION KONLY */")),
+                  (TMA, _KV_V, "      // ABLATION KONLY: no V box")]
 
 # Layout probe, not an ablation: the decode loader's one-page path reads the cache as if each page were
 # head-major ([page][Hkv][row][D]: a head's 64 rows of a block are 16 KB contiguous, as SDPA's gathered

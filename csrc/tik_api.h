@@ -85,13 +85,12 @@ int tik_attention_needs_ws_nc(const TikAttnParams* p);
 // Counters a fused decode launch with these parameters uses (batch * Hkv * 16-row tiles);
 // 0 for any other launch (not decode-shaped, or not SPLIT mode): it uses none.
 int64_t tik_attention_decode_counters_needed(const TikAttnParams* p);
-// Decode-shaped launches (max_seqlen_q * Hq/Hkv <= 16) always run the 4-warp decode kernel
-// (formerly "variant 2"; the 1-warp variant 1 and the variant switch are gone). Exported by
-// the binding as DECODE_PATH; cuda_ops rejects an extension with another value (a stale
-// build). 3: SPLIT-mode decode merges in the decode launch itself (p.counters), the separate
-// merge kernel stays selectable (binding argument decode_merge=1). 4: decode CTAs may walk several
-// split chunks (decode_cpc) and the forward can write each row's log-sum-exp (TikAttnParams::lse,
-// binding argument lse=), which cuda_ops' autograd needs.
+// Revision marker of the decode path, exported by the binding as DECODE_PATH; cuda_ops rejects an
+// extension built with another value (a stale build). 4: decode-shaped launches (max_seqlen_q *
+// Hq/Hkv <= 16) run the 4-warp decode kernel; SPLIT-mode decode merges in the decode launch itself
+// (p.counters; binding argument decode_merge=1 selects the separate merge kernel); decode CTAs may
+// walk several split chunks (decode_cpc); the forward can write each row's log-sum-exp
+// (TikAttnParams::lse, binding argument lse=), which cuda_ops' autograd needs.
 #define TIK_ATTN_DECODE_PATH 4
 // Prefill kernels the build knows (TikAttnParams::prefill_kernel); exported as PREFILL_KERNELS so
 // cuda_ops can reject a stale build that lacks the field.

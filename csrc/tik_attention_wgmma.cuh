@@ -1,94 +1,74 @@
-// areal-tik sm_90a prefill attention: the attn_kernel arithmetic on warpgroup MMAs (wgmma) fed by TMA.
+// attn_kernel_wgmma: sm_90a prefill attention, attn_kernel's per-row arithmetic on warpgroup MMAs
+// (wgmma) fed by TMA.
 //
-// Included by tik_attention.cu (needs its helpers: thread_rows, row_tree, softmax_block, pack_bf16,
-// merge_chunk_row, row_lse, cp_async16, BN, SPLIT, BPC). Serves FOLD-mode launches of
-// attention_varlen / attention_paged that are not decode-shaped (max_seqlen_q * G > 16), D = 128,
-// bf16, on sm_90a (H100/H200) when TMA descriptors can be made for k/v; every other launch keeps
-// attn_kernel (mma.sync).
-// What it guarantees and why:
-//   * rows = (query token, query head) as in attn_kernel; a CTA is 2 consumer warpgroups x 64 rows (128
-//     rows of one KV head's GQA group) and one producer warpgroup; warp w < 8 holds rows 16w..16w+15 in the
-//     m16n8k16 fragment layout (the wgmma m64 accumulator and register-A layouts are, per warp,
-//     those of mma.sync m16n8k16), so every per-row scalar operation below is attn_kernel's,
-//     op for op: same KV blocks of BN positions ascending, same explicitly rounded online
-//     softmax, same P rounding to bf16, same FOLD merge at each SPLIT-chunk end. (Two
-//     rewrites that cannot change a value: the row max is a tree, and blocks entirely at or
-//     before both of a thread's rows skip the causal select.)
-//   * S = Q K^T chains the D/16 k-steps ascending (the first k-step ignores the accumulator)
-//     and acc += P V chains the BN/16 k-steps ascending, attn_kernel's MMA chains, as
-//     wgmma.m64n64k16 (Q and K from shared memory) and wgmma.m64n128k16 (P from registers, V
-//     from shared memory, transposed B). That a Hopper warpgroup MMA k-step rounds like an
-//     mma.sync k-step is a hardware fact this code relies on without assuming it: the GPU tests
-//     compare this kernel with attn_kernel (prefill_kernel="mma", mode="split") and with the
-//     decode kernel bit for bit (H200, 2026-11-30: equal in every test and bench cell).
-//   * Pipeline (FA3's warp specialisation): K/V blocks arrive by TMA into a 6-stage ring (boxes of
-//     min(64, page size) rows, 128-byte swizzle = the layout the wgmma descriptors read). One thread of
-//     the producer warpgroup (setmaxnreg 24; the consumers get 240) issues them in order, each as soon
-//     as its stage is free: a "full" mbarrier per stage (TMA bytes landed) and an "empty" one (8
-//     arrivals: each consumer warp's, after its P V of the block landed). No CTA barrier in the walk:
-//     the two consumer warpgroups drift apart by up to the ring's slack. The last block's V rows at or
-//     past kv_len are zeroed by the producer warpgroup, which then arrives on a third mbarrier the
-//     consumers wait on for that block. A parity wait is only started once the awaited phase is the
-//     stage's current or next one (the producer warpgroup waits for its thread 0 to have issued the
-//     tail load first: a wait begun earlier returned at an older phase of the same parity, and the
-//     ragged-length bit checks caught it).
-//     Per warpgroup, step j issues S_j and P_{j-1} V_{j-1} together and waits for S_j first
-//     (written as FA3's intra-warpgroup overlap; in the SASS ptxas waits for P V before block j's
-//     softmax, because P_j is packed into the registers P_{j-1} V_{j-1} reads, and pinning the
-//     softmax ahead of that wait measured 2-4% slower); acc is still scaled by alpha_{j-1} before
-//     P_{j-1} V_{j-1} lands and by alpha_j after, and a chunk merges after its last P V, so each
-//     row sees attn_kernel's sequence of operations.
-//   * V rows at or past the sequence's KV length are zeroed in shared memory after their block
-//     lands (attn_kernel zero-fills them; here the producer warpgroup does it): a masked score's P is exactly 0, and 0 * V must not
-//     meet NaN garbage of a paged cache. Boxes starting past the KV length are never loaded.
-//   * A warpgroup whose 64 rows all lie before a block skips it (attn_kernel skips per warp; a
-//     fully masked block is an exact no-op on a row's state either way).
-// Resource use: 384 threads (launched at 168 registers; setmaxnreg gives the consumers 240: accumulator 64
-// + merged O 64 + S 32 + P 16 per thread, and the producer 24), ~225 KB shared memory, one CTA per SM.
-// Measured (H200, bench/results/2026-11-30T1845_*, side by side with the lockstep walk it replaced, same
-// bits): 374 -> 410-414 TF/s at L 4K, 417 -> 440 at 16K (32/8 heads), 185 -> 195 on 64 x 512-token
-// prompts (12/2 heads, pages of 64). The lockstep walk had thread 0, a compute thread, issue two
-// refills at a CTA barrier every other block; the same full/empty decoupling without a producer
-// warpgroup (session 7, below) was 8% slower.
-// Measured before the producer warpgroup (H200, 32 q / 8 kv heads, causal, bench_cuda, 2026-11-30 session
-// 8): 374/398/420 TF/s at L 4K/8K/16K, 1.9-2.0x the mma.sync kernel, 1.23-1.28x Triton, 0.71-0.74x cuDNN SDPA. The prologue's
-// K/V TMA issue ahead of the Q wait (session 10, bench/results/*_s10-host-and-po): +3.4% on 64 x 512-token
-// prompts (12/2 heads, pages of 64: 179 -> 185 TF/s), neutral at L 4K-16K (each order of the arms checked).
-// Tried and dropped: Q in registers (spills; 286 vs 303 TF/s), warpgroups walking
-// their blocks without the per-block CTA barrier (293 vs 320 TF/s), and (2026-11-30, bisect in
-// bench/results/*_wgmma-bisect) a decoupled walk with full/empty mbarriers per stage, with or without
-// FA3 pingpong turns of the warpgroups, 4 or 5 stages, early or late refill: all 7-10% slower. Session 10
-// (bench/results/*_persistent-prefill-bisect, *_pv-wait-after-softmax): a persistent kernel (one CTA per
-// SM, one K/V TMA stream across its tiles, the next tile's first blocks loaded during the current tile's
-// last steps; tiles by static stride or a device counter) 10-15% slower at 64 x 512 and L 4K, parity at 16K;
-// the P V wait pinned after the softmax (ptxas otherwise hoists it above the MUFU.EX2s; a never-taken
-// branch keeps it there), with or without P packed early: 1-3% slower.
-// Where the time went before the producer warpgroup (session 11, bench/csrc_ablations.py, *_s11-ablations): at L 16K the
-// load/barrier skeleton alone takes 47% of the time, and S, the softmax and P V add nearly in series on top
-// (removing each saves 18%, 17%, 8%); at 64 x 512-token prompts every ablated copy is slower than this kernel:
-// those launches are bound by per-CTA latency.
-// With the producer warpgroup (session 13, bench/results/2026-11-30T2111_* to *_s13-pv-wait-after-softmax):
-// removing the softmax, P V or S saves 18/14/18.5% at L 16K, the skeleton is 43%; loading half the bytes
-// (K only) is not faster, so K/V streaming from L2 is not the bound. Measured and dropped, bits equal: skipping
-// acc *= alpha when a warp's alphas are all 1 (1-6% slower), the P V wait after the softmax (branch pin and/or
-// P double-buffered: 1-6% slower), the persistent kernel (+2.5-10% only on <= 512-token prompts).
+// Serves FOLD-mode launches that are not decode-shaped (max_seqlen_q * G > 16), D = 128, bf16, on
+// sm_90a (H100/H200), when TMA descriptors can be made for k and v (16-byte aligned bases) and a box
+// never crosses a page (page sizes dividing 64 or multiples of it); tik_attention_prefill.cu runs
+// attn_kernel for every other launch. Writes bf16 out and, when p.lse is set, each row's lse.
+//
+// Guarantee: the same output bits as attn_kernel for every row (so as every kernel here). Why:
+//   * rows = (query token, query head) as in attn_kernel; a CTA is 2 consumer warpgroups x 64 rows
+//     (128 rows of one KV head's GQA group) and one producer warpgroup; consumer warp w holds rows
+//     16w .. 16w+15 in the m16n8k16 fragment layout (the wgmma m64 accumulator and register-A layouts
+//     are, per warp, those of mma.sync m16n8k16), so every per-row scalar operation is attn_kernel's,
+//     op for op: same KV blocks of BN positions ascending, same explicitly rounded online softmax,
+//     same P rounding to bf16, same FOLD merge at each split-chunk end. Two rewrites cannot change a
+//     value: the row max is a tree (max is exact), and blocks entirely at or before both of a
+//     thread's rows skip the causal select (it would select nothing).
+//   * S = Q K^T chains the D/16 k-steps ascending (the first k-step ignores the accumulator) and
+//     acc += P V chains the BN/16 k-steps ascending, attn_kernel's MMA chains, as wgmma.m64n64k16
+//     (Q and K from shared memory) and wgmma.m64n128k16 (P from registers, V from shared memory,
+//     transposed B). That a warpgroup MMA k-step rounds like an mma.sync k-step is a hardware
+//     property the design relies on and the GPU tests check: they compare this kernel with
+//     attn_kernel (prefill_kernel="mma", mode="split") and with the decode kernel bit for bit.
+//   * V rows at or past the sequence's KV length are zeroed in shared memory after their block lands
+//     (attn_kernel's zero-fill; here the producer warpgroup does it): a masked score's P is exactly
+//     0, and 0 * V must not meet NaN garbage of a paged cache. Boxes starting past the KV length are
+//     never loaded.
+//   * A warpgroup whose 64 rows all lie before a block skips it (attn_kernel skips per warp; a fully
+//     masked block is an exact no-op on a row's state either way).
+//
+// Pipeline (warp specialisation as in FlashAttention-3):
+//   * K/V blocks arrive by TMA into a WG_STAGES-stage ring (boxes of min(64, page size) rows, the
+//     128-byte swizzle the wgmma descriptors read). One thread of the producer warpgroup issues them
+//     in order, each as soon as its stage is free: a "full" mbarrier per stage (TMA bytes landed)
+//     and an "empty" one (8 arrivals, one per consumer warp after its P V of the block landed). No
+//     CTA barrier in the walk: the two consumer warpgroups drift apart by up to the ring's slack.
+//     The producer issues the first blocks while the consumers' Q copies are in flight (a short
+//     prompt's CTA walks only a few blocks: these two latencies must not be serial).
+//   * The last block's V rows at or past kv_len are zeroed by the producer warpgroup, which then
+//     arrives on a third mbarrier the consumers wait on for that block. A parity wait starts only
+//     once the awaited phase is the stage's current or next one (the producer warpgroup first waits
+//     for its thread 0 to have issued the tail load): a wait begun earlier can return at an older
+//     phase of the same parity.
+//   * Per warpgroup, step j issues S_j and P_{j-1} V_{j-1} together and waits for S_j first. In the
+//     SASS ptxas waits for P V before block j's softmax, because P_j is packed into the registers
+//     P_{j-1} V_{j-1} reads (forcing the softmax ahead of that wait is 1-3% slower). acc is scaled
+//     by alpha_{j-1} before P_{j-1} V_{j-1} lands and by alpha_j after, and a chunk merges after its
+//     last P V, so each row sees attn_kernel's sequence of operations.
+// Resources: 384 threads (launched at 168 registers; setmaxnreg gives the consumers 240: accumulator
+// 64 + merged O 64 + S 32 + P 16 per thread, and the producer 24), ~225 KB shared memory, one CTA per
+// SM. On the H200 (32 q / 8 kv heads, causal) it runs at 410-440 TF/s for L 4K-16K, about 2x the
+// mma.sync kernel. Where the time goes (bench/csrc_ablations.py, L 16K): the load/barrier skeleton
+// alone is ~43%, removing the softmax, P V or S saves 14-18.5% each, and loading only K is not
+// faster (streaming K/V from L2 is not the bound).
 
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define TIK_SM90A_DEVICE 1
-#endif
+#pragma once
+#include <type_traits>
+
+#include "tik_attention_common.cuh"
+#include "tik_attention_tma.cuh"
 
 namespace tik_attn {
 
 constexpr int WG_ROWS = 128;      // 2 warpgroups x 64 rows
 constexpr int WG_THREADS = 256;  // the two consumer warpgroups
 constexpr int WG_CTA_THREADS = WG_THREADS + 128;  // + the producer warpgroup (TMA issue, tail zeroing)
-// setmaxnreg: 128 x 24 + 256 x 240 <= 64K registers. 240 against 232 (producer 40): +1.5-2% at L 4K/16K,
-// same at 64 x 512 (H200, bench/results/2026-11-30T1910_*); the producer compiles without spills at 24.
+// setmaxnreg: 128 x 24 + 256 x 240 <= 64K registers. The producer compiles without spills at 24; the
+// consumers at 240 run 1.5-2% faster than at 232 (H200, L 4K/16K).
 constexpr int WG_PRODUCER_REGS = 24, WG_CONSUMER_REGS = 240;
 static_assert(128 * WG_PRODUCER_REGS + WG_THREADS * WG_CONSUMER_REGS <= 65536, "register file");
-constexpr int WG_STAGES = 6;      // K/V ring (5 stages: -2% at L 4K, bench/results/2026-11-30T1910_*)
-constexpr int WG_HALF_BYTES = BN * 128;         // one 64-column half of a K or V block, or of 64 Q rows (8 KB)
-constexpr int WG_TILE_BYTES = 2 * WG_HALF_BYTES;  // a 64 x 128 bf16 block (also one warpgroup's Q rows)
+constexpr int WG_STAGES = 6;      // K/V ring depth (5 stages: 2% slower at L 4K on the H200)
 constexpr int WG_Q_BYTES = 2 * WG_TILE_BYTES;     // the CTA's 128 Q rows
 // + the full, empty and tail mbarriers, + alignment
 constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 128 + 1024; }
@@ -96,8 +76,8 @@ constexpr int wg_smem_bytes() { return WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTE
 // Shared-memory matrix descriptor, 128-byte swizzle: low word = address / 16 | LBO / 16 << 16, high
 // word = SBO / 16 (1024 bytes: 8 rows of 128 bytes) | the 128-byte swizzle mode. Every operand here
 // has that SBO, so only the low word varies, and an offset of k x 16 bytes adds k to it (shared
-// addresses stay below 256 KB: no carry into the LBO field). Measured: about 7 instead of 14
-// instructions per wgmma than building the 64-bit descriptor from the address each time.
+// addresses stay below 256 KB: no carry into the LBO field). About 7 instead of 14 instructions per
+// wgmma than building the 64-bit descriptor from the address each time.
 constexpr uint32_t WG_DESC_HI = (1024u >> 4) | (1u << 30);
 __device__ __forceinline__ uint32_t wg_desc_lo(uint32_t saddr, uint32_t lbo) { return (saddr >> 4) | ((lbo >> 4) << 16); }
 
@@ -137,85 +117,12 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint32_t a_lo
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a_lo), "r"(b_lo), "r"(scale_d), "r"(WG_DESC_HI));
 }
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// One 3-d TMA box (D-columns c0.., head c1, rows c2..) -> shared memory, completion on bar.
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
-// K/V block j (positions j * BN ..) -> one ring stage by TMA, completion on bar: K at ks, V at ks + WG_TILE_BYTES,
-// each two 64-column halves of BN rows in the 128-byte swizzle. Boxes of box_rows rows (BN, or the page size
-// when pages are smaller); boxes starting at or past kv_len are not loaded (their block-table entries may be
-// garbage). slot_of(pos): the K/V row (cache slot or token) of position pos. Serves the wgmma prefill's
-// producer and the decode kernel's TMA loader.
-template <typename SlotOf>
-__device__ __forceinline__ void tma_kv_block(uint32_t ks, uint32_t bar, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
-                                             int hk, int j, int box_rows, int kv_len, SlotOf slot_of) {
-  // Fast path, one box per half (box_rows == BN: contiguous K/V, or pages of >= 64 rows; the caller loads
-  // only blocks starting before kv_len). When thread 0 of the prefill's compute warps issued the refills in a
-  // lockstep walk, the general loop below cost 9-11% of that kernel's time (H200, bench/results/*_wgmma-fastload).
-  if (box_rows == BN) {
-    const int64_t slot = slot_of(j * BN);
-    mbar_expect_tx(bar, (uint32_t)(BN * 128 * 4));
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tma_load_3d(ks + h * WG_HALF_BYTES, tm_k, h * 64, hk, (int)slot, bar);
-      tma_load_3d(ks + WG_TILE_BYTES + h * WG_HALF_BYTES, tm_v, h * 64, hk, (int)slot, bar);
-    }
-    return;
-  }
-  const int nbox = BN / box_rows;
-  int nload = 0;
-  for (int u = 0; u < nbox; ++u) nload += (j * BN + u * box_rows < kv_len);
-  mbar_expect_tx(bar, (uint32_t)(nload * box_rows * 128 * 4));
-  for (int u = 0; u < nbox; ++u) {
-    const int pos = j * BN + u * box_rows;
-    if (pos >= kv_len) break;
-    const int64_t slot = slot_of(pos);
-    const uint32_t ro = (uint32_t)(u * box_rows * 128);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tma_load_3d(ks + h * WG_HALF_BYTES + ro, tm_k, h * 64, hk, (int)slot, bar);
-      tma_load_3d(ks + WG_TILE_BYTES + h * WG_HALF_BYTES + ro, tm_v, h * 64, hk, (int)slot, bar);
-    }
-  }
-}
-// V rows r0 .. BN - 1 of a stage's V block at vs (two 64-column halves in the 128-byte swizzle) -> 0: the
-// stores of thread tid of nthreads, then the proxy fence that orders them before the async proxy's accesses
-// to the stage (wgmma reads, a later TMA refill). The zero-fill of rows at or past kv_len that the cp.async
-// loaders get from their src-size operand: a masked score's P is exactly 0, and 0 * V must not meet a NaN.
-__device__ __forceinline__ void zero_v_rows(uint32_t vs, int r0, int tid, int nthreads) {
-  constexpr int SEGS = 16;  // 16-byte segments per 128-column row
-  for (int i = tid; i < (BN - r0) * SEGS; i += nthreads) {
-    const int r = r0 + i / SEGS, sg = i % SEGS;
-    const uint32_t a = vs + (uint32_t)((sg >> 3) * WG_HALF_BYTES + r * 128 + (((sg & 7) ^ (r & 7)) << 4));
-    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
-  }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 #endif  // TIK_SM90A_DEVICE
 
+// The kernel (see the header): one CTA per 128-row tile of KV head blockIdx.y's GQA group of sequence
+// blockIdx.z, longest causal walk first; tm_k / tm_v are the K/V TMA descriptors (make_kv_map) with
+// boxes of box_rows rows. D = 128 only; the body exists only in the sm_90a pass (an empty kernel in
+// an sm_80 build, which wgmma_prefill_available never selects).
 template <int D>
 __global__ void __launch_bounds__(WG_CTA_THREADS, 1)
     attn_kernel_wgmma(const TikAttnParams p, const __grid_constant__ CUtensorMap tm_k,
@@ -256,7 +163,7 @@ __global__ void __launch_bounds__(WG_CTA_THREADS, 1)
 
   // The warp index through a shuffle: ptxas then treats it (and the warpgroup, its Q, its walk length
   // and the stage of block j) as warp-uniform and computes the wgmma descriptors on the uniform
-  // datapath, with no register-to-uniform moves before each wgmma (H200: +4%, bench/results/*_wgmma-uniform).
+  // datapath, with no register-to-uniform moves before each wgmma (4% faster on the H200).
   const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0), lane = threadIdx.x & 31, g = lane >> 2,
             t = lane & 3;
   const int wgi = warp >> 2;
@@ -368,7 +275,7 @@ __global__ void __launch_bounds__(WG_CTA_THREADS, 1)
   cp_async_wait<0>();  // this thread's Q segments
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   asm volatile("bar.sync 2, 256;\n" ::: "memory");  // Q in shared memory for every consumer thread
-  // Software pipeline per warpgroup (written as the FA3 intra-warpgroup overlap; see the header
+  // Software pipeline per warpgroup (written as FlashAttention-3's intra-warpgroup overlap; see the header
   // for what ptxas makes of it): step j issues S_j = Q K_j and then acc += P_{j-1} V_{j-1}, waits
   // for S_j, runs block j's softmax, waits for P V. Every row still sees attn_kernel's sequence: acc is
   // scaled by alpha_{j-1} before P_{j-1} V_{j-1} accumulates, and by alpha_j after; a chunk
@@ -468,8 +375,7 @@ __global__ void __launch_bounds__(WG_CTA_THREADS, 1)
     scale_pack_close(0);
     // Step j: S_j with P_{j-1} V_{j-1}; when block j - 1 ends a split chunk (MERGE), that chunk's
     // FOLD merge runs once its P V landed. The walk is split at chunk ends so the steady loop holds
-    // no merge: a conditional merge made ptxas copy the accumulator every step (measured with the
-    // descriptor change: +1.5-2.4% over both changes absent; either one alone was 1-3% slower).
+    // no merge: a conditional merge inside it makes ptxas copy the accumulator every step.
     auto step = [&](int j, auto merge) {
       sync_block(j);
       reg_fence(acc);

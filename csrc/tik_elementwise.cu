@@ -3,7 +3,7 @@
 // RMSNorm: one warp per row; lane l owns the 8-element groups l, l+32, l+64, ... and
 // sums their squares in ascending element order, then a fixed xor-shuffle tree. The
 // order depends only on the row length N, never on the number of rows or on pointer
-// alignment (vector and scalar loads feed the same sequence), so rows are invariant
+// alignment (a vector-load variant must feed the same sequence), so rows are invariant
 // to the batch. All arithmetic is explicitly rounded fp32 (no FMA contraction):
 //   y = w * bf16(x * (1 / sqrt(sum(x^2) / N + eps)))   (HF Qwen2/Llama rounding points)
 // RoPE: neox / rotate-half, fp32 math, one rounding to the output dtype:
@@ -44,6 +44,10 @@ __device__ __forceinline__ float from_f<float>(float v) { return v; }
 constexpr int RMS_WARPS = TIK_RMS_WARPS;
 static_assert(RMS_WARPS >= 1 && RMS_WARPS <= 32, "TIK_RMS_WARPS: 1..32 warps per CTA");
 
+// rms_norm_kernel: y[row] = w * T(x[row] * (1 / sqrt(sum(x[row]^2) / n + eps))) with the rounding points
+// of the header, one warp per row, RMS_WARPS rows per CTA. T = bf16, fp16 or fp32; any n > 0; x rows
+// x_stride elements apart, y contiguous. A row's bits depend only on its values, n, w and eps, never on
+// the number of rows or RMS_WARPS (the summation order is fixed by n).
 template <typename T>
 __global__ void __launch_bounds__(RMS_WARPS * 32)
     rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int64_t rows, int n,
@@ -177,8 +181,10 @@ __global__ void __launch_bounds__(256) rope_vec_kernel(const T* __restrict__ x, 
   *reinterpret_cast<uint4*>(orow + i + half) = o2;
 }
 
-// One CTA per token; 16-byte vectors when rows and pointers are 16-byte aligned (rows are
-// for D in {64, 128}), else element copies. Exact copies either way.
+// kv_write_kernel: k_cache row slots[t] = k row t and v_cache row slots[t] = v row t (row_bytes each),
+// one CTA per token; slots outside [0, num_slots) are skipped. 2- or 4-byte elements; 16-byte vectors
+// when rows and pointers are 16-byte aligned (rows are for D in {64, 128}), else element copies. Exact
+// byte copies either way.
 __global__ void kv_write_kernel(const char* __restrict__ k, const char* __restrict__ v, char* __restrict__ kc,
                                 char* __restrict__ vc, const int64_t* __restrict__ slots, int64_t row_bytes,
                                 int64_t num_slots, int elem_bytes, int vec16) {

@@ -5,7 +5,9 @@ generated adapter (``EXPORT_META``, ``PROVENANCE``, ``ARCH``, an ``OPS`` table w
 public op signature and a torch backward). ``areal_tik/dispatch/registry.py`` registers
 it as the op's implementation of the adapter's backend on a GPU of that architecture only;
 the file is one of the implementation's sources, so the kernel fingerprint changes with it.
-A JSON twin (``<op>_<arch>.json``) holds the meta-parameters, source and provenance.
+A JSON twin (``<op>_<arch>.json``) holds the meta-parameters, source and provenance. Provenance
+records the agent store as a path relative to the directory holding the package (its file name
+when it lies elsewhere), never an absolute path.
 Adapters, by (op, kind):
 - ``linear`` / ``triton``: the Triton source is the module's code; backend ``triton``.
 - ``rms_norm`` / ``cuda_inline`` (the csrc root and its knob moves and transformations): the
@@ -25,13 +27,30 @@ import time
 
 from areal_tik.agent.records import canonical_json
 
-__all__ = ["ExportRefused", "export_best", "EXPORT_DIR"]
+__all__ = ["ExportRefused", "export_best", "portable_path", "EXPORT_DIR"]
 
 EXPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "exported")
+# The directory holding the package (the repository root of a checkout): exports record paths relative to it.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class ExportRefused(RuntimeError):
     pass
+
+
+def portable_path(path: str | None) -> str | None:
+    """``path`` as an export records it: relative to the directory holding the package (``bench/results/...``)
+    when it lies below it, else its file name only. An export never records a machine's absolute path."""
+    if not path:
+        return path
+    full = os.path.abspath(path)
+    try:
+        rel = os.path.relpath(full, _PACKAGE_ROOT)
+    except ValueError:  # another drive
+        return os.path.basename(full)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        return os.path.basename(full)
+    return rel.replace(os.sep, "/")
 
 
 # What every adapter opens with, after the exported source: its op, arch, meta-parameters and provenance.
@@ -181,7 +200,7 @@ def export_best(store, run_name: str, out_dir: str | None = None) -> dict:
     final = next((d for d in reversed(store.decisions(run.id)) if d.action == "stop"), None)
     lineage = [store.version(v) for v in store.lineage(best.id)]
     prov = {
-        "run": run.name, "db": store.path, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "run": run.name, "db": portable_path(store.path), "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "op": run.op, "kind": best.kind, "version_id": best.id, "version_hash": best.hash,
         "root_hash": store.version(run.root_version).hash, "contract_hash": store.contract(run.id).hash,
         "lineage": [{"id": v.id, "hash": v.hash, "description": v.description} for v in lineage],

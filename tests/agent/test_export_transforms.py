@@ -73,3 +73,59 @@ def test_export_refuses_simulated(tmp_path):
     s = _gpu_run(tmp_path, timer="simulated")
     with pytest.raises(ExportRefused):
         export_best(s, "g", out_dir=str(tmp_path / "x"))
+
+
+def _absolute_paths(obj, found=None):
+    """Every string in obj (nested dicts / lists) that is an absolute path (no whitespace: C source and
+    descriptions are not paths)."""
+    import re
+    found = [] if found is None else found
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _absolute_paths(v, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _absolute_paths(v, found)
+    elif isinstance(obj, str) and re.fullmatch(r"(/|[A-Za-z]:[\\/])\S+", obj):
+        found.append(obj)
+    return found
+
+
+def test_export_records_no_absolute_path(tmp_path, monkeypatch):
+    """The store path in an export's provenance is relative to the directory holding the package, or the
+    file name when the store lies elsewhere; neither the module nor its JSON twin holds an absolute path."""
+    import json
+    import os
+
+    from areal_tik.agent import export as exp
+    s = _gpu_run(tmp_path)  # a store outside the package's directory: its file name only
+    r = export_best(s, "g", out_dir=str(tmp_path / "exported"))
+    for path in (r["py"], r["json"]):
+        assert str(tmp_path) not in open(path).read(), path
+    spec = importlib.util.spec_from_file_location("tik_exp_abs_test", r["py"])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.PROVENANCE["db"] == "ir.sqlite" and not _absolute_paths(mod.PROVENANCE)
+    assert not _absolute_paths(json.load(open(r["json"])))
+    # a store below the package's directory: the path relative to it
+    monkeypatch.setattr(exp, "_PACKAGE_ROOT", str(tmp_path))
+    assert exp.portable_path(str(tmp_path / "bench" / "results" / "x" / "agent.sqlite")) == "bench/results/x/agent.sqlite"
+    assert exp.portable_path(os.path.join(os.path.dirname(str(tmp_path)), "other.sqlite")) == "other.sqlite"
+
+
+def test_committed_exports_record_no_absolute_path():
+    """Every export shipped in the package (module and JSON twin) is free of machine paths."""
+    import glob
+    import json
+    import os
+
+    from areal_tik.agent.export import EXPORT_DIR
+    for js in sorted(glob.glob(os.path.join(EXPORT_DIR, "*.json"))):
+        assert not _absolute_paths(json.load(open(js))), js
+    for py in sorted(glob.glob(os.path.join(EXPORT_DIR, "*.py"))):
+        if os.path.basename(py) == "__init__.py":
+            continue
+        spec = importlib.util.spec_from_file_location("tik_exp_committed_" + os.path.basename(py)[:-3], py)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        assert not _absolute_paths(getattr(mod, "PROVENANCE", {})), py

@@ -1,6 +1,6 @@
 """CUDA C++ backend (``csrc/``) for attention, KV-cache write, RMSNorm and RoPE.
 
-The kernels live in ``csrc/tik_attention.cu`` and ``csrc/tik_elementwise.cu`` (plain CUDA,
+The kernels live in ``csrc/tik_attention*.cu`` / ``*.cuh`` and ``csrc/tik_elementwise.cu`` (plain CUDA,
 no torch headers, C launcher API in ``csrc/tik_api.h``); ``csrc/tik_bindings.cpp`` binds
 them to torch. The module is ``areal_tik.kernels.cuda._C`` when ``setup.py`` built it, else a JIT build
 by :func:`areal_tik.kernels.cuda.loader.load`. Nothing here touches CUDA at import time, so
@@ -61,6 +61,7 @@ kv_cache_write: byte copies (exact).
 """
 from __future__ import annotations
 
+import glob
 import math
 import os
 
@@ -73,9 +74,9 @@ __all__ = [
     "OPS", "META", "CUDA_SOURCES", "BLOCK_N", "SPLIT", "extension",
 ]
 
-CUDA_SOURCES = tuple(os.path.join(loader.CSRC_DIR, f) for f in
-                     ("tik_api.h", "tik_attention.cu", "tik_attention_wgmma.cuh", "tik_elementwise.cu",
-                      "tik_bindings.cpp"))
+# every csrc file, headers included (the fingerprint hashes them all)
+CUDA_SOURCES = tuple(sorted(f for ext in ("h", "cuh", "cu", "cpp")
+                            for f in glob.glob(os.path.join(loader.CSRC_DIR, f"*.{ext}"))))
 
 BLOCK_N = 64      # must equal TIK_ATTN_BLOCK_N in csrc/tik_api.h
 SPLIT = 256       # must equal TIK_ATTN_SPLIT
