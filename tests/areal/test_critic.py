@@ -173,7 +173,7 @@ def test_tiny_ppo_two_steps_tik(tmp_path):
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=500).returncode
     text = log.read_text(errors="replace")
     assert rc == 0, text[-4000:]
-    assert "critic value model patched with kernels=tik before FSDP wrapping" in text
+    assert "TikFSDPPPOCritic: model patched with kernels=tik before FSDP wrapping" in text
     recs = [json.loads(l) for l in steps.read_text().splitlines()]
     assert [r["global_step"] for r in recs] == [0, 1]
     for r in recs:
