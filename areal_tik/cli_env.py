@@ -20,6 +20,8 @@ def collect() -> dict:
     fp = fingerprint.compute(env=env)
     status = registry.backend_status()
     from areal_tik.kernels import attention_backward
+    from areal_tik import vllm_plugin
+    vllm_ok, vllm_why = vllm_plugin.available()
     return {
         "versions": {k: env[k] for k in ("python", "torch", "triton", "cuda", "transformers", "areal", "areal_tik")},
         "gpu": env["gpu"] or "no GPU",
@@ -27,6 +29,7 @@ def collect() -> dict:
         "selection": fp["selection"],
         "attention_backward": attention_backward.describe(),
         "fingerprint": fp["fingerprint"],
+        "vllm_plugin": {"available": vllm_ok, "reason": vllm_why},
     }
 
 
@@ -50,6 +53,8 @@ def run(args) -> int:
     t.add_row("op selection", ", ".join(f"{o}={b}" for o, b in info["selection"].items()) or "[dim]no ops[/dim]")
     t.add_row("attention backward", info["attention_backward"] + " [dim](AREAL_TIK_ATTN_BACKWARD)[/dim]")
     t.add_row("kernel fingerprint", info["fingerprint"])
+    vp = info["vllm_plugin"]
+    t.add_row("vLLM plugin", ("[green]available[/green] " if vp["available"] else "[red]unavailable[/red] ") + vp["reason"])
     c.print(t)
     return 0
 
