@@ -21,7 +21,7 @@ trainer's forward on the generated sequences (``packed_logprobs`` on the tik-pat
 model, packed micro-batches of <= 16k tokens). vLLM + tik must give 0 mismatches; stock
 vLLM is the negative control.
 
-    python bench/bench_rollout.py --out DIR [--quick] [--arms stock tik parity batch_invariant engine]
+    python bench/bench_rollout.py --out DIR [--quick] [--arms stock tik batch_invariant engine parity]
 
 Writes ``rollout.json`` (tok/s per arm and workload, parity counts, settings) and
 ``rollout.png``. Needs vLLM 0.24 and the plugin's entry point installed for the vLLM arms
@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 SHORT = [(64, 136, 256), (128, 136, 256), (256, 136, 256)]
 LONG = [(64, 1024, 4096)]
-ARMS = ("stock", "tik", "parity", "batch_invariant", "engine")
+ARMS = ("stock", "tik", "batch_invariant", "engine", "parity")
 VLLM_ARMS = ("stock", "batch_invariant", "tik")
 MAX_MODEL_LEN = 5248          # 1024 + 4096 + room, a multiple of 64
 MAX_NUM_SEQS = 256
@@ -315,10 +315,9 @@ def main() -> int:
 
     import torch
     t_start = time.perf_counter()
-    tmp = None
     if a.model_dir is None:
-        tmp = tempfile.mkdtemp(prefix="bench_rollout_")
-        a.model_dir = os.path.join(tmp, "model")
+        a.model_dir = os.path.join(tempfile.mkdtemp(prefix="bench_rollout_"), "model")
+    if not os.path.exists(os.path.join(a.model_dir, "bench_meta.json")):
         _log("saving", a.model, "to", a.model_dir)
         make_checkpoint(a.model, a.model_dir)
     res = dict(model=a.model, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -331,20 +330,21 @@ def main() -> int:
         res["vllm"] = vllm.__version__
     except Exception as e:            # noqa: BLE001
         res["vllm"] = f"unavailable: {e}"
-    steps = list(a.arms)
-    if "parity" in steps and "engine" in steps:
-        steps.append("parity_engine")            # our engine's generations: a positive control
-    for arm in steps:
-        cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm.split("_")[0] if arm == "parity_engine" else arm,
-               "--out", a.out, "--work", a.work, "--model-dir", a.model_dir]
-        if arm == "parity_engine":
-            cmd += ["--parity-arms", "engine"]
+    for arm in a.arms:
+        cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--out", a.out, "--work", a.work,
+               "--model-dir", a.model_dir]
+        if arm == "parity":       # the generations present now (our engine's: a positive control)
+            have = [x for x in PARITY_ARMS if os.path.exists(os.path.join(a.work, f"{x}_outputs.pt"))]
+            if not have:
+                _log("parity: no generations to check")
+                continue
+            cmd += ["--parity-arms", *have]
         if a.quick:
             cmd.append("--quick")
         if a.workloads:
             cmd += ["--workloads", *a.workloads]
         left = a.budget - (time.perf_counter() - t_start) if a.budget else None
-        if left is not None and left < a.long_reserve and not arm.startswith("parity"):
+        if left is not None and left < a.long_reserve and arm != "parity":
             cmd.append("--skip-long")
         env = dict(os.environ)
         if arm == "batch_invariant":
@@ -358,13 +358,19 @@ def main() -> int:
             rc = "timeout"
         res["steps"][arm] = dict(rc=rc, seconds=round(time.perf_counter() - t0, 1))
         _log("arm", arm, "rc", rc, "in", res["steps"][arm]["seconds"], "s")
-        path = os.path.join(a.work, "parity.json" if arm.startswith("parity") else f"{arm}.json")
+        path = os.path.join(a.work, "parity.json" if arm == "parity" else f"{arm}.json")
         if os.path.exists(path):
-            if arm.startswith("parity"):
+            if arm == "parity":
                 res["parity"] = json.load(open(path))
             else:
                 res["arms"][arm] = json.load(open(path))
         json.dump(res, open(os.path.join(a.out, "rollout.json"), "w"), indent=1)
+    for arm in VLLM_ARMS + ("engine",):       # arms measured by an earlier invocation on the same work folder
+        path = os.path.join(a.work, f"{arm}.json")
+        if arm not in res["arms"] and os.path.exists(path):
+            res["arms"][arm] = json.load(open(path))
+    if os.path.exists(os.path.join(a.work, "parity.json")):
+        res["parity"] = json.load(open(os.path.join(a.work, "parity.json")))
     stock = res["arms"].get("stock", {}).get("workloads", {})
     res["ratio_over_stock_vllm"] = {
         arm: {w: round(r["tokens_per_s"] / stock[w]["tokens_per_s"], 3)
