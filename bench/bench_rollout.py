@@ -106,7 +106,6 @@ def _vllm_generate(llm, prompts, max_new: int):
 
 
 def _engine_setup(model_dir: str, max_model_len: int):
-    import torch
     from areal_tik.backend.patch import patch_model
     from areal_tik.engine import EngineConfig, LLMEngine
     from areal_tik.models import build_model
@@ -265,7 +264,7 @@ def plot(res: dict, path: str) -> None:
     for j, arm in enumerate(arms):
         ys = [res["arms"][arm]["workloads"].get(w, {}).get("tokens_per_s", 0) for w in wls]
         xs = [i + (j - (len(arms) - 1) / 2) * width for i in range(len(wls))]
-        bars = ax.bar(xs, ys, width, label=labels[arm])
+        ax.bar(xs, ys, width, label=labels[arm])
         for x, y in zip(xs, ys):
             if y:
                 ax.text(x, y, f"{y / 1000:.1f}k", ha="center", va="bottom", fontsize=7)

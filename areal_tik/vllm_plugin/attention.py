@@ -135,6 +135,8 @@ class TikAttentionImpl(AttentionImpl[glue.TikAttentionMetadata]):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
+        if kv_cache.numel() == 0:       # no cache bound yet (memory profiling)
+            return
         glue.write_kv(key, value, kv_cache, slot_mapping)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
