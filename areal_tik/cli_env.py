@@ -54,7 +54,9 @@ def run(args) -> int:
     t.add_row("attention backward", info["attention_backward"] + " [dim](AREAL_TIK_ATTN_BACKWARD)[/dim]")
     t.add_row("kernel fingerprint", info["fingerprint"])
     vp = info["vllm_plugin"]
-    t.add_row("vLLM plugin", ("[green]available[/green] " if vp["available"] else "[red]unavailable[/red] ") + vp["reason"])
+    from rich.markup import escape
+    t.add_row("vLLM plugin", ("[green]available[/green] " if vp["available"] else "[red]unavailable[/red] ")
+              + escape(vp["reason"]))
     c.print(t)
     return 0
 

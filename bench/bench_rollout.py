@@ -370,6 +370,9 @@ def main() -> int:
             res["arms"][arm] = json.load(open(path))
     if os.path.exists(os.path.join(a.work, "parity.json")):
         res["parity"] = json.load(open(os.path.join(a.work, "parity.json")))
+    measured = {w for r in res["arms"].values() for w in r.get("workloads", {})}
+    res["workloads"] = [w for w in map(_wl_name, SHORT + LONG + _workloads(a)) if w in measured or w in res["workloads"]]
+    res["workloads"] = list(dict.fromkeys(res["workloads"]))
     stock = res["arms"].get("stock", {}).get("workloads", {})
     res["ratio_over_stock_vllm"] = {
         arm: {w: round(r["tokens_per_s"] / stock[w]["tokens_per_s"], 3)
