@@ -65,8 +65,14 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "hypothesis"],
+        # rollout on vLLM with the tik kernels (areal_tik/vllm_plugin): the plugin is written for 0.24.0
+        "vllm": ["vllm==0.24.0"],
     },
-    entry_points={"console_scripts": ["areal-tik=areal_tik.cli:main"]},
+    entry_points={
+        "console_scripts": ["areal-tik=areal_tik.cli:main"],
+        # loaded by vLLM in each of its processes; registers the tik models and attention backend
+        "vllm.general_plugins": ["areal_tik = areal_tik.vllm_plugin.register:register"],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

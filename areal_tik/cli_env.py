@@ -21,6 +21,8 @@ def collect() -> dict:
     fp = fingerprint.compute(Settings.from_env().backend, env=env)
     status = registry.backend_status()
     from areal_tik.kernels.attention import flash_backward as attention_backward
+    from areal_tik import vllm_plugin
+    vllm_ok, vllm_why = vllm_plugin.available()
     return {
         "versions": {k: env[k] for k in ("python", "torch", "triton", "cuda", "transformers", "areal", "areal_tik")},
         "gpu": env["gpu"] or "no GPU",
@@ -28,6 +30,7 @@ def collect() -> dict:
         "selection": fp["selection"],
         "attention_backward": attention_backward.describe(),
         "fingerprint": fp["fingerprint"],
+        "vllm_plugin": {"available": vllm_ok, "reason": vllm_why},
     }
 
 
@@ -51,6 +54,10 @@ def run(args) -> int:
     t.add_row("op selection", ", ".join(f"{o}={b}" for o, b in info["selection"].items()) or "[dim]no ops[/dim]")
     t.add_row("attention backward", info["attention_backward"] + " [dim](actor.tik.attention_backward)[/dim]")
     t.add_row("kernel fingerprint", info["fingerprint"])
+    vp = info["vllm_plugin"]
+    from rich.markup import escape
+    t.add_row("vLLM plugin", ("[green]available[/green] " if vp["available"] else "[red]unavailable[/red] ")
+              + escape(vp["reason"]))
     c.print(t)
     return 0
 

@@ -31,7 +31,8 @@ from torch import nn
 from areal_tik.dispatch.bound import BoundOps, bind
 from areal_tik.layers import modules as M
 
-__all__ = ["patch_model", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES", "kernels_of", "ops_of"]
+__all__ = ["patch_model", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES", "kernels_of", "ops_of", "validate_config",
+           "rope_spec"]
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 _SUPPORTED_HEAD_DIMS = (64, 128)
@@ -52,7 +53,7 @@ def ops_of(model: nn.Module) -> BoundOps | None:
     return getattr(model, "_tik_ops", None)
 
 
-def _rope_spec(cfg) -> tuple[float, dict | None]:
+def rope_spec(cfg) -> tuple[float, dict | None]:
     rp = getattr(cfg, "rope_parameters", None) or {}
     if "full_attention" in rp and isinstance(rp["full_attention"], dict):
         rp = rp["full_attention"]
@@ -67,8 +68,10 @@ def _rope_spec(cfg) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
-def _validate(model: nn.Module) -> tuple[nn.Module, object]:
-    cfg = getattr(model, "config", None)
+def validate_config(cfg) -> None:
+    """Refuse, with :class:`UnsupportedModelError`, a config the tik kernels cannot run: other model
+    types (MoE included), sliding windows, non-SiLU or biased MLPs, head dims the attention kernels
+    lack, uneven GQA, RoPE types other than the plain one."""
     mt = getattr(cfg, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
         hint = " (mixture-of-experts models are not supported)" if mt and "moe" in mt else ""
@@ -88,6 +91,13 @@ def _validate(model: nn.Module) -> tuple[nn.Module, object]:
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise UnsupportedModelError(f"{mt}: {cfg.num_attention_heads} query heads not a multiple of "
                                     f"{cfg.num_key_value_heads} KV heads")
+    rope_spec(cfg)
+
+
+def _validate(model: nn.Module) -> tuple[nn.Module, object]:
+    cfg = getattr(model, "config", None)
+    validate_config(cfg)
+    mt = cfg.model_type
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     if base is None or not hasattr(base, "layers") or _head_name(model) is None:
         raise UnsupportedModelError(f"{type(model).__name__}: expected a *ForCausalLM with .model.layers and .lm_head "
@@ -106,7 +116,6 @@ def _validate(model: nn.Module) -> tuple[nn.Module, object]:
             raise UnsupportedModelError(f"layer {i}: qwen3 attention without q_norm/k_norm")
     if not hasattr(base.norm, "variance_epsilon"):
         raise UnsupportedModelError("final norm is not an RMSNorm")
-    _rope_spec(cfg)
     return base, cfg
 
 
@@ -177,7 +186,7 @@ def patch_model(model: nn.Module, kernels: str = "tik", backend: str | None = No
     if tik:
         _swap(base.norm, M.TikRMSNorm, ops)
         _swap(getattr(model, _head_name(model)), M.TikLinear, ops)
-        theta, scaling = _rope_spec(cfg)
+        theta, scaling = rope_spec(cfg)
         base._tik_rope = M.RopeCache(head_dim, cfg.max_position_embeddings, theta, scaling, ops.rope_table)
         base._tik_rope_inputs = types.MethodType(M.tik_rope_inputs, base)
         model._tik_ops = ops

@@ -1,0 +1,75 @@
+"""tik kernels inside vLLM, as a vLLM plugin (no fork).
+
+vLLM finds ``register`` through the ``vllm.general_plugins`` entry point (setup.py) in every
+process it starts, and the plugin adds:
+
+- model classes ``TikQwen2ForCausalLM``, ``TikQwen3ForCausalLM``, ``TikLlamaForCausalLM``
+  (``ModelRegistry.register_model``): the decoder of ``layers/modules.py`` (same ops, same
+  rounding points, HF parameter names, so HF checkpoints load as they are), attention through
+- an attention backend in vLLM's CUSTOM slot (``register_backend``) that runs
+  ``ops.kv_cache_write`` + ``ops.attention_paged`` on vLLM's own paged KV cache
+  (per layer ``[2, blocks, block_size, kv_heads, head_dim]``: each half is our page layout);
+- the sampled tokens' log-probs from ``ops.logprobs_from_logits`` (the trainer's log-prob
+  path) in place of vLLM's, in processes that built a tik model.
+
+Pick the tik model for an HF checkpoint with :func:`llm_kwargs` (``hf_overrides``
+architectures, the CUSTOM backend, decode-only full CUDA graphs without torch.compile).
+
+Nothing here imports vLLM at import time: ``import areal_tik`` never needs it, and
+:func:`available` says whether the plugin can run and why not.
+"""
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+
+__all__ = ["VLLM_VERSION", "ARCHITECTURES", "available", "llm_kwargs", "architecture_for"]
+
+VLLM_VERSION = "0.24.0"   # the vLLM the plugin is written and measured against
+
+# model_type -> the architecture name the plugin registers
+ARCHITECTURES = {"qwen2": "TikQwen2ForCausalLM", "qwen3": "TikQwen3ForCausalLM", "llama": "TikLlamaForCausalLM"}
+
+
+def process_ops():
+    """The tik ops of this process, bound once (``Settings.backend`` from ``AREAL_TIK_BACKEND``): a vLLM
+    worker builds the model, the attention backend and the sampler hook from the same selection."""
+    global _OPS
+    if _OPS is None:
+        from areal_tik.dispatch.bound import bind
+        from areal_tik.settings import Settings
+        _OPS = bind(Settings.from_env().backend)
+    return _OPS
+
+
+_OPS = None
+
+
+def available() -> tuple[bool, str]:
+    """(usable, reason): vLLM importable at the version the plugin targets."""
+    if importlib.util.find_spec("vllm") is None:
+        return False, "vllm is not installed (pip install 'areal-tik[vllm]')"
+    try:
+        ver = md.version("vllm")
+    except md.PackageNotFoundError:
+        ver = None
+    if ver is None:
+        return True, "vllm importable (version unknown: no package metadata)"
+    if not ver.startswith(VLLM_VERSION.rsplit(".", 1)[0] + "."):
+        return False, f"vllm {ver} installed; the tik plugin is written for vllm {VLLM_VERSION}"
+    return True, f"vllm {ver}"
+
+
+def architecture_for(model_type: str) -> str:
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"tik vLLM models exist for model_type {sorted(ARCHITECTURES)}, got {model_type!r}")
+    return ARCHITECTURES[model_type]
+
+
+def llm_kwargs(model_type: str, block_size: int = 64) -> dict:
+    """Keyword arguments for ``vllm.LLM(model=dir, **llm_kwargs(cfg.model_type))`` that run the
+    checkpoint on tik kernels: the tik architecture, the CUSTOM attention backend, full CUDA
+    graphs for decode batches (prefill eager) and no torch.compile (our Triton launchers are
+    not traced)."""
+    return dict(hf_overrides={"architectures": [architecture_for(model_type)]}, attention_backend="CUSTOM",
+                block_size=block_size, compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})

@@ -1,0 +1,25 @@
+"""The ``vllm.general_plugins`` entry point: ``register()`` runs in every vLLM process.
+
+It registers the tik model classes (lazily, by ``module:Class`` strings, so no CUDA or model
+import happens here) and the tik attention backend in vLLM's CUSTOM slot. Registration alone
+changes nothing for other models: vLLM uses them only for the ``Tik*`` architectures
+(``vllm_plugin.llm_kwargs``) or ``attention_backend="CUSTOM"``. Safe to call many times.
+"""
+from __future__ import annotations
+
+from areal_tik.vllm_plugin import ARCHITECTURES
+
+__all__ = ["register"]
+
+_MODEL_MODULE = "areal_tik.vllm_plugin.model"
+_BACKEND_PATH = "areal_tik.vllm_plugin.attention.TikAttentionBackend"
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    for arch in ARCHITECTURES.values():
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, f"{_MODEL_MODULE}:{arch}")
+    register_backend(AttentionBackendEnum.CUSTOM, _BACKEND_PATH)

@@ -1,0 +1,394 @@
+"""Rollout throughput and log-prob parity: stock vLLM, vLLM batch-invariant, vLLM + tik, our engine.
+
+One command, one GPU. A random Qwen2.5-1.5B-shaped model is saved as an HF checkpoint in a
+temporary directory; every arm runs in its own process on the same checkpoint and the same
+random prompts (T = 1, ``ignore_eos``, each sampled token's log-prob returned):
+
+- ``stock``: ``vllm.LLM`` with its defaults (FlashAttention 3, torch.compile, CUDA graphs);
+- ``batch_invariant``: the same with ``VLLM_BATCH_INVARIANT=1``;
+- ``tik``: ``vllm.LLM`` on the tik plugin (``areal_tik.vllm_plugin.llm_kwargs``: the
+  ``TikQwen2ForCausalLM`` architecture, the CUSTOM attention backend, decode CUDA graphs);
+- ``engine``: ``areal_tik.engine.LLMEngine`` on the tik-patched HF model.
+
+Workloads: B x (prompt -> generated) = 64/128/256 x (136 -> 256) and 64 x (1024 -> 4096)
+(``--quick``: the first three). Each arm first runs every short workload once unmeasured
+(warm-up: JIT, lazily captured graphs), then measures each workload once: generated tokens
+over the wall time of the whole batch (prefill included).
+
+Parity (``parity`` step, after the vLLM arms): every generated token's log-prob from the
+``tik`` and ``stock`` arms is compared with ``torch.equal`` semantics (raw bits) against our
+trainer's forward on the generated sequences (``packed_logprobs`` on the tik-patched HF
+model, packed micro-batches of <= 16k tokens). vLLM + tik must give 0 mismatches; stock
+vLLM is the negative control.
+
+    python bench/bench_rollout.py --out DIR [--quick] [--arms stock tik batch_invariant engine parity]
+
+Writes ``rollout.json`` (tok/s per arm and workload, parity counts, settings) and
+``rollout.png``. Needs vLLM 0.24 and the plugin's entry point installed for the vLLM arms
+(``pip install -e .[vllm]``, or a dist-info with ``entry_points.txt`` on the path).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+SHORT = [(64, 136, 256), (128, 136, 256), (256, 136, 256)]
+LONG = [(64, 1024, 4096)]
+ARMS = ("stock", "tik", "batch_invariant", "engine", "parity")
+VLLM_ARMS = ("stock", "batch_invariant", "tik")
+MAX_MODEL_LEN = 5248          # 1024 + 4096 + room, a multiple of 64
+MAX_NUM_SEQS = 256
+PARITY_MB_TOKENS = 16384
+PARITY_ARMS = ("tik", "stock", "engine")    # arms whose generations the parity step checks
+
+
+def _log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def _prompts(B: int, n: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+    g = torch.Generator().manual_seed(seed * 1000003 + B * 131 + n)
+    return torch.randint(3, vocab, (B, n), generator=g).tolist()
+
+
+def _wl_name(w) -> str:
+    return f"B{w[0]}_{w[1]}to{w[2]}"
+
+
+def _parse_workloads(specs) -> list[tuple[int, int, int]]:
+    return [tuple(int(x) for x in s.split("x")) for s in specs]
+
+
+def _device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sync():
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------- arms
+
+def _vllm_llm(arm: str, model_dir: str, model_type: str, max_model_len: int):
+    from vllm import LLM
+    kw = dict(model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
+              seed=0, dtype="bfloat16")
+    if arm == "tik":
+        from areal_tik import vllm_plugin
+        kw.update(vllm_plugin.llm_kwargs(model_type))
+    return LLM(**kw)
+
+
+def _vllm_generate(llm, prompts, max_new: int):
+    from vllm import SamplingParams
+    sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_new, ignore_eos=True, logprobs=0,
+                        detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        toks = list(c.token_ids)
+        lps = [d[t].logprob for d, t in zip(c.logprobs, toks)]
+        res.append((list(o.prompt_token_ids), toks, lps))
+    return res
+
+
+def _engine_setup(model_dir: str, max_model_len: int):
+    from areal_tik.layers.patch import patch_model
+    from areal_tik.engine import EngineConfig, LLMEngine
+    from areal_tik.layers.models import build_model
+    model = patch_model(build_model(model_dir, device=_device()), kernels="tik")
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_model_len=max_model_len,
+                                        gpu_memory_utilization=0.5))
+    _sync()
+    return eng
+
+
+def _engine_generate(eng, prompts, max_new: int, seed: int):
+    from areal_tik.engine import SamplingParams
+    params = [SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True, seed=seed * 100003 + i)
+              for i in range(len(prompts))]
+    outs = eng.generate(prompts, params)
+    return [(list(o.prompt_ids), list(o.output_ids), list(o.output_logprobs)) for o in outs]
+
+
+def _workloads(a) -> list[tuple[int, int, int]]:
+    if a.workloads:
+        ws = _parse_workloads(a.workloads)
+    else:
+        ws = SHORT if a.quick else SHORT + LONG
+    if a.skip_long:
+        ws = [w for w in ws if w[2] <= 256]
+    return ws
+
+
+def run_arm(arm: str, a) -> int:
+    """One arm in this process: warm-up, then the measured workloads; results to ARM.json (after every
+    workload, so a timeout keeps what was measured) and generated data to ARM_outputs.pt."""
+    import torch
+    meta = json.load(open(os.path.join(a.model_dir, "bench_meta.json")))
+    vocab, model_type = meta["vocab_size"], meta["model_type"]
+    workloads = _workloads(a)
+    res = dict(arm=arm, workloads={}, env={k: os.environ.get(k) for k in ("VLLM_BATCH_INVARIANT",)})
+    out_json = os.path.join(a.work, f"{arm}.json")
+    t0 = time.perf_counter()
+    if arm == "engine":
+        eng = _engine_setup(a.model_dir, meta["max_model_len"])
+        gen = lambda prompts, n: _engine_generate(eng, prompts, n, seed=len(prompts))
+    else:
+        llm = _vllm_llm(arm, a.model_dir, model_type, meta["max_model_len"])
+        gen = lambda prompts, n: _vllm_generate(llm, prompts, n)
+    res["startup_s"] = round(time.perf_counter() - t0, 2)
+    _log(arm, "started in", res["startup_s"], "s")
+    t0 = time.perf_counter()
+    for B, n_in, n_out in [w for w in workloads if w[2] <= 256]:     # warm-up on other prompts
+        gen(_prompts(B, n_in, vocab, seed=7), n_out)
+    _sync()
+    res["warmup_s"] = round(time.perf_counter() - t0, 2)
+    keep = {}
+    for w in workloads:
+        B, n_in, n_out = w
+        prompts = _prompts(B, n_in, vocab, seed=1)
+        _sync()
+        t0 = time.perf_counter()
+        outs = gen(prompts, n_out)
+        _sync()
+        dt = time.perf_counter() - t0
+        n_gen = sum(len(o[1]) for o in outs)
+        ok_prompts = all(o[0] == p for o, p in zip(outs, prompts))
+        row = dict(batch=B, prompt_len=n_in, max_new=n_out, generated_tokens=n_gen, seconds=round(dt, 4),
+                   tokens_per_s=round(n_gen / dt, 1), prompts_match=ok_prompts,
+                   all_full_length=all(len(o[1]) == n_out for o in outs))
+        if arm == "engine":
+            row["engine_stats_cumulative"] = {k: v for k, v in eng.stats().items() if isinstance(v, (int, float, str))}
+        res["workloads"][_wl_name(w)] = row
+        _log(f"{arm:16s} {_wl_name(w):18s} {row['tokens_per_s']:10.1f} tok/s  ({n_gen} tokens, {dt:.2f} s)")
+        keep[_wl_name(w)] = outs
+        json.dump(res, open(out_json, "w"), indent=1)
+        if arm in PARITY_ARMS:
+            torch.save(keep, os.path.join(a.work, f"{arm}_outputs.pt"))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- parity
+
+def run_parity(a) -> int:
+    """Trainer forward (packed_logprobs, tik-patched HF model) on each arm's generated sequences."""
+    import torch
+    from areal_tik.verify import contract
+    from areal_tik.layers.logprob_head import packed_logprobs
+    from areal_tik.layers.patch import patch_model
+    from areal_tik.layers.models import build_model
+
+    dev = _device()
+    model = patch_model(build_model(a.model_dir, device=dev), kernels="tik")
+    res = {}
+    for arm in a.parity_arms:
+        path = os.path.join(a.work, f"{arm}_outputs.pt")
+        if not os.path.exists(path):
+            res[arm] = dict(error="no outputs (arm did not run or failed)")
+            continue
+        data = torch.load(path)
+        res[arm] = {}
+        for wl, outs in data.items():
+            t0 = time.perf_counter()
+            rollout, train = [], []
+            i = 0
+            while i < len(outs):                       # packed micro-batches of <= PARITY_MB_TOKENS tokens
+                ids, cu, spans = [], [0], []
+                while i < len(outs) and (not spans or cu[-1] + len(outs[i][0]) + len(outs[i][1]) <= PARITY_MB_TOKENS):
+                    p, o, lp = outs[i]
+                    spans.append((cu[-1] + len(p) - 1, len(o)))
+                    ids += p + o
+                    cu.append(cu[-1] + len(p) + len(o))
+                    rollout.append(torch.tensor(lp, dtype=torch.float32))
+                    i += 1
+                with torch.no_grad():
+                    lp_t = packed_logprobs(model, torch.tensor(ids, device=dev),
+                                           torch.tensor(cu, dtype=torch.int32), temperature=1.0).float().cpu()
+                train += [lp_t[s:s + n] for s, n in spans]
+            r = torch.cat(rollout)
+            t = torch.cat(train)
+            rep = contract.compare_bits(r, t, name=f"{arm} {wl} rollout vs trainer")
+            finite = torch.isfinite(r) & torch.isfinite(t)
+            res[arm][wl] = dict(n_tokens=rep.n_compared, n_mismatch=rep.n_mismatch, max_abs_diff=rep.max_abs_diff,
+                                mean_abs_diff=float((r[finite].double() - t[finite].double()).abs().mean()),
+                                first_mismatch=None if rep.first_mismatch is None else str(rep.first_mismatch),
+                                seconds=round(time.perf_counter() - t0, 2))
+            _log(f"parity {arm:6s} {wl:18s} mismatching {rep.n_mismatch} / {rep.n_compared} tokens "
+                 f"(max |diff| {rep.max_abs_diff:.3g})")
+    path = os.path.join(a.work, "parity.json")
+    old = json.load(open(path)) if os.path.exists(path) else {}
+    json.dump({**old, **res}, open(path, "w"), indent=1)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+def make_checkpoint(model_name: str, path: str) -> dict:
+    import torch
+    from areal_tik.layers.models import build_model
+    model = build_model(model_name, device=_device(), seed=0)
+    model.save_pretrained(path)
+    meta = dict(model=model_name, vocab_size=model.config.vocab_size, model_type=model.config.model_type,
+                max_model_len=min(MAX_MODEL_LEN, model.config.max_position_embeddings))
+    json.dump(meta, open(os.path.join(path, "bench_meta.json"), "w"))
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return meta
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in ("stock", "batch_invariant", "tik", "engine") if a in res["arms"] and res["arms"][a].get("workloads")]
+    wls = [w for w in res["workloads"] if any(w in res["arms"][a]["workloads"] for a in arms)]
+    labels = {"stock": "vLLM", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "engine": "our engine (tik)"}
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(1, len(arms))
+    for j, arm in enumerate(arms):
+        ys = [res["arms"][arm]["workloads"].get(w, {}).get("tokens_per_s", 0) for w in wls]
+        xs = [i + (j - (len(arms) - 1) / 2) * width for i in range(len(wls))]
+        ax.bar(xs, ys, width, label=labels[arm])
+        for x, y in zip(xs, ys):
+            if y:
+                ax.text(x, y, f"{y / 1000:.1f}k", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(wls)))
+    ax.set_xticklabels([w.replace("_", " ").replace("to", " -> ") for w in wls])
+    ax.set_ylabel("generated tokens / s")
+    par = res.get("parity", {})
+    note = []
+    for arm in PARITY_ARMS:
+        rows = par.get(arm, {})
+        if isinstance(rows, dict) and rows and "error" not in rows:
+            n = sum(r["n_tokens"] for r in rows.values())
+            m = sum(r["n_mismatch"] for r in rows.values())
+            note.append(f"{labels[arm]} vs trainer: {m} / {n} tokens differ")
+    ax.set_title(f"Rollout throughput, {res['model']} (random weights), {res.get('gpu', '')}\n" + "; ".join(note),
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--work", help="folder for the per-arm files (default: --out)")
+    ap.add_argument("--quick", action="store_true", help="only the three 136 -> 256 workloads")
+    ap.add_argument("--skip-long", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--workloads", nargs="+", help="BxPROMPTxNEW each (default: the four above)")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--model", default="qwen2.5-1.5b")
+    ap.add_argument("--model-dir", help="reuse a checkpoint made by an earlier run")
+    ap.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per arm process")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds for the whole run (0 = none): the 1024 -> 4096 workload is left out of arms that "
+                         "start with less than --long-reserve seconds left")
+    ap.add_argument("--long-reserve", type=float, default=200.0)
+    ap.add_argument("--run-arm", help=argparse.SUPPRESS)
+    ap.add_argument("--parity-arms", nargs="+", default=["tik", "stock"], help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    a.work = a.work or a.out
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.work, exist_ok=True)
+    if a.run_arm == "parity":
+        return run_parity(a)
+    if a.run_arm:
+        return run_arm(a.run_arm, a)
+
+    import torch
+    t_start = time.perf_counter()
+    if a.model_dir is None:
+        a.model_dir = os.path.join(tempfile.mkdtemp(prefix="bench_rollout_"), "model")
+    if not os.path.exists(os.path.join(a.model_dir, "bench_meta.json")):
+        _log("saving", a.model, "to", a.model_dir)
+        make_checkpoint(a.model, a.model_dir)
+    res = dict(model=a.model, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               torch=torch.__version__, quick=a.quick, workloads=[_wl_name(w) for w in _workloads(a)], arms={}, steps={},
+               settings=dict(temperature=1.0, ignore_eos=True, logprobs="sampled token only", max_model_len=MAX_MODEL_LEN,
+                             max_num_seqs=MAX_NUM_SEQS, vllm_tik="areal_tik.vllm_plugin.llm_kwargs('qwen2')",
+                             engine="EngineConfig(max_num_seqs=256, gpu_memory_utilization=0.5), defaults otherwise"))
+    try:
+        import vllm
+        res["vllm"] = vllm.__version__
+    except Exception as e:            # noqa: BLE001
+        res["vllm"] = f"unavailable: {e}"
+    for arm in a.arms:
+        cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--out", a.out, "--work", a.work,
+               "--model-dir", a.model_dir]
+        if arm == "parity":       # the generations present now (our engine's: a positive control)
+            have = [x for x in PARITY_ARMS if os.path.exists(os.path.join(a.work, f"{x}_outputs.pt"))]
+            if not have:
+                _log("parity: no generations to check")
+                continue
+            cmd += ["--parity-arms", *have]
+        if a.quick:
+            cmd.append("--quick")
+        if a.workloads:
+            cmd += ["--workloads", *a.workloads]
+        left = a.budget - (time.perf_counter() - t_start) if a.budget else None
+        if left is not None and left < a.long_reserve and arm != "parity":
+            cmd.append("--skip-long")
+        env = dict(os.environ)
+        if arm == "batch_invariant":
+            env["VLLM_BATCH_INVARIANT"] = "1"
+        timeout = a.arm_timeout if left is None else max(10.0, min(a.arm_timeout, left - 5))
+        _log("arm", arm, "timeout", round(timeout), "s", "(long workload skipped)" if "--skip-long" in cmd else "")
+        t0 = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        res["steps"][arm] = dict(rc=rc, seconds=round(time.perf_counter() - t0, 1))
+        _log("arm", arm, "rc", rc, "in", res["steps"][arm]["seconds"], "s")
+        path = os.path.join(a.work, "parity.json" if arm == "parity" else f"{arm}.json")
+        if os.path.exists(path):
+            if arm == "parity":
+                res["parity"] = json.load(open(path))
+            else:
+                res["arms"][arm] = json.load(open(path))
+        json.dump(res, open(os.path.join(a.out, "rollout.json"), "w"), indent=1)
+    for arm in VLLM_ARMS + ("engine",):       # arms measured by an earlier invocation on the same work folder
+        path = os.path.join(a.work, f"{arm}.json")
+        if arm not in res["arms"] and os.path.exists(path):
+            res["arms"][arm] = json.load(open(path))
+    if os.path.exists(os.path.join(a.work, "parity.json")):
+        res["parity"] = json.load(open(os.path.join(a.work, "parity.json")))
+    measured = {w for r in res["arms"].values() for w in r.get("workloads", {})}
+    res["workloads"] = [w for w in map(_wl_name, SHORT + LONG + _workloads(a)) if w in measured or w in res["workloads"]]
+    res["workloads"] = list(dict.fromkeys(res["workloads"]))
+    stock = res["arms"].get("stock", {}).get("workloads", {})
+    res["ratio_over_stock_vllm"] = {
+        arm: {w: round(r["tokens_per_s"] / stock[w]["tokens_per_s"], 3)
+              for w, r in res["arms"][arm].get("workloads", {}).items() if w in stock}
+        for arm in res["arms"] if arm != "stock"}
+    json.dump(res, open(os.path.join(a.out, "rollout.json"), "w"), indent=1)
+    try:
+        plot(res, os.path.join(a.out, "rollout.png"))
+    except Exception as e:            # noqa: BLE001
+        _log("plot failed:", e)
+    for f in [f"{arm}_outputs.pt" for arm in PARITY_ARMS]:
+        if os.path.exists(os.path.join(a.work, f)):
+            os.remove(os.path.join(a.work, f))     # raw generations: large, and not results
+    _log("done in", round(time.perf_counter() - t_start, 1), "s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Device job for bench_rollout.py (vLLM 0.24 from wheels copied to /tmp/vw, see ../shared/vllm/README.md).
+#   STAGE=A: install vLLM into /tmp/vsite, the plugin's entry point, the csrc extension (background), then
+#            stock vLLM, vLLM + tik and the parity check (all four workloads).
+#   STAGE=B: (same warm machine, right after A) vLLM batch-invariant and our engine (the three short
+#            workloads) and our engine's parity; rollout.json/png gather every arm of the work folder.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export PYTHONPATH=$PWD:/tmp/vsite
+W=/tmp/brw
+mkdir -p $W
+if [ "${STAGE:-A}" = A ]; then
+  if [ ! -d /tmp/vsite/vllm ]; then
+    ls /tmp/vw/vllm-*.part.* >/dev/null || { echo "no vllm parts in /tmp/vw"; exit 1; }
+    cat /tmp/vw/vllm-*.part.* > /tmp/vw/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl && rm /tmp/vw/vllm-*.part.*
+    timeout 180 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite /tmp/vw/*.whl \
+      || { echo "pip install failed"; exit 1; }
+  fi
+  # the plugin's entry point, as `pip install areal-tik[vllm]` declares it (setup.py)
+  D=/tmp/vsite/areal_tik-0.1.0.dist-info
+  mkdir -p $D
+  printf 'Metadata-Version: 2.1\nName: areal-tik\nVersion: 0.1.0\n' > $D/METADATA
+  printf '[vllm.general_plugins]\nareal_tik = areal_tik.vllm_plugin.register:register\n' > $D/entry_points.txt
+  (timeout 400 python -c "from areal_tik.backend import cuda_ext; print('csrc', cuda_ext.status())" > $W/csrc.log 2>&1 &)
+  timeout 120 python -c "
+import vllm, importlib.metadata as md
+from areal_tik import vllm_plugin
+print('vllm', vllm.__version__, vllm_plugin.available())
+print([e.value for e in md.entry_points(group='vllm.general_plugins')])
+from areal_tik.vllm_plugin.register import register; register()
+from vllm import ModelRegistry; print(sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith('Tik')))
+from areal_tik.vllm_plugin import attention, model; print('plugin modules import')
+" || echo "plugin import check failed"
+  timeout ${BENCH_S:-470} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model --arms stock tik parity \
+    --budget ${BENCH_S:-470} --arm-timeout 200 --long-reserve 150
+else
+  timeout ${BENCH_S:-400} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model \
+    --arms batch_invariant engine parity --quick --budget ${BENCH_S:-400} --arm-timeout 170
+fi
+cat $W/csrc.log 2>/dev/null | tail -3

@@ -1,0 +1,246 @@
+"""The vLLM plugin's pieces that run without vLLM: lazy imports and availability, the metadata
+translation onto our paged-attention ops (against the engine's own call), the decoder on
+flattened tokens against the trainer's forward, and the sampled-token log-probs."""
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from areal_tik.dispatch import ops
+from areal_tik.dispatch.bound import bind
+from areal_tik.layers.logprob_head import logprobs_of, packed_logprobs
+from areal_tik.layers.patch import patch_model
+from areal_tik.layers.models import build_model
+from areal_tik.vllm_plugin import glue, logprobs as vlp, stack
+
+OPS = bind()
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def test_import_areal_tik_never_imports_vllm():
+    code = ("import sys, areal_tik, areal_tik.vllm_plugin, areal_tik.vllm_plugin.glue, "
+            "areal_tik.vllm_plugin.stack, areal_tik.vllm_plugin.logprobs, areal_tik.vllm_plugin.register, "
+            "areal_tik.cli_env; assert 'vllm' not in sys.modules, 'vllm imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM installed here")
+def test_unavailable_without_vllm_and_says_why():
+    from areal_tik import vllm_plugin
+    from areal_tik.cli_env import collect
+    from areal_tik.vllm_plugin.register import register
+
+    ok, why = vllm_plugin.available()
+    assert not ok and "not installed" in why and "areal-tik[vllm]" in why
+    assert collect()["vllm_plugin"] == {"available": False, "reason": why}
+    with pytest.raises(ImportError):
+        register()
+    for mod in ("areal_tik.vllm_plugin.attention", "areal_tik.vllm_plugin.model"):
+        with pytest.raises(ImportError):
+            importlib.import_module(mod)
+
+
+def test_llm_kwargs_and_architectures():
+    from areal_tik import vllm_plugin
+    kw = vllm_plugin.llm_kwargs("qwen2")
+    assert kw["hf_overrides"] == {"architectures": ["TikQwen2ForCausalLM"]}
+    assert kw["attention_backend"] == "CUSTOM"
+    assert kw["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert {vllm_plugin.architecture_for(t) for t in ("qwen2", "qwen3", "llama")} == set(vllm_plugin.ARCHITECTURES.values())
+    with pytest.raises(ValueError):
+        vllm_plugin.architecture_for("mixtral")
+
+
+def test_entry_point_declared_in_setup_py():
+    import os
+    src = open(os.path.join(os.path.dirname(__file__), "..", "..", "setup.py")).read()
+    assert '"vllm.general_plugins": ["areal_tik = areal_tik.vllm_plugin.register:register"]' in src
+    assert '"vllm": ["vllm==0.24.0"]' in src
+
+
+# ---- metadata translation: vLLM's step inputs -> our ops, vs the engine's own call ------------------
+
+def _step_case(gen, P=16, hkv=2, hq=4, D=64, n_pages=24):
+    """Three requests: a decode row (47 cached + 1 new), a chunked-prefill row (20 cached + 9 new),
+    a fresh prefill (13 new); physical pages scattered."""
+    cached, new = [47, 20, 0], [1, 9, 13]
+    perm = torch.randperm(n_pages - 1, generator=gen) + 1          # page 0 stays free, as vLLM's null block
+    width = 4
+    bt = perm[: 3 * width].view(3, width).to(torch.int32)
+    seqk = [c + n for c, n in zip(cached, new)]
+    cu = [0]
+    slots, hist_slots = [], []
+    for r in range(3):
+        cu.append(cu[-1] + new[r])
+        for p in range(cached[r]):
+            hist_slots.append(int(bt[r, p // P]) * P + p % P)
+        for p in range(cached[r], seqk[r]):
+            slots.append(int(bt[r, p // P]) * P + p % P)
+    T = cu[-1]
+    mk = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16)
+    return dict(P=P, hq=hq, hkv=hkv, D=D, n_pages=n_pages, bt=bt, cu=cu, seqk=seqk, slots=slots, hist=hist_slots,
+                q=mk(T, hq, D), k=mk(T, hkv, D), v=mk(T, hkv, D), hk=mk(len(hist_slots), hkv, D),
+                hv=mk(len(hist_slots), hkv, D), max_q=max(new))
+
+
+def test_glue_matches_engine_call_with_graph_padding():
+    gen = torch.Generator().manual_seed(0)
+    c = _step_case(gen)
+    shape = (c["n_pages"], c["P"], c["hkv"], c["D"])
+    hist = torch.tensor(c["hist"], dtype=torch.int64)
+    # the engine: separate caches, AttentionContext fields (PagedAttention._tik)
+    kc, vc = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+    ops.kv_cache_write(c["hk"], c["hv"], kc, vc, hist)
+    slots = torch.tensor(c["slots"], dtype=torch.int64)
+    cu = torch.tensor(c["cu"], dtype=torch.int32)
+    seqk = torch.tensor(c["seqk"], dtype=torch.int32)
+    ops.kv_cache_write(c["k"], c["v"], kc, vc, slots)
+    ref = ops.attention_paged(c["q"], kc, vc, c["bt"], cu, seqk, c["max_q"], scale=c["D"] ** -0.5)
+    # vLLM: one [2, ...] cache, tokens padded by 3 rows (slot -1), requests padded by 2 (no query, seq_len 0)
+    kv = torch.zeros((2, *shape), dtype=torch.bfloat16)
+    glue.write_kv(c["hk"], c["hv"], kv, hist, OPS)
+    pad_t, pad_r = 3, 2
+    T = c["q"].shape[0]
+    z = lambda x: torch.cat([x, torch.full((pad_t, *x.shape[1:]), 7.0, dtype=x.dtype)])
+    meta = glue.metadata_from_common(
+        T, c["max_q"], torch.tensor(c["cu"] + [T] * pad_r, dtype=torch.int32),
+        torch.tensor(c["seqk"] + [0] * pad_r, dtype=torch.int32),
+        torch.cat([c["bt"], torch.zeros(pad_r, c["bt"].shape[1], dtype=torch.int32)]),
+        torch.cat([slots, torch.full((pad_t,), -1, dtype=torch.int64)]))
+    glue.write_kv(z(c["k"]), z(c["v"]), kv, meta.slot_mapping, OPS)
+    out = torch.empty(T + pad_t, c["hq"] * c["D"], dtype=torch.bfloat16)
+    got = glue.paged_attention(z(c["q"]), kv, meta, c["D"] ** -0.5, OPS, out)
+    assert got is out
+    assert torch.equal(kv[0], kc) and torch.equal(kv[1], vc)         # same cache bits, padding stored nowhere
+    assert torch.equal(out[:T].view(T, c["hq"], c["D"]), ref)
+
+
+def test_glue_rejects_wrong_layouts():
+    with pytest.raises(ValueError):
+        glue.split_kv_cache(torch.zeros(3, 4, 16, 1, 64))
+    with pytest.raises(TypeError):
+        glue.metadata_from_common(1, 1, torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
+                                  torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+
+
+# ---- the decoder on flattened tokens vs the trainer's forward -------------------------------------------
+
+class _Holder(torch.nn.Module):
+    """model.* + lm_head as the vLLM model class lays them out (HF names)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.model = stack.TikDecoder(cfg, OPS)
+        self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class _PagedSim:
+    """vLLM's side of a run: per-layer [2, pages, P, Hkv, D] caches, block tables, steps."""
+
+    def __init__(self, cfg, n_seqs, P=16, width=8):
+        D = stack.head_dim_of(cfg)
+        n_pages = n_seqs * width + 1
+        self.P, self.width = P, width
+        self.kv = [torch.zeros(2, n_pages, P, cfg.num_key_value_heads, D, dtype=torch.bfloat16)
+                   for _ in range(cfg.num_hidden_layers)]
+        perm = (torch.randperm(n_pages - 1, generator=torch.Generator().manual_seed(1)) + 1).to(torch.int32)
+        self.bt = perm[: n_seqs * width].view(n_seqs, width)
+        self.scale = D ** -0.5
+
+    def step(self, model, chunks):
+        """chunks: (seq index, token ids, start position). Returns final hidden states [T, H]."""
+        ids, pos, slots, cu, seqk, rows = [], [], [], [0], [], []
+        for s, toks, start in chunks:
+            ids += toks
+            pos += list(range(start, start + len(toks)))
+            slots += [int(self.bt[s, p // self.P]) * self.P + p % self.P for p in range(start, start + len(toks))]
+            cu.append(cu[-1] + len(toks))
+            seqk.append(start + len(toks))
+            rows.append(s)
+        meta = glue.metadata_from_common(cu[-1], max(len(t) for _, t, _ in chunks), torch.tensor(cu, dtype=torch.int32),
+                                         torch.tensor(seqk, dtype=torch.int32), self.bt[rows].contiguous(),
+                                         torch.tensor(slots, dtype=torch.int64))
+
+        def attend_for(kv):
+            def attend(q, k, v):
+                glue.write_kv(k, v, kv, meta.slot_mapping, OPS)
+                return glue.paged_attention(q, kv, meta, self.scale, OPS)
+            return attend
+        return model.model(torch.tensor(ids), torch.tensor(pos), [attend_for(kv) for kv in self.kv]), cu
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3", "tiny-llama"])
+def test_stack_rollout_equals_trainer_logprobs(name):
+    """Prefill (one prompt chunked) then decode steps in a changing batch, on vLLM-layout caches:
+    every next-token log-prob equals the trainer's packed_logprobs, torch.equal."""
+    torch.manual_seed(0)
+    hf = patch_model(build_model(name, device="cpu"), kernels="tik")
+    cfg = hf.config
+    m = _Holder(cfg).to(torch.bfloat16)
+    missing = m.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing.unexpected_keys and not missing.missing_keys, missing
+    lens = [(9, 6), (14, 4), (5, 7)]                   # (prompt, generated) per sequence
+    seqs = [torch.randint(3, cfg.vocab_size, (a + b,)).tolist() for a, b in lens]
+    sim = _PagedSim(cfg, len(seqs))
+    got = {i: [] for i in range(len(seqs))}
+    with torch.no_grad():
+        # step 1: prefill seq 0 whole, the first 8 tokens of seq 1 (chunked), nothing of seq 2 yet
+        h, cu = sim.step(m, [(0, seqs[0][:9], 0), (1, seqs[1][:8], 0)])
+        lp = logprobs_of(ops.linear(h[[cu[1] - 1]], m.lm_head.weight), torch.tensor([seqs[0][9]]), 1.0, OPS)
+        got[0].append(lp)
+        # step 2: rest of seq 1's prompt, prefill seq 2, decode seq 0; then decode steps as rows finish
+        chunks = [(1, seqs[1][8:14], 8), (0, [seqs[0][9]], 9), (2, seqs[2][:5], 0)]
+        while chunks:
+            h, cu = sim.step(m, chunks)
+            nxt = []
+            for j, (s, toks, start) in enumerate(chunks):
+                end = start + len(toks)
+                if end < len(seqs[s]):
+                    lp = logprobs_of(ops.linear(h[[cu[j + 1] - 1]], m.lm_head.weight), torch.tensor([seqs[s][end]]), 1.0, OPS)
+                    got[s].append(lp)
+                    if end + 1 < len(seqs[s]):
+                        nxt.append((s, [seqs[s][end]], end))
+            chunks = nxt
+    ids = torch.tensor(sum(seqs, []))
+    cu_t = torch.tensor([0] + list(torch.cumsum(torch.tensor([len(s) for s in seqs]), 0)), dtype=torch.int32)
+    with torch.no_grad():
+        train = packed_logprobs(hf, ids, cu_t, temperature=1.0)
+    for i, (a, b) in enumerate(lens):
+        ref = train[int(cu_t[i]) + a - 1: int(cu_t[i]) + a + b - 1]
+        mine = torch.cat(got[i])
+        assert mine.shape == ref.shape, (i, mine.shape, ref.shape)
+        assert torch.equal(mine, ref), (name, i, (mine - ref).abs().max())
+
+
+def test_check_config_refuses_what_kernels_lack():
+    from areal_tik.layers.patch import UnsupportedModelError
+    from areal_tik.layers.models import preset_config
+    with pytest.raises(UnsupportedModelError):
+        stack.check_config(preset_config("tiny-qwen2", hidden_act="gelu"))
+    with pytest.raises(UnsupportedModelError):
+        stack.check_config(preset_config("tiny-qwen2", head_dim=32, hidden_size=64))
+
+
+# ---- sampled-token log-probs ----------------------------------------------------------------------
+
+def test_sampled_logprobs_per_row_temperatures():
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 4100, generator=gen) * 3).to(torch.bfloat16)
+    tokens = torch.randint(0, 4100, (5,), generator=gen)
+    temps = [1.0, 0.7, 1.0, 0.7, 1.3]
+    got = vlp.sampled_logprobs(logits, tokens, temps, OPS)
+    for i, t in enumerate(temps):
+        assert torch.equal(got[i:i + 1], logprobs_of(logits[i:i + 1], tokens[i:i + 1], t, OPS))
+    assert torch.equal(vlp.sampled_logprobs(logits, tokens, [1.0] * 5, OPS), logprobs_of(logits, tokens, 1.0, OPS))
+
+
+def test_host_temperatures_cached_per_tensor_and_greedy_is_one():
+    c = vlp.HostTemperatures()
+    t = torch.tensor([0.0, 0.5, 1.0])
+    assert c.get(t, 3) == [1.0, 0.5, 1.0]
+    t.fill_(2.0)                                  # same tensor object: the cached host values stay
+    assert c.get(t, 2) == [1.0, 0.5]
+    assert c.get(torch.tensor([2.0]), 1) == [2.0]
+    assert c.get(None, 2) == [1.0, 1.0]
