@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+
+from areal_tik.settings import BACKEND_ENV, Settings
 import torch
 
 from areal_tik.dispatch import fingerprint, registry
@@ -89,8 +91,12 @@ def test_explicit_backend_request_fails_loudly(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(registry.BackendUnavailable):
             registry.select_impl(op, "cuda")
-    monkeypatch.setenv(registry.ENV_VAR, "torch_ref")
-    assert registry.select_impl(op).backend == "torch_ref"
+    # the environment reaches selection only through the entry point's Settings, never per call
+    default = registry.select_impl(op).backend
+    monkeypatch.setenv(BACKEND_ENV, "torch_ref" if default != "torch_ref" else "triton")
+    assert registry.select_impl(op).backend == default
+    spec = Settings.from_env().backend
+    assert spec == os.environ[BACKEND_ENV] and registry.select_impl(op, spec).backend == spec
 
 
 def test_compile_checks_for_sm80_sm90_without_gpu():
@@ -116,7 +122,6 @@ def test_arch_preferred_backend_moves_the_attention_pair_together(monkeypatch):
         pytest.skip("the attention pair has no triton and cuda implementations here")
     assert set(registry.ARCH_PREFERRED.get("sm90", {})) >= set(pair)
     monkeypatch.setattr(registry, "_has_gpu", lambda: True)
-    monkeypatch.delenv(registry.ENV_VAR, raising=False)
 
     def fake(op, be, ok):
         i = ops[op][be]
@@ -141,7 +146,6 @@ def test_arch_preferred_backend_unavailable_warns_once(monkeypatch):
         pytest.skip("the attention pair has no triton and cuda implementations here")
     monkeypatch.setattr(registry, "_has_gpu", lambda: True)
     monkeypatch.setattr(registry, "_gpu_arch", lambda: "sm90")
-    monkeypatch.delenv(registry.ENV_VAR, raising=False)
     monkeypatch.setattr(registry, "_WARNED_PREFERRED", set())
     for cuda_ok, n_warn in ((True, 0), (False, 1)):
         for op in pair:

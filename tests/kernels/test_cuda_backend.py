@@ -690,7 +690,7 @@ def test_stale_extension_rejected_cpu(monkeypatch):
                                   PREFILL_KERNELS=cu.PREFILL_KERNELS, ELEMENTWISE_API=cu.ELEMENTWISE_API)
     monkeypatch.setattr(cuda_ext, "load", lambda: fresh)
     assert cu.extension() is fresh
-    with open(os.path.join(cu._ROOT, "csrc", "tik_api.h")) as f:
+    with open(os.path.join(cuda_ext.CSRC_DIR, "tik_api.h")) as f:
         assert f"#define TIK_ELEMENTWISE_API {cu.ELEMENTWISE_API}\n" in f.read()
 
 
