@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from areal_tik.agent.evaluator import run_checks
+from areal_tik.agent.checks import run_checks
 from areal_tik.agent.kinds import BINDINGS, get_kind
 from areal_tik.agent.proposers import OfflineProposer
 from areal_tik.agent.roots import load_root, root_path
