@@ -20,7 +20,7 @@ GPU tests (``-m gpu``, run by ``bash bench/gpu_check.sh tests``):
   float64 bound; RoPE bits equal to the unfused fp32 PyTorch expression, float64 bound;
   backward passes against float64 autograd.
 CPU tests: every csrc/*.cu compiles for sm_80 and sm_90a (``areal-tik compile-check``); the
-constants and the single decode path agree between cuda_ops and csrc (no variant switch left).
+constants and the single decode path agree between kernels/cuda and csrc (no variant switch left).
 """
 from __future__ import annotations
 
@@ -641,12 +641,13 @@ def test_decode_merge_argument_cpu():
 
 
 def test_single_decode_path_cpu():
-    """The decode variant switch is gone on both sides: no variant plumbing in cuda_ops, no
+    """The decode variant switch is gone on both sides: no variant plumbing in kernels/cuda, no
     variant field/define in csrc, and the extension version marker agrees."""
     import inspect
     cu = _attn()
     for gone in ("DECODE_VARIANTS", "CUDA_DECODE_VARIANT", "_variant"):
-        assert not hasattr(cu, gone), gone
+        for mod in (cu, cuda_extension, cuda_elementwise):
+            assert not hasattr(mod, gone), (mod.__name__, gone)
     for fn in (cu.attention_varlen_cuda, cu.attention_paged_cuda):
         assert "variant" not in inspect.signature(fn).parameters
     assert "cuda.attn.decode_variant" not in cuda_extension.META and "cuda.attn.decode" in cuda_extension.META
