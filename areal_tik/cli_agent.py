@@ -1,7 +1,8 @@
 """``areal-tik agent init|run|status|show|export``: the optimization agent's command line.
 
 Thin over :mod:`areal_tik.agent`. The only place the agent reads environment variables
-(the LLM proposer's ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``AREAL_TIK_AGENT_MODEL``).
+(the LLM proposer's ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``, the openai client's own); the
+LLM proposer's model is ``--model``, required with ``--proposer llm``.
 
     areal-tik agent init   --db runs/agent.sqlite --name lin1 --op linear --preset qwen2.5-1.5b
     areal-tik agent init   --db runs/agent.sqlite --name rms1 --op rms_norm   # root: a csrc kernel (GPU)
@@ -27,10 +28,10 @@ def _proposer(args):
     if args.proposer == "llm":
         cfg = proposers.LLMConfig(
             base_url=args.base_url or os.environ.get("OPENAI_BASE_URL"),
-            model=args.model or os.environ.get("AREAL_TIK_AGENT_MODEL", ""),
+            model=args.model or "",
             api_key=os.environ.get("OPENAI_API_KEY"), token_budget=args.token_budget)
         if not cfg.model:
-            raise SystemExit("llm proposer: give --model or AREAL_TIK_AGENT_MODEL")
+            raise SystemExit("llm proposer: give --model")
         return proposers.LLMProposer(cfg)
     if args.proposer == "replay":
         with open(args.script) as f:
@@ -207,7 +208,7 @@ def add_parser(sub) -> None:
     def proposer_args(q):
         q.add_argument("--proposer", choices=["offline", "llm", "replay"], default="offline")
         q.add_argument("--base-url", default=None, help="llm: OpenAI-compatible base URL (else OPENAI_BASE_URL)")
-        q.add_argument("--model", default=None, help="llm: model name (else AREAL_TIK_AGENT_MODEL)")
+        q.add_argument("--model", default=None, help="llm: model name (required with --proposer llm)")
         q.add_argument("--token-budget", type=int, default=2_000_000, help="llm: total tokens for the run")
         q.add_argument("--script", default=None, help="replay: JSON list of {source, meta, description}")
         q.add_argument("--timeout", type=float, default=600.0, help="seconds per evaluation before the worker is killed")

@@ -126,9 +126,9 @@ def launch_floors_us() -> dict:
 def decode_cells(quick: bool, floor_ms: float, ceil: dict, spec, l2_bytes: int) -> list[dict]:
     F = torch.nn.functional
     try:
-        from areal_tik.kernels import cuda_ops
-        cuda_ops.extension()
-        cuda_paged = cuda_ops.attention_paged_cuda
+        from areal_tik.kernels.cuda import attention as cuda_attention, extension as cuda_extension
+        cuda_extension.extension()
+        cuda_paged = cuda_attention.attention_paged_cuda
     except Exception as e:
         print(f"csrc decode unavailable ({type(e).__name__}: {e}); timing SDPA and Triton only")
         cuda_paged = None
@@ -182,9 +182,9 @@ def prefill_cells(quick: bool) -> dict:
     del a, b
     out = {"gemm_8192_bf16_flops": gemm, "cells": []}
     try:
-        from areal_tik.kernels import cuda_ops
-        cuda_ops.extension()
-        cuda_varlen = cuda_ops.attention_varlen_cuda
+        from areal_tik.kernels.cuda import attention as cuda_attention, extension as cuda_extension
+        cuda_extension.extension()
+        cuda_varlen = cuda_attention.attention_varlen_cuda
     except Exception:
         cuda_varlen = None
     for L in ((4096,) if quick else (4096, 16384)):

@@ -162,10 +162,11 @@ def main(argv=None):
     except ImportError:
         prebuilt = False
     try:
-        from areal_tik.kernels import cuda_ops
-        mod = cuda_ops.extension()
-        res["cuda_decode_merge"] = cuda_ops.DECODE_MERGE  # the default the "cuda" timings ran
-        res["cuda_prefill_kernel"] = cuda_ops.PREFILL_KERNEL
+        from areal_tik.kernels.cuda import attention as cuda_attention, elementwise as cuda_elementwise
+        from areal_tik.kernels.cuda import extension as cuda_extension
+        mod = cuda_extension.extension()
+        res["cuda_decode_merge"] = cuda_attention.DECODE_MERGE  # the default the "cuda" timings ran
+        res["cuda_prefill_kernel"] = cuda_extension.PREFILL_KERNEL
         res["wgmma_prefill_available"] = bool(mod.wgmma_prefill_available())
         res["build"] = {"ok": True, "prebuilt": prebuilt, "seconds": round(time.time() - t0, 1),
                         "module": getattr(mod, "__file__", str(mod))}
@@ -180,7 +181,7 @@ def main(argv=None):
         t1 = time.time()
         res["ptxas"] = _ptxas_report(arch)
         res["ptxas_seconds"] = round(time.time() - t1, 1)
-        res["kernel_attrs"] = cuda_ops.describe()
+        res["kernel_attrs"] = cuda_attention.describe()
         print(res["ptxas"])
         print(res["kernel_attrs"])
     _ = cuda_ext
@@ -188,9 +189,9 @@ def main(argv=None):
     try:  # every section's rows so far reach the JSON even if a later one fails
         if args.elementwise_only:
             warm_up_clocks(1.0)  # the attention sections otherwise run first
-            _elementwise_section(res, args, cuda_ops)
+            _elementwise_section(res, args, cuda_elementwise)
         else:
-            _sections(res, args, cuda_ops)
+            _sections(res, args, cuda_attention, cuda_elementwise)
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
         raise
@@ -200,7 +201,7 @@ def main(argv=None):
     return 0
 
 
-def _sections(res, args, cuda_ops):
+def _sections(res, args, cuda_attention, cuda_elementwise):
     """Prefill, training attention, decode and wide-table decode cells, appended to res as they finish."""
     tri_varlen, tri_paged, tri_why = _triton_ops()
     if tri_why:
@@ -222,11 +223,11 @@ def _sections(res, args, cuda_ops):
             sd = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # noqa: E731
             row["sdpa_ms"] = _median_ms(sd)
             ref = sd()[0].transpose(0, 1)
-            cf = lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L)  # noqa: E731
+            cf = lambda: cuda_attention.attention_varlen_cuda(q, k, v, cu, L)  # noqa: E731
             row["cuda_ms"] = _median_ms(cf)
             row["cuda_max_abs_diff_vs_sdpa"] = float((cf().float() - ref.float()).abs().max())
             # the mma.sync prefill kernel side by side (auto runs the wgmma kernel on sm_90a)
-            cm = lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L, prefill_kernel="mma")  # noqa: E731
+            cm = lambda: cuda_attention.attention_varlen_cuda(q, k, v, cu, L, prefill_kernel="mma")  # noqa: E731
             row["cuda_mma_ms"] = _median_ms(cm)
             row["cuda_bits_equal_mma"] = bool(torch.equal(cf(), cm()))
             if tri_varlen is not None:
@@ -271,7 +272,7 @@ def _sections(res, args, cuda_ops):
             torch.autograd.grad(out, inputs, g)
         provs = {"sdpa": (lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
                           (qs, ks, vs), dos),
-                 "cuda": (lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L), (q, k, v), do)}
+                 "cuda": (lambda: cuda_attention.attention_varlen_cuda(q, k, v, cu, L), (q, k, v), do)}
         # the same csrc forward with the backward forced to the Triton recompute (kernels/attention_backward.py)
         provs["cuda_tritonbwd"] = provs["cuda"]
         if tri_varlen is not None:
@@ -314,11 +315,11 @@ def _sections(res, args, cuda_ops):
                 ref = sd().view(B, HQ, D)
                 fn, how = _graphed(sd)
                 row["sdpa_ms"], row["sdpa_timing"] = _median_ms(fn), how
-                cf = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
+                cf = lambda: cuda_attention.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
                 row["cuda_max_abs_diff_vs_sdpa"] = float((cf().float() - ref.float()).abs().max())
                 fn, how = _graphed(cf)
                 row["cuda_ms"], row["cuda_timing"] = _median_ms(fn), how
-                c2 = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="kernel")  # noqa: E731
+                c2 = lambda: cuda_attention.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="kernel")  # noqa: E731
                 row["cuda_fused_bits_equal_2launch"] = bool(torch.equal(cf(), c2()))
                 fn, how = _graphed(c2)
                 row["cuda_2launch_ms"], row["cuda_2launch_timing"] = _median_ms(fn), how
@@ -356,8 +357,8 @@ def _sections(res, args, cuda_ops):
             q, kc, vc, bt, cq, sk = decode_case(B, ctx, table_pages=wide_pages, device=dev)
             row = {"batch": B, "ctx": ctx, "table_positions": wide_pages * PAGE}
             with torch.no_grad():
-                cf = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="fused")  # noqa: E731
-                c2 = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="kernel")  # noqa: E731
+                cf = lambda: cuda_attention.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="fused")  # noqa: E731
+                c2 = lambda: cuda_attention.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="kernel")  # noqa: E731
                 row["bits_equal"] = bool(torch.equal(cf(), c2()))
                 fn, how = _graphed(cf)
                 row["cuda_fused_ms"], row["cuda_fused_timing"] = _median_ms(fn), how
@@ -371,10 +372,10 @@ def _sections(res, args, cuda_ops):
             del kc, vc
             torch.cuda.empty_cache()
 
-    _elementwise_section(res, args, cuda_ops)
+    _elementwise_section(res, args, cuda_elementwise)
 
 
-def _elementwise_section(res, args, cuda_ops):
+def _elementwise_section(res, args, cuda_elementwise):
     """RMSNorm, RoPE and the KV-cache write, csrc vs Triton (1.5B shapes: hidden 1536, 12 q / 2 kv heads,
     D 128), per token count: forward in a CUDA graph (decode-sized T is launch-bound), and forward +
     backward of RMSNorm and RoPE at training T. The registry default per op follows these cells."""
@@ -398,10 +399,10 @@ def _elementwise_section(res, args, cuda_ops):
         kc, vc = (torch.zeros(max(T, 64) // 64 + 1, 64, 2, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
         slots = torch.randperm(kc.shape[0] * 64, device=dev)[:T]
         provs = {
-            "rms_norm": (lambda: cuda_ops.rms_norm_cuda(x, w, 1e-6), lambda: trn.rms_norm_triton(x, w, 1e-6)),
-            "apply_rope": (lambda: cuda_ops.apply_rope_cuda(q, cos, sin, pos),
+            "rms_norm": (lambda: cuda_elementwise.rms_norm_cuda(x, w, 1e-6), lambda: trn.rms_norm_triton(x, w, 1e-6)),
+            "apply_rope": (lambda: cuda_elementwise.apply_rope_cuda(q, cos, sin, pos),
                            lambda: trp.apply_rope_triton(q, cos, sin, pos)),
-            "kv_cache_write": (lambda: cuda_ops.kv_cache_write_cuda(kk, vv, kc, vc, slots),
+            "kv_cache_write": (lambda: cuda_elementwise.kv_cache_write_cuda(kk, vv, kc, vc, slots),
                                lambda: tkv.kv_cache_write_triton(kk, vv, kc, vc, slots)),
         }
         for op, (cf, tf) in provs.items():
@@ -425,9 +426,9 @@ def _elementwise_section(res, args, cuda_ops):
             xg, qg = x.clone().requires_grad_(True), q.clone().requires_grad_(True)
             wg = w.clone().requires_grad_(True)
             gx, gq = torch.randn_like(x), torch.randn_like(q)
-            train = {"rms_norm": ((lambda: cuda_ops.rms_norm_cuda(xg, wg, 1e-6)),
+            train = {"rms_norm": ((lambda: cuda_elementwise.rms_norm_cuda(xg, wg, 1e-6)),
                                   (lambda: trn.rms_norm_triton(xg, wg, 1e-6)), (xg, wg), gx),
-                     "apply_rope": ((lambda: cuda_ops.apply_rope_cuda(qg, cos, sin, pos)),
+                     "apply_rope": ((lambda: cuda_elementwise.apply_rope_cuda(qg, cos, sin, pos)),
                                     (lambda: trp.apply_rope_triton(qg, cos, sin, pos)), (qg,), gq)}
             for op, (cf, tf, inputs, g) in train.items():
                 row = {"op": op, "tokens": T, "mode": "forward+backward"}

@@ -8,7 +8,7 @@
 #   STAGE=s3     bash bench/device_round.sh  -> the short version of 'next' run in session 3 (tests + cuda bench)
 #   STAGE=s4 / s5: session 4's first and last rounds (profiles; sampler + precompile checks)
 #   STAGE=s6: session 5's first call (sampler negative control, precompile dtype fix)
-# The tuned tables (areal_tik/kernels/{linear,attention}_tuned.json) come back in the archives
+# The tuned tables (areal_tik/kernels/linear/linear_tuned.json, areal_tik/kernels/attention_tuned.json) come back in the archives
 # and are committed by hand after checking the re-tests passed.
 set -u
 cd "$(dirname "$0")/.."
@@ -18,9 +18,8 @@ case "${STAGE:-tune}" in
     mkdir -p $ROOT_OUT/tune $ROOT_OUT/final
     OUT=$ROOT_OUT/tune BENCH_ARGS="--budget-s ${TUNE_S:-110}" bash bench/gpu_check.sh env tune_linear tune_attention
     mkdir -p /tmp/tuned && tar xzf $ROOT_OUT/tune/results.tgz -C /tmp/tuned
-    for f in linear_tuned.json attention_tuned.json; do
-      [ -f /tmp/tuned/$f ] && cp /tmp/tuned/$f areal_tik/kernels/$f && echo "applied $f"
-    done
+    [ -f /tmp/tuned/linear_tuned.json ] && cp /tmp/tuned/linear_tuned.json areal_tik/kernels/linear/ && echo "applied linear_tuned.json"
+    [ -f /tmp/tuned/attention_tuned.json ] && cp /tmp/tuned/attention_tuned.json areal_tik/kernels/ && echo "applied attention_tuned.json"
     OUT=$ROOT_OUT/final GPU_TESTS="tests/kernels/test_linear.py tests/kernels/test_attention.py tests/kernels/test_dense_small.py tests/kernels/test_logprobs.py" \
       bash bench/gpu_check.sh env tests dense attention
     ;;

@@ -26,14 +26,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def _cell(B, hkv, hq, ctx, tri_paged):
     from bench_cuda import _graphed, _median_ms, decode_case, sdpa_layout
-    from areal_tik.kernels import cuda_ops
+    from areal_tik.kernels.cuda import attention as cuda_attention
     q, kc, vc, bt, cq, sk = decode_case(B, ctx, hq=hq, hkv=hkv)
     qq, kk, vv = sdpa_layout(q, kc, vc, bt, ctx)
     F = torch.nn.functional
     row = {"batch": B, "hkv": hkv, "hq": hq, "ctx": ctx, "MB": round(2 * kc.numel() * 2 / 1e6, 1)}
     with torch.no_grad():
         for name, fn in (("sdpa", lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True)),
-                         ("cuda", lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)),
+                         ("cuda", lambda: cuda_attention.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)),
                          ("triton", (lambda: tri_paged(q, kc, vc, bt, cq, sk, 1)) if tri_paged else None)):
             if fn is None:
                 continue

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from areal_tik.kernels import cuda_ops
+from areal_tik.kernels.cuda import attention as cuda_attention, extension as cuda_extension
 
 kind = sys.argv[1] if len(sys.argv) > 1 else "prefill"
 HQ, HKV, D = 32, 8, 128
@@ -23,7 +23,7 @@ if kind == "prefill":
     k = torch.randn(L, HKV, D, device=dev, dtype=bf)
     v = torch.randn(L, HKV, D, device=dev, dtype=bf)
     cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
-    run = lambda: cuda_ops.attention_varlen_cuda(q, k, v, cu, L)  # noqa: E731
+    run = lambda: cuda_attention.attention_varlen_cuda(q, k, v, cu, L)  # noqa: E731
 elif kind == "decode":
     B = int(sys.argv[2]) if len(sys.argv) > 2 else 16
     ctx = int(sys.argv[3]) if len(sys.argv) > 3 else 8192
@@ -32,10 +32,10 @@ elif kind == "decode":
     q, kc, vc, bt, cq, sk = decode_case(B, ctx, hq=HQ, hkv=HKV, page=64, device=dev)
     if len(sys.argv) > 4:
         cpc = int(sys.argv[4])
-        run = lambda: cuda_ops.extension().attention_paged_fwd(q, kc, vc, bt, cq, sk, 1, D ** -0.5, 0,  # noqa: E731
+        run = lambda: cuda_extension.extension().attention_paged_fwd(q, kc, vc, bt, cq, sk, 1, D ** -0.5, 0,  # noqa: E731
                                                                decode_cpc=cpc)
     else:
-        run = lambda: cuda_ops.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
+        run = lambda: cuda_attention.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
 else:
     raise SystemExit(f"unknown kind {kind!r}: prefill | decode")
 for _ in range(3):

@@ -12,9 +12,9 @@ of ``linear.CONFIGS`` that fits the M class:
 Failures (compile errors, mismatches) are recorded and the candidate is excluded.
 
 Writes DIR/tune_linear.json (every cell, every candidate) and DIR/linear_tuned.json: the
-table in the format ``linear.parse_tuned_table`` reads, best valid config per (N, K, M
+table in the format ``linear.selection.parse_tuned_table`` reads, best valid config per (N, K, M
 bucket), for this GPU's arch. To apply: copy DIR/linear_tuned.json to
-areal_tik/kernels/linear_tuned.json, run the GPU test
+areal_tik/kernels/linear/linear_tuned.json, run the GPU test
 tests/kernels/test_linear.py::test_gpu_all_configs_bit_identical, commit. A time budget
 guards the run: cells not reached are listed as skipped and get no rule (the built-in
 default applies there).
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from areal_tik.kernels import linear as L  # noqa: E402
+from areal_tik.kernels.linear import configs, selection  # noqa: E402
 from bench.bench_dense import SHAPES, rotating, L2_BYTES  # noqa: E402
 
 INCUMBENT = "dec16_n16"
@@ -73,8 +74,8 @@ def bits_equal(a, b) -> bool:
 
 def run(args) -> dict:
     dev = torch.device("cuda")
-    arch, n_sms = L._device_info(torch.cuda.current_device())
-    arch_tma = L.arch_has_tma(arch)
+    arch, n_sms = selection._device_info(torch.cuda.current_device())
+    arch_tma = configs.arch_has_tma(arch)
     t_start = time.time()
     deadline = t_start + args.budget_s
     shapes = args.shapes.split(",") if args.shapes else list(SHAPES)
@@ -189,7 +190,7 @@ def main() -> int:
         return 1
     res = run(a)
     table = build_table(res)
-    L.parse_tuned_table(json.dumps(table))  # the table linear.py will read must parse
+    selection.parse_tuned_table(json.dumps(table))  # the table kernels/linear/ will read must parse
     os.makedirs(a.out, exist_ok=True)
     res["table"] = table
     with open(os.path.join(a.out, "tune_linear.json"), "w") as f:
@@ -209,7 +210,7 @@ def main() -> int:
     if res.get("aborted"):
         print("ABORTED:", res["aborted"])
     print(f"skipped cells: {len(res['skipped'])}; done in {res.get('seconds', 0):.0f} s; "
-          f"apply: cp {os.path.join(a.out, 'linear_tuned.json')} areal_tik/kernels/linear_tuned.json")
+          f"apply: cp {os.path.join(a.out, 'linear_tuned.json')} areal_tik/kernels/linear/linear_tuned.json")
     return 0 if not res.get("aborted") and not inval else 2
 
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from areal_tik.ab import runner as ab
+from areal_tik.ab import analysis, report, runner as ab
 
 
 def _fake_run_arm(log_steps, crash_after=None):
@@ -23,7 +23,7 @@ def _fake_run_arm(log_steps, crash_after=None):
         if crash_after is not None:
             raise KeyboardInterrupt("device call killed")
         return {"cmd": ab._arm_cmd(config, arm, steps, out, list(overrides), runs_dir), "wall_s": 1.0,
-                "steps": ab.load_steps(os.path.join(out, arm, "steps.jsonl")), "timed_out": n < steps}
+                "steps": analysis.load_steps(os.path.join(out, arm, "steps.jsonl")), "timed_out": n < steps}
     return run_arm, calls
 
 
@@ -127,13 +127,13 @@ def test_reward_ratio_interval():
     import math
     import statistics
     rb, rt = [0.40, 0.50, 0.45, 0.55], [0.42, 0.48, 0.50, 0.52]
-    ci = ab._ratio_ci(rb, rt)
+    ci = analysis._ratio_ci(rb, rt)
     mb, mt = statistics.fmean(rb), statistics.fmean(rt)
     sb, st = statistics.stdev(rb) / 2, statistics.stdev(rt) / 2
     half = 1.96 * (mt / mb) * math.sqrt((sb / mb) ** 2 + (st / mt) ** 2)
     assert ci["ratio_ci95"] == pytest.approx([mt / mb - half, mt / mb + half])
     assert ci["se_baseline"] == pytest.approx(sb) and ci["se_tik"] == pytest.approx(st)
-    assert all(math.isnan(x) for x in ab._ratio_ci([0.0, 0.0], [0.1, 0.2])["ratio_ci95"])
+    assert all(math.isnan(x) for x in analysis._ratio_ci([0.0, 0.0], [0.1, 0.2])["ratio_ci95"])
 
 
 def test_stale_server_failure_from_an_earlier_run_is_ignored(tmp_path, monkeypatch):
@@ -163,14 +163,14 @@ def test_profiled_step_left_out_and_compiles_reported():
                  **({"profiled": "/x/profile_step3.txt"} if i == profiled_at else {})} for i, w in enumerate(walls)]
     b = recs([20.0, 10.0, 10.0, 30.0], 3, [0, 0, 0, 0])
     t = recs([25.0, 8.0, 8.0, 24.0], 3, [9, 2, 0, 0])
-    rep = ab.analyze(b, t)
+    rep = analysis.analyze(b, t)
     assert rep["measured_steps"] == [1, 2]
     assert rep["throughput_ratio_total"] == pytest.approx(20.0 / 16.0)
     assert [r["jit_compiles"] for r in rep["rows"]["tik"]] == [9, 2, 0, 0]
     iv = [{"engine_busy_s": 1.0, "engine_steps": 3, "tokens": 9, "requests": 3, "first_request_to_last_finish_s": 1.1,
            "eager_steps": 1, "eager_s": 0.2, "max_step_ms": 200.0, "graphs_captured": 2 - min(i, 2),
            "jit_compiles": 4 - i, "jit_compile_s": 1.0, "jit_kernels": {}} for i in range(4)]
-    md = ab.summary_markdown(rep, {"config": CFG, "server_intervals": {"baseline": iv, "tik": iv}})
+    md = report.summary_markdown(rep, {"config": CFG, "server_intervals": {"baseline": iv, "tik": iv}})
     assert "| tik | 3 (profiled) |" in md and "| 2 (1.0 s) / 3 (1.0 s) |" in md
     assert "eager steps (prefill) 0.20 s" in md and "1 graph captures and 6 Triton compiles in all" in md
 
@@ -182,9 +182,10 @@ def test_critic_phase_is_its_own_column():
         return [{"global_step": i, "wall_s": 10.0, "tik": [{"gen_tokens": 10}],
                  "stats": {"timeperf/rollout": 4.0, "timeperf/train_step": 2.0, "timeperf/critic_values": critic,
                            "timeperf/critic_train_step": 2 * critic}} for i in range(3)]
-    rep = ab.analyze(recs(1.0), recs(0.5))
+    rep = analysis.analyze(recs(1.0), recs(0.5))
     assert [r["critic"] for r in rep["rows"]["baseline"]] == [3.0] * 3
     assert rep["rows"]["tik"][1]["other"] == pytest.approx(10.0 - 4.0 - 2.0 - 1.5)
-    md = ab.summary_markdown(rep, {"config": CFG})
+    md = report.summary_markdown(rep, {"config": CFG})
     assert "| weight update | critic | other |" in md and "| 3.000 |" in md
-    assert "critic" not in ab.summary_markdown(ab.analyze(recs(0.0), recs(0.0)), {"config": CFG}).split("## Per step")[0]
+    no_critic = report.summary_markdown(analysis.analyze(recs(0.0), recs(0.0)), {"config": CFG})
+    assert "critic" not in no_critic.split("## Per step")[0]

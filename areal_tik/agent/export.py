@@ -134,7 +134,7 @@ def _forward(x2, w, eps):
 
 
 class _ExportedRMSNorm(_torch.autograd.Function):
-    """Forward: the exported kernel. Backward: the csrc rms_norm's (``cuda_ops.rms_norm_backward``)."""
+    """Forward: the exported kernel. Backward: the csrc rms_norm's (``cuda.elementwise.rms_norm_backward``)."""
 
     @staticmethod
     def forward(ctx, x2, w, eps):
@@ -144,7 +144,7 @@ class _ExportedRMSNorm(_torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from areal_tik.kernels.cuda.ops import rms_norm_backward
+        from areal_tik.kernels.cuda.elementwise import rms_norm_backward
         x2, w = ctx.saved_tensors
         return (*rms_norm_backward(x2, w, ctx.eps, dy), None)
 
@@ -152,7 +152,7 @@ class _ExportedRMSNorm(_torch.autograd.Function):
 def rms_norm_exported(x, weight, eps, out=None):
     """``rms_norm(x, weight, eps)`` (HF semantics) with the agent-exported kernel for bf16 (see PROVENANCE);
     other dtypes, or an ``out`` buffer, run the csrc rms_norm."""
-    from areal_tik.kernels.cuda.ops import rms_norm_cuda
+    from areal_tik.kernels.cuda.elementwise import rms_norm_cuda
     if x.dtype != _torch.bfloat16 or weight.dtype != _torch.bfloat16 or out is not None:
         return rms_norm_cuda(x, weight, eps, out=out)
     if weight.dim() != 1 or x.dim() < 1 or x.shape[-1] != weight.shape[0]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from areal_tik.agent.evaluator import first_failure
+from areal_tik.agent.checks import first_failure
 from areal_tik.agent.records import (
     Branch, CheckResult, Contract, Decision, Edge, KernelVersion, Measurement, Opportunity, ProposerCall, Run,
     Workload,

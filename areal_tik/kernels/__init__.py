@@ -3,9 +3,9 @@
 Each op module holds its Triton kernel(s), launcher, autograd Function, a contract-keeping
 pure-PyTorch implementation (``torch_ref``) and a float64 reference for accuracy, and declares
 ``OPS`` / ``META`` / ``COMPILE_SPECS`` tables that ``areal_tik.dispatch`` discovers.
-``attention/`` is a package of small files; ``cuda/`` loads the csrc extension and wraps its
-kernels; ``exported/`` holds the optimisation agent's exports. Nothing here imports from a
-higher layer.
+``attention/``, ``linear/`` and ``logprobs/`` are op packages of small files; ``cuda/`` loads
+the csrc extension and wraps its kernels; ``exported/`` holds the optimisation agent's exports.
+Nothing here imports from a higher layer.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ _NOT_OPS = {"exported"}
 
 def op_modules() -> list[str]:
     """Dotted names of the modules that may declare ``OPS`` / ``COMPILE_SPECS``, in a fixed
-    order: every public module of ``areal_tik.kernels``, op packages (``attention``, whose
-    ``__init__`` declares the tables) as one module, the modules of other subpackages (``cuda``),
-    exports excluded."""
+    order: every public module of ``areal_tik.kernels``, op packages (``attention``, ``linear``,
+    ``logprobs``: their ``__init__`` declares the tables) as one module, the modules of other
+    subpackages (``cuda``), exports excluded."""
     names: list[str] = []
 
     def walk(pkg_name: str, path) -> None:

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from areal_tik.agent.evaluator import run_checks
+from areal_tik.agent.checks import run_checks
 from areal_tik.agent.kinds import BINDINGS, get_kind
 from areal_tik.agent.proposers import OfflineProposer
 from areal_tik.agent.roots import load_root, root_path
@@ -163,7 +163,7 @@ def test_agent_loop_on_the_csrc_root_gpu(tmp_path):
     from areal_tik.agent import roles
     from areal_tik.agent.evaluator import Evaluator
     from areal_tik.agent.loop import Budget, run_loop
-    from areal_tik.agent.proposers import apply_transform
+    from areal_tik.agent.proposers.transforms import apply_transform
     from areal_tik.agent.records import content_hash
     from areal_tik.agent.store import Store
     from areal_tik.dispatch.fingerprint import environment
@@ -254,7 +254,7 @@ def test_rms_export_module_and_registry_hook(tmp_path, export_registration):
     CPU (the build is lazy), says why it cannot run without CUDA, and registers as rms_norm's cuda implementation
     on its arch only, its file first among the fingerprinted sources."""
     from areal_tik.agent.export import export_best
-    from areal_tik.agent.proposers import apply_transform
+    from areal_tik.agent.proposers.transforms import apply_transform
     src = apply_transform(load_root("rms_norm")[1], "vector-loads")
     s, src, meta = _rms_gpu_store(tmp_path, source=src, defines={"TIK_RMS_WARPS": 8})
     out = tmp_path / "exported"

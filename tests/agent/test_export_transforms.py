@@ -8,7 +8,7 @@ import torch
 from areal_tik.agent.evaluator import Evaluator
 from areal_tik.agent.kinds import regions
 from areal_tik.agent.export import ExportRefused, export_best
-from areal_tik.agent.proposers import TRANSFORMS, apply_transform
+from areal_tik.agent.proposers.transforms import TRANSFORMS, apply_transform
 from areal_tik.agent.records import Contract, KernelVersion, Measurement, Run, Workload, content_hash
 from areal_tik.agent.roots import load_root
 from areal_tik.agent.store import Store

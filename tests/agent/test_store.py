@@ -7,7 +7,8 @@ from areal_tik.agent.records import (
     Branch, CheckResult, Contract, Decision, Edge, KernelVersion, Measurement, Opportunity, ProposerCall, Run,
     Workload, content_hash,
 )
-from areal_tik.agent.store import SCHEMA, Store
+from areal_tik.agent.schema import SCHEMA
+from areal_tik.agent.store import Store
 
 
 def _fill(s: Store):

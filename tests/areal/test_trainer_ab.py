@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 engine = pytest.importorskip("areal_tik.engine")
 
-from areal_tik.ab.runner import PHASES, analyze, load_steps  # noqa: E402
+from areal_tik.ab.analysis import PHASES, analyze, load_steps  # noqa: E402
 from areal_tik.cli import main as cli_main  # noqa: E402
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")

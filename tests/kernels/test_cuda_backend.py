@@ -20,7 +20,7 @@ GPU tests (``-m gpu``, run by ``bash bench/gpu_check.sh tests``):
   float64 bound; RoPE bits equal to the unfused fp32 PyTorch expression, float64 bound;
   backward passes against float64 autograd.
 CPU tests: every csrc/*.cu compiles for sm_80 and sm_90a (``areal-tik compile-check``); the
-constants and the single decode path agree between cuda_ops and csrc (no variant switch left).
+constants and the single decode path agree between kernels/cuda and csrc (no variant switch left).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import pytest
 import torch
 
 from areal_tik.kernels.attention import attention_reference
+from areal_tik.kernels.cuda import elementwise as cuda_elementwise, extension as cuda_extension
 from areal_tik.kernels.rms_norm import rms_norm_reference
 from areal_tik.kernels.rope import apply_rope_reference, rope_table
 from areal_tik.verify.contract import (
@@ -44,9 +45,9 @@ from areal_tik.verify.contract import (
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _ops():
-    from areal_tik.kernels.cuda import ops as cuda_ops
-    return cuda_ops
+def _attn():
+    from areal_tik.kernels.cuda import attention as cuda_attention
+    return cuda_attention
 
 
 # ---------------------------------------------------------------------------------------
@@ -116,8 +117,8 @@ def test_cuda_ops_registered_with_sources():
         assert every <= {os.path.basename(s) for s in info.sources}, every
         assert dict(info.meta)["cuda.attn.BLOCK_N"] == 64
     src = open(os.path.join(ROOT, "csrc", "tik_api.h")).read()
-    cu = _ops()
-    assert f"#define TIK_ATTN_BLOCK_N {cu.BLOCK_N} " in src and f"#define TIK_ATTN_SPLIT {cu.SPLIT} " in src
+    assert (f"#define TIK_ATTN_BLOCK_N {cuda_extension.BLOCK_N} " in src
+            and f"#define TIK_ATTN_SPLIT {cuda_extension.SPLIT} " in src)
 
 
 # ---------------------------------------------------------------------------------------
@@ -135,7 +136,6 @@ def _written(fn, shape, dtype, device="cuda"):
 def _build_cache(ks, vs, page_size, gen, extra_pages=3):
     """Paged caches (NaN-poisoned) holding the sequences at random pages, written with the cuda
     kv_cache_write (plus a garbage token with slot -1 that must be skipped)."""
-    cu = _ops()
     Hkv, D = ks[0].shape[1:]
     npg = [max(1, -(-k.shape[0] // page_size)) for k in ks]
     num_pages = sum(npg) + extra_pages
@@ -154,12 +154,12 @@ def _build_cache(ks, vs, page_size, gen, extra_pages=3):
     kall, vall = torch.cat(ks), torch.cat(vs)
     junk = torch.randn(1, Hkv, D, device="cuda").bfloat16()
     slot = torch.cat(slots + [torch.tensor([-1])]).cuda()
-    cu.kv_cache_write_cuda(torch.cat([kall, junk]), torch.cat([vall, junk]), kc, vc, slot)
+    cuda_elementwise.kv_cache_write_cuda(torch.cat([kall, junk]), torch.cat([vall, junk]), kc, vc, slot)
     return kc, vc, bt.cuda()
 
 
 def _regimes(lens, Hq, Hkv, D, page_size, seed):
-    cu = _ops()
+    cu = _attn()
     gen = torch.Generator().manual_seed(seed)
     dev = "cuda"
     B = len(lens)
@@ -313,7 +313,7 @@ def test_attention_random_lengths(hq, hkv, D, seed_rng):
 @pytest.mark.gpu
 def test_attention_long_context_decode_matches_prefill(seed_rng):
     """Decode at 8K context (32 split chunks) equals the varlen rows at the same positions."""
-    cu = _ops()
+    cu = _attn()
     g = torch.Generator().manual_seed(seed_rng)
     L, Hq, Hkv, D = 8192 + 37, 32, 8, 128
     q = torch.randn(L, Hq, D, generator=g).bfloat16().cuda()
@@ -355,7 +355,7 @@ def test_attention_decode_batches_match_varlen(hq, hkv, D, ps, seed_rng):
     """Decode (one query per sequence, at its last position) in every mode, batch 1/5/17 in
     random orders, contexts across block/split boundaries up to 3000, equals the varlen rows
     at the same positions."""
-    cu = _ops()
+    cu = _attn()
     g = torch.Generator().manual_seed(seed_rng)
     lens = [1, 63, 64, 65, 255, 256, 257, 700, 1024, 3000] + [int(x) for x in torch.randint(1, 3000, (7,), generator=g)]
     qs, ks, vs = _seq_data(lens, hq, hkv, D, g)
@@ -374,7 +374,7 @@ def test_attention_decode_batches_match_varlen(hq, hkv, D, ps, seed_rng):
 
 
 def _counters_zero(cu):
-    c = cu.extension().decode_counters(torch.cuda.current_device())
+    c = cuda_extension.extension().decode_counters(torch.cuda.current_device())
     assert c is not None, "no fused-decode counter buffer was created"
     nz = int((c != 0).sum())
     assert nz == 0, f"{nz} fused-decode counters left non-zero"
@@ -396,7 +396,7 @@ def test_decode_fused_merge_equals_merge_kernel(hq, hkv, D, ps, seed_rng):
     the varlen rows, bit for bit, at batch 1/5/17, contexts around chunk ends (255..258,
     511..513), 1000, 3000 and random, with the exact and with a wider block table (more
     grid chunks than any sequence uses), in auto and split mode; counters zero afterwards."""
-    cu = _ops()
+    cu = _attn()
     g = torch.Generator().manual_seed(seed_rng)
     lens = [1, 2, 255, 256, 257, 258, 511, 512, 513, 1000, 3000] + \
         [int(x) for x in torch.randint(1, 4000, (6,), generator=g)]
@@ -426,7 +426,7 @@ def test_decode_fused_merge_multi_query_tails(hq, hkv, D, ps, seed_rng):
     """Decode-shaped launches with several queries per sequence (n_i * G <= 16: speculative /
     short chunked-prefill tails), whose 16-row tile spans positions on both sides of a chunk
     end: fused == merge kernel == varlen rows."""
-    cu = _ops()
+    cu = _attn()
     G = hq // hkv
     nmax = 16 // G
     g = torch.Generator().manual_seed(seed_rng)
@@ -459,8 +459,8 @@ def test_decode_chunks_per_cta_same_bits(hq, hkv, D, ps, seed_rng):
     and auto, with every ring depth, with the fused and the two-launch merge,
     one and several queries per sequence, exact and wide block tables, equals the varlen rows bit for
     bit; counters zero afterwards."""
-    cu = _ops()
-    ext = cu.extension()
+    cu = _attn()
+    ext = cuda_extension.extension()
     G = hq // hkv
     nmax = 16 // G
     g = torch.Generator().manual_seed(seed_rng)
@@ -494,7 +494,7 @@ def test_decode_fused_merge_graph_replay_and_repeats(seed_rng):
     fused decode replayed 8 times with fresh queries and fresh context lengths (so a tile's
     chunk count changes between replays, 1 chunk .. 12) into a NaN-poisoned output equals the
     eager merge-kernel launch on the same inputs each time; counters zero after each."""
-    cu = _ops()
+    cu = _attn()
     g = torch.Generator().manual_seed(seed_rng)
     hq, hkv, D, ps, B, L = 32, 8, 128, 64, 5, 3000
     qs, ks, vs = _seq_data([L] * B, hq, hkv, D, g)
@@ -558,7 +558,7 @@ def _gpu_kernel_names(fn):
 def test_decode_fused_merge_is_one_launch(seed_rng):
     """The default decode launch with several chunks per sequence is one kernel (no merge
     kernel, no memset); decode_merge="kernel" is the decode kernel + the merge kernel."""
-    cu = _ops()
+    cu = _attn()
     g = torch.Generator().manual_seed(seed_rng)
     qs, ks, vs = _seq_data([1000, 3000], 32, 8, 128, g)
     kc, vc, bt = _build_cache(ks, vs, 64, g)
@@ -580,8 +580,8 @@ def test_decode_fused_counter_growth_and_capture_fallback(seed_rng):
     """More tiles than counters: an eager launch grows the buffer (the old one is kept alive);
     a launch captured while the buffer is too small takes the merge-kernel path inside the
     graph (no allocation during capture) and still gives the eager bits; counters stay zero."""
-    cu = _ops()
-    ext = cu.extension()
+    cu = _attn()
+    ext = cuda_extension.extension()
     g = torch.Generator().manual_seed(seed_rng)
     hq = hkv = 16
     D, ps, L = 64, 256, 300
@@ -631,7 +631,7 @@ def test_decode_merge_argument_cpu():
     """decode_merge: "fused" / "kernel" / None (the module default, "fused"); anything else is
     refused before any CUDA call. The binding takes it."""
     import inspect
-    cu = _ops()
+    cu = _attn()
     assert cu.DECODE_MERGE == "fused"
     assert inspect.signature(cu.attention_paged_cuda).parameters["decode_merge"].default is None
     assert cu._decode_merge("fused") == 0 and cu._decode_merge("kernel") == 1
@@ -644,17 +644,18 @@ def test_decode_merge_argument_cpu():
 
 
 def test_single_decode_path_cpu():
-    """The decode variant switch is gone on both sides: no variant plumbing in cuda_ops, no
+    """The decode variant switch is gone on both sides: no variant plumbing in kernels/cuda, no
     variant field/define in csrc, and the extension version marker agrees."""
     import inspect
-    cu = _ops()
+    cu = _attn()
     for gone in ("DECODE_VARIANTS", "CUDA_DECODE_VARIANT", "_variant"):
-        assert not hasattr(cu, gone), gone
+        for mod in (cu, cuda_extension, cuda_elementwise):
+            assert not hasattr(mod, gone), (mod.__name__, gone)
     for fn in (cu.attention_varlen_cuda, cu.attention_paged_cuda):
         assert "variant" not in inspect.signature(fn).parameters
-    assert "cuda.attn.decode_variant" not in cu.META and "cuda.attn.decode" in cu.META
+    assert "cuda.attn.decode_variant" not in cuda_extension.META and "cuda.attn.decode" in cuda_extension.META
     api = open(os.path.join(ROOT, "csrc", "tik_api.h")).read()
-    assert f"#define TIK_ATTN_DECODE_PATH {cu.DECODE_PATH}\n" in api
+    assert f"#define TIK_ATTN_DECODE_PATH {cuda_extension.DECODE_PATH}\n" in api
     srcs = {f: open(os.path.join(ROOT, "csrc", f)).read() for f in sorted(os.listdir(os.path.join(ROOT, "csrc")))
             if f.startswith(("tik_api", "tik_attention", "tik_bindings"))}
     for f, text in srcs.items():
@@ -672,51 +673,51 @@ def test_stale_extension_rejected_cpu(monkeypatch):
     run the removed 1-warp decode by default) is refused with a rebuild message."""
     import types
     from areal_tik.kernels.cuda import loader as cuda_ext
-    cu = _ops()
-    stale = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_VARIANTS=2, __file__="stale.so")
+    cx = cuda_extension
+    stale = types.SimpleNamespace(BLOCK_N=cx.BLOCK_N, SPLIT=cx.SPLIT, DECODE_VARIANTS=2, __file__="stale.so")
     monkeypatch.setattr(cuda_ext, "load", lambda: stale)
     with pytest.raises(RuntimeError, match="rebuild"):
-        cu.extension()
-    no_pk = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_PATH=cu.DECODE_PATH, __file__="old.so")
+        cx.extension()
+    no_pk = types.SimpleNamespace(BLOCK_N=cx.BLOCK_N, SPLIT=cx.SPLIT, DECODE_PATH=cx.DECODE_PATH, __file__="old.so")
     monkeypatch.setattr(cuda_ext, "load", lambda: no_pk)
     with pytest.raises(RuntimeError, match="prefill_kernel"):  # built before the wgmma prefill selector
-        cu.extension()
-    no_ew = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_PATH=cu.DECODE_PATH,
-                                  PREFILL_KERNELS=cu.PREFILL_KERNELS, __file__="old.so")
+        cx.extension()
+    no_ew = types.SimpleNamespace(BLOCK_N=cx.BLOCK_N, SPLIT=cx.SPLIT, DECODE_PATH=cx.DECODE_PATH,
+                                  PREFILL_KERNELS=cx.PREFILL_KERNELS, __file__="old.so")
     monkeypatch.setattr(cuda_ext, "load", lambda: no_ew)
     with pytest.raises(RuntimeError, match="RoPE backward"):  # apply_rope_fwd without the backward flag
-        cu.extension()
-    fresh = types.SimpleNamespace(BLOCK_N=cu.BLOCK_N, SPLIT=cu.SPLIT, DECODE_PATH=cu.DECODE_PATH,
-                                  PREFILL_KERNELS=cu.PREFILL_KERNELS, ELEMENTWISE_API=cu.ELEMENTWISE_API)
+        cx.extension()
+    fresh = types.SimpleNamespace(BLOCK_N=cx.BLOCK_N, SPLIT=cx.SPLIT, DECODE_PATH=cx.DECODE_PATH,
+                                  PREFILL_KERNELS=cx.PREFILL_KERNELS, ELEMENTWISE_API=cx.ELEMENTWISE_API)
     monkeypatch.setattr(cuda_ext, "load", lambda: fresh)
-    assert cu.extension() is fresh
-    with open(os.path.join(cuda_ext.CSRC_DIR, "tik_api.h")) as f:
-        assert f"#define TIK_ELEMENTWISE_API {cu.ELEMENTWISE_API}\n" in f.read()
+    assert cx.extension() is fresh
+    with open(os.path.join(ROOT, "csrc", "tik_api.h")) as f:
+        assert f"#define TIK_ELEMENTWISE_API {cx.ELEMENTWISE_API}\n" in f.read()
 
 
 def test_prefill_kernel_argument_cpu():
     """prefill_kernel: "auto" / "mma" / "wgmma" / None (the module default, "auto"); anything else is
     refused before any CUDA call; csrc and the binding agree."""
     import inspect
-    cu = _ops()
-    assert cu.PREFILL_KERNEL == "auto"
+    cu = _attn()
+    assert cuda_extension.PREFILL_KERNEL == "auto"
     for fn in (cu.attention_varlen_cuda, cu.attention_paged_cuda):
         assert inspect.signature(fn).parameters["prefill_kernel"].default is None
     assert (cu._prefill_kernel("auto"), cu._prefill_kernel("mma"), cu._prefill_kernel("wgmma")) == (0, 1, 2)
     with pytest.raises(ValueError, match="prefill_kernel"):
         cu._prefill_kernel("cutlass")
     api = open(os.path.join(ROOT, "csrc", "tik_api.h")).read()
-    assert f"#define TIK_ATTN_PREFILL_KERNELS {cu.PREFILL_KERNELS}\n" in api
+    assert f"#define TIK_ATTN_PREFILL_KERNELS {cuda_extension.PREFILL_KERNELS}\n" in api
     assert "TIK_ATTN_PREFILL_AUTO = 0, TIK_ATTN_PREFILL_MMA = 1, TIK_ATTN_PREFILL_WGMMA = 2" in api
     b = open(os.path.join(ROOT, "csrc", "tik_bindings.cpp")).read()
     assert b.count('py::arg("prefill_kernel") = 0') == 2 and "p.prefill_kernel = (int)prefill_kernel;" in b
-    assert "cuda.attn.prefill" in cu.META
+    assert "cuda.attn.prefill" in cuda_extension.META
 
 
 def _wgmma_or_skip(cu):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma prefill kernel is sm_90a only")
-    assert cu.extension().wgmma_prefill_available(), "sm_90 device but the build has no sm_90a wgmma kernel"
+    assert cuda_extension.extension().wgmma_prefill_available(), "sm_90 device but the build has no sm_90a wgmma kernel"
 
 
 @pytest.mark.gpu
@@ -726,7 +727,7 @@ def test_wgmma_prefill_equals_mma_sync(hq, hkv, ps, seed_rng):
     for bit: varlen packs of random lengths (one past 4K: 17 split chunks, FOLD merges), paged
     prefill and a chunked-prefill round over the same cache; outputs NaN-poisoned first; a
     forced wgmma launch where it cannot run (D = 64) is refused."""
-    cu = _ops()
+    cu = _attn()
     _wgmma_or_skip(cu)
     g = torch.Generator().manual_seed(seed_rng)
     lens = [4096 + int(torch.randint(1, 200, (1,), generator=g)), 1, 64, 65] + \
@@ -773,7 +774,7 @@ def test_wgmma_prefill_odd_page_size_falls_back(ps, seed_rng):
     entry points do not): a 64-row TMA box would cross a page, so "auto" must run the mma.sync kernel
     (rows equal the varlen rows bit for bit) and a forced wgmma launch must be refused, never read
     the wrong page. Caches are NaN-poisoned outside the written slots."""
-    cu = _ops()
+    cu = _attn()
     _wgmma_or_skip(cu)
     g = torch.Generator().manual_seed(seed_rng)
     lens = [300, 130, 64]
@@ -784,7 +785,7 @@ def test_wgmma_prefill_odd_page_size_falls_back(ps, seed_rng):
     want = torch.cat(_varlen_rows(cu, qs, ks, vs))
     kc, vc, bt = _build_cache(ks, vs, ps, g)  # kv_cache_write takes any page size
     sk = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    ext = cu.extension()
+    ext = cuda_extension.extension()
     sc = D ** -0.5
     got = _written(lambda o: ext.attention_paged_fwd(q, kc, vc, bt, cus, sk, max(lens), sc, 0, out=o,
                                                      decode_merge=0, prefill_kernel=0), q.shape, q.dtype)
@@ -798,7 +799,7 @@ def test_wgmma_prefill_odd_page_size_falls_back(ps, seed_rng):
 def test_wgmma_prefill_bench_shape_matches_decode(seed_rng):
     """The bench's prefill shape (32 q / 8 kv heads, D 128, 8K + 5 tokens): wgmma varlen == mma.sync
     varlen, and decode rows (the mma.sync decode kernel) at chunk-boundary positions equal it."""
-    cu = _ops()
+    cu = _attn()
     _wgmma_or_skip(cu)
     g = torch.Generator().manual_seed(seed_rng)
     L, Hq, Hkv, D = 8192 + 5, 32, 8, 128
@@ -835,7 +836,7 @@ def test_attention_varlen_backward(case, bwd, seed_rng, monkeypatch):
     from areal_tik.kernels.attention import flash_backward as attention_backward
     monkeypatch.setattr(attention_backward, "ATTN_BACKWARD", bwd)
     lens, Hq, Hkv, D, pk, mode = _BWD_CASES[case]
-    cu = _ops()
+    cu = _attn()
     g = torch.Generator().manual_seed(seed_rng)
     T = sum(lens)
     q = torch.randn(T, Hq, D, generator=g).bfloat16().cuda().requires_grad_(True)
@@ -862,7 +863,7 @@ def test_attention_backward_selection_and_determinism(seed_rng):
     torch.use_deterministic_algorithms, whose gradients are then the same bits on every run; both are the
     same gradient (float64 reference within 2e-2; each other within 1e-2)."""
     from areal_tik.kernels.attention import flash_backward as ab
-    cu = _ops()
+    cu = _attn()
     g = torch.Generator().manual_seed(seed_rng)
     lens, Hq, Hkv, D = [600, 3, 1000], 12, 2, 128
     T = sum(lens)
@@ -895,8 +896,7 @@ def test_attention_varlen_lse(pk, seed_rng):
     """The forward's optional lse: each row's base-2 log-sum-exp of its scaled causal scores (float64
     reference within 1e-4 relative), rows outside cu_seqlens untouched, output bits unchanged, refused
     with a forced split mode."""
-    cu = _ops()
-    ext = cu.extension()
+    ext = cuda_extension.extension()
     g = torch.Generator().manual_seed(seed_rng)
     lens, Hq, Hkv, D = [257, 1, 64, 600], 16, 4, 128
     T = sum(lens)
@@ -926,7 +926,7 @@ def test_attention_varlen_lse(pk, seed_rng):
 
 @pytest.mark.gpu
 def test_attention_rejects_bad_inputs():
-    cu = _ops()
+    cu = _attn()
     q = torch.randn(4, 4, 96, device="cuda").bfloat16()
     k = torch.randn(4, 2, 96, device="cuda").bfloat16()
     cus = torch.tensor([0, 4], dtype=torch.int32, device="cuda")
@@ -946,7 +946,7 @@ def test_attention_rejects_bad_inputs():
     bt = torch.zeros(1, 2, dtype=torch.int32, device="cuda")
     cq = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
     sk = torch.tensor([20], dtype=torch.int32, device="cuda")
-    ext = cu.extension()
+    ext = cuda_extension.extension()
     for kw in ({"decode_cpc": -1}, {"decode_cpc": 65}, {"decode_stages": 1}, {"decode_stages": 4}):
         with pytest.raises(RuntimeError, match="decode_(cpc|stages)"):
             ext.attention_paged_fwd(q1, kc, kc, bt, cq, sk, 1, 0.125, 0, **kw)
@@ -959,7 +959,6 @@ def test_attention_rejects_bad_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,slot_dtype", [(torch.bfloat16, torch.int64), (torch.float32, torch.int32)])
 def test_kv_cache_write_exact(dtype, slot_dtype):
-    cu = _ops()
     T, H, D, P, ps = 50, 4, 64, 8, 16
     k = torch.randn(T, H, D, device="cuda").to(dtype)
     v = torch.randn(T, H, D, device="cuda").to(dtype)
@@ -971,7 +970,7 @@ def test_kv_cache_write_exact(dtype, slot_dtype):
     keep = slots >= 0
     ek.view(-1, H, D)[slots[keep]] = k[keep]
     ev.view(-1, H, D)[slots[keep]] = v[keep]
-    cu.kv_cache_write_cuda(k, v, kc, vc, slots.to(slot_dtype))
+    cuda_elementwise.kv_cache_write_cuda(k, v, kc, vc, slots.to(slot_dtype))
     assert compare_bits(kc, ek) and compare_bits(vc, ev)
 
 
@@ -979,16 +978,15 @@ def test_kv_cache_write_exact(dtype, slot_dtype):
 @pytest.mark.parametrize("M,N", [(1, 128), (7, 1536), (300, 4096), (33, 123), (5, 8192), (64, 3584)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_rms_norm_row_invariance_and_accuracy(M, N, dtype, seed_rng):
-    cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
     x = (torch.randn(M, N, generator=g) * 3).to(dtype).cuda()
     w = (1 + 0.1 * torch.randn(N, generator=g)).to(dtype).cuda()
     eps = 1e-6
-    fn = lambda t: cu.rms_norm_cuda(t, w, eps)  # noqa: E731
+    fn = lambda t: cuda_elementwise.rms_norm_cuda(t, w, eps)  # noqa: E731
     subsets = [[0], [M - 1], torch.randperm(M, generator=g)[: max(1, M // 2)].tolist()]
     rep = check_row_subset_invariance(fn, x, subsets)
     assert rep, rep
-    y = _written(lambda o: cu.rms_norm_cuda(x, w, eps, out=o), x.shape, dtype)
+    y = _written(lambda o: cuda_elementwise.rms_norm_cuda(x, w, eps, out=o), x.shape, dtype)
     assert compare_bits(y, fn(x))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     acc = check_accuracy(y, rms_norm_reference(x, w, eps), tol)
@@ -996,19 +994,18 @@ def test_rms_norm_row_invariance_and_accuracy(M, N, dtype, seed_rng):
     # strided rows (a view into a wider buffer) and a 3-D input give the same bits
     wide = torch.zeros(M, N + 40, dtype=dtype, device="cuda")
     wide[:, 7:7 + N] = x
-    assert compare_bits(cu.rms_norm_cuda(wide[:, 7:7 + N], w, eps), y)
+    assert compare_bits(cuda_elementwise.rms_norm_cuda(wide[:, 7:7 + N], w, eps), y)
     if M % 3 == 0:
-        assert compare_bits(cu.rms_norm_cuda(x.view(3, M // 3, N), w, eps).view(M, N), y)
+        assert compare_bits(cuda_elementwise.rms_norm_cuda(x.view(3, M // 3, N), w, eps).view(M, N), y)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(9, 256), (2, 5000, 1536)])  # (2, 5000, 1536): 3-D, 16 rows per program
 def test_rms_norm_backward(shape, seed_rng):
-    cu = _ops()
     n = shape[-1]
     x = torch.randn(*shape, device="cuda").bfloat16().requires_grad_(True)
     w = (1 + 0.1 * torch.randn(n, device="cuda")).bfloat16().requires_grad_(True)
-    y = cu.rms_norm_cuda(x, w, 1e-6)
+    y = cuda_elementwise.rms_norm_cuda(x, w, 1e-6)
     dy = torch.randn_like(y)
     gx, gw = torch.autograd.grad(y, (x, w), dy)
     assert gx.shape == x.shape and gw.shape == w.shape and gx.dtype == gw.dtype == torch.bfloat16
@@ -1021,14 +1018,13 @@ def test_rms_norm_backward(shape, seed_rng):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("D,H", [(64, 6), (128, 6), (128, 40)])  # 40 x 128: a token's 320 groups over 2 CTAs
 def test_apply_rope_bits_invariance_accuracy(dtype, D, H, seed_rng):
-    cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
     T, P = 77, 4096
     cos, sin = rope_table(D, P, 1e6, device="cuda")
     qkv = torch.randn(T, 3 * H, D, generator=g).to(dtype).cuda()
     x = qkv[:, H:2 * H]  # strided view, as from a fused qkv projection
     positions = torch.randint(0, P, (T,), generator=g).cuda()
-    y = _written(lambda o: cu.apply_rope_cuda(x, cos, sin, positions, out=o), x.shape, dtype)
+    y = _written(lambda o: cuda_elementwise.apply_rope_cuda(x, cos, sin, positions, out=o), x.shape, dtype)
     # the unfused fp32 expression x*cos + rotate_half(x)*sin, rounded once
     h = D // 2
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
@@ -1038,11 +1034,11 @@ def test_apply_rope_bits_invariance_accuracy(dtype, D, H, seed_rng):
     rep = compare_bits(y, expect, name="rope==torch fp32 unfused")
     assert rep, rep
     sub = torch.tensor([3, 0, 50], device="cuda")
-    assert compare_bits(cu.apply_rope_cuda(x[sub], cos, sin, positions[sub].int()), y[sub])
+    assert compare_bits(cuda_elementwise.apply_rope_cuda(x[sub], cos, sin, positions[sub].int()), y[sub])
     # a base 2 bytes past a 16-byte boundary: the element path, the same bits as the vector path
     shifted = torch.empty(T * H * D + 1, dtype=dtype, device="cuda")[1:].view(T, H, D)
     shifted.copy_(x)
-    assert compare_bits(cu.apply_rope_cuda(shifted, cos, sin, positions), y)
+    assert compare_bits(cuda_elementwise.apply_rope_cuda(shifted, cos, sin, positions), y)
     acc = check_accuracy(y, apply_rope_reference(x, cos, sin, positions), 1e-5 if dtype == torch.float32 else 1e-2)
     assert acc, acc
 
@@ -1052,7 +1048,6 @@ def test_apply_rope_bits_invariance_accuracy(dtype, D, H, seed_rng):
 def test_apply_rope_backward_transpose_bits(dtype, seed_rng):
     """The csrc backward is the transpose with fp32 products and sum rounded separately: the unfused torch
     expression's bits, on both the vector path (aligned bf16) and the element path (shifted base)."""
-    cu = _ops()
     g = torch.Generator().manual_seed(seed_rng)
     T, H, D, P = 50, 12, 128, 2048
     cos, sin = rope_table(D, P, 1e6, device="cuda")
@@ -1064,24 +1059,23 @@ def test_apply_rope_backward_transpose_bits(dtype, seed_rng):
     expect = torch.cat([gf[..., :h] * c[..., :h] + gf[..., h:] * s[..., h:],
                         gf[..., h:] * c[..., h:] - gf[..., :h] * s[..., :h]], -1).to(dtype)
     out = torch.full_like(dy, float("nan"))
-    got = cu.extension().apply_rope_fwd(dy, cos, sin, pos, out=out, backward=True)
+    got = cuda_extension.extension().apply_rope_fwd(dy, cos, sin, pos, out=out, backward=True)
     assert got.data_ptr() == out.data_ptr()
     rep = compare_bits(got, expect, name="rope backward==torch fp32 unfused")
     assert rep, rep
     shifted = torch.empty(T * H * D + 1, dtype=dtype, device="cuda")[1:].view(T, H, D)
     shifted.copy_(dy)
-    assert compare_bits(cu.extension().apply_rope_fwd(shifted, cos, sin, pos, backward=True), expect)
+    assert compare_bits(cuda_extension.extension().apply_rope_fwd(shifted, cos, sin, pos, backward=True), expect)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,D,H", [(torch.float32, 64, 3), (torch.bfloat16, 128, 12)])
 def test_apply_rope_backward(dtype, D, H):
-    cu = _ops()
     T = 20
     cos, sin = rope_table(D, 128, 1e6, device="cuda")
     x = torch.randn(T, H, D, device="cuda").to(dtype).requires_grad_(True)
     pos = torch.randint(0, 128, (T,), device="cuda")
-    y = cu.apply_rope_cuda(x, cos, sin, pos)
+    y = cuda_elementwise.apply_rope_cuda(x, cos, sin, pos)
     dy = torch.randn_like(y)
     (gx,) = torch.autograd.grad(y, (x,), dy)
     xd = x.detach().double().requires_grad_(True)

@@ -10,6 +10,7 @@ import torch
 
 from areal_tik.verify import contract
 from areal_tik.kernels import linear as L
+from areal_tik.kernels.linear import configs, launcher, selection
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -55,7 +56,7 @@ def test_k_unroll_and_k_tail_do_not_change_bits(seed_rng):
     """K_UNROLL only changes how many loads are in flight: same dot sequence, same bits."""
     K, N, M = 200, 32, 5  # one unrolled trip (128), one plain block, one 8-wide tail
     x, w = _wide((M, K), torch.float32), _wide((N, K), torch.float32)
-    base = dict(L.INTERPRETER_CONFIG)
+    base = dict(configs.INTERPRETER_CONFIG)
     outs = {f"unroll{u}": L.linear_fwd(x, w, config=dict(base, K_UNROLL=u)) for u in (1, 2, 3)}
     assert contract.check_regime_equality(outs)
 
@@ -85,9 +86,9 @@ def test_all_gpu_configs_bit_identical_cpu(seed_rng):
     w = _wide((N, K), torch.float32)
     for M in (1, 19):
         x = _wide((M, K), torch.float32)
-        assert L.tma_ok(x, w)  # the TMA / persistent-TMA kernels really run (interpreter descriptors)
+        assert launcher.tma_ok(x, w)  # the TMA / persistent-TMA kernels really run (interpreter descriptors)
         outs = {name: L.linear_fwd(x, w, config=name) for name in L.CONFIGS}
-        outs["interp"] = L.linear_fwd(x, w, config=L.INTERPRETER_CONFIG)
+        outs["interp"] = L.linear_fwd(x, w, config=configs.INTERPRETER_CONFIG)
         rep = contract.check_regime_equality(outs, name=f"M={M}")
         assert rep, rep.summary()
 
@@ -99,7 +100,7 @@ def test_tma_configs_fall_back_on_unaligned_rows(seed_rng):
     w = _wide((N, K), torch.float32)
     big = _wide((M, K + 1), torch.float32)
     xv = big[:, :K]                      # row stride 73 floats = 292 B: no TMA
-    assert not L.tma_ok(xv, w) and L.tma_ok(xv.contiguous(), w)
+    assert not launcher.tma_ok(xv, w) and launcher.tma_ok(xv.contiguous(), w)
     for name in ("tma128_n128", "tmap128_n256_flat"):
         assert contract.compare_bits(L.linear_fwd(xv, w, config=name), L.linear_fwd(xv.contiguous(), w, config=name))
 
@@ -107,29 +108,29 @@ def test_tma_configs_fall_back_on_unaligned_rows(seed_rng):
 def test_tuned_table_parsing_and_selection(tmp_path):
     tab = {"format": 1, "archs": {"sm_90": {"rules": [
         {"N": 2048, "K": 1536, "buckets": [[8, "dec16_n16"], [256, "mid64_n64"], [None, "tmap128_n256"]]}]}}}
-    t = L.parse_tuned_table(json.dumps(tab))
-    assert L.tuned_config_name(1, 2048, 1536, "sm_90", t) == "dec16_n16"
-    assert L.tuned_config_name(8, 2048, 1536, "sm_90", t) == "dec16_n16"
-    assert L.tuned_config_name(9, 2048, 1536, "sm_90", t) == "mid64_n64"
-    assert L.tuned_config_name(10 ** 6, 2048, 1536, "sm_90", t) == "tmap128_n256"
-    assert L.tuned_config_name(9, 2048, 1537, "sm_90", t) is None       # other shape: built-in default
-    assert L.tuned_config_name(9, 2048, 1536, "sm_80", t) is None       # other arch
-    assert L.parse_tuned_table("") == {}
+    t = selection.parse_tuned_table(json.dumps(tab))
+    assert selection.tuned_config_name(1, 2048, 1536, "sm_90", t) == "dec16_n16"
+    assert selection.tuned_config_name(8, 2048, 1536, "sm_90", t) == "dec16_n16"
+    assert selection.tuned_config_name(9, 2048, 1536, "sm_90", t) == "mid64_n64"
+    assert selection.tuned_config_name(10 ** 6, 2048, 1536, "sm_90", t) == "tmap128_n256"
+    assert selection.tuned_config_name(9, 2048, 1537, "sm_90", t) is None       # other shape: built-in default
+    assert selection.tuned_config_name(9, 2048, 1536, "sm_80", t) is None       # other arch
+    assert selection.parse_tuned_table("") == {}
     bad = json.loads(json.dumps(tab))
     bad["archs"]["sm_90"]["rules"][0]["buckets"][1][1] = "no_such_cfg"
     with pytest.raises(ValueError, match="unknown config"):
-        L.parse_tuned_table(json.dumps(bad))
+        selection.parse_tuned_table(json.dumps(bad))
     bad["archs"]["sm_90"]["rules"][0]["buckets"] = [[256, "dec16_n16"], [8, "dec16_n16"]]
     with pytest.raises(ValueError, match="ascend"):
-        L.parse_tuned_table(json.dumps(bad))
+        selection.parse_tuned_table(json.dumps(bad))
     # pre-Hopper never gets a TMA config, and the built-in defaults are pointer kernels
-    assert not L.arch_has_tma("sm_80") and L.arch_has_tma("sm_90")
+    assert not configs.arch_has_tma("sm_80") and configs.arch_has_tma("sm_90")
     for M in (1, 8, 64, 256, 2048, 16384):
         for N, K in ((2048, 1536), (151936, 1536), (3584, 18944)):
-            assert L.CONFIGS[L.default_config_name(M, N, K)]["kernel"] == "ptr"
+            assert L.CONFIGS[configs.default_config_name(M, N, K)]["kernel"] == "ptr"
             assert L.pick_config(M, N, K, "sm_80") in L.CONFIGS
     # the committed table (if any) parses and names only configs the GPU test covers
-    L.parse_tuned_table(L._load_table_text())
+    selection.parse_tuned_table(selection._load_table_text())
 
 
 def test_packing_invariance_cpu(seed_rng):

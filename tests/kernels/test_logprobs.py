@@ -5,6 +5,7 @@ import torch
 
 from areal_tik.verify import contract
 from areal_tik.kernels import linear as L, logprobs as LP
+from areal_tik.kernels.logprobs import layout, torch_ref, triton_ops
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -75,27 +76,27 @@ def test_alignment_decision_logic():
     """The LSE kernel promises ``row * stride`` is a multiple of ROW_ALIGN elements and a
     16-byte aligned base (vector loads). The H200 crashed ("misaligned address") when the
     fused path handed it a [T, 32003] buffer. The decision logic is pure Python: check it."""
-    assert LP.ROW_ALIGN == 8
+    assert layout.ROW_ALIGN == 8
     for V in (1, 7, 300, 2047, 2049, 32003, 32000, 151936, 151937):
-        s = LP.padded_row_stride(V)
-        assert s >= V and s % LP.ROW_ALIGN == 0 and s % 64 == 0, (V, s)
-        buf = LP.alloc_logits_buffer(3, V, torch.bfloat16, "cpu")
-        assert buf.shape == (3, V) and buf.stride(0) == s and LP._aligned(buf)
-    assert not LP.lse_alignment_ok(0, 32003, 2)      # the crashing case
-    assert LP.lse_alignment_ok(0, 32003, 1)          # one row: stride never used
-    assert not LP.lse_alignment_ok(2, 64, 1)         # base not 16-byte aligned
-    assert LP.lse_alignment_ok(32, 4096, 1000)
+        s = layout.padded_row_stride(V)
+        assert s >= V and s % layout.ROW_ALIGN == 0 and s % 64 == 0, (V, s)
+        buf = layout.alloc_logits_buffer(3, V, torch.bfloat16, "cpu")
+        assert buf.shape == (3, V) and buf.stride(0) == s and layout._aligned(buf)
+    assert not layout.lse_alignment_ok(0, 32003, 2)      # the crashing case
+    assert layout.lse_alignment_ok(0, 32003, 1)          # one row: stride never used
+    assert not layout.lse_alignment_ok(2, 64, 1)         # base not 16-byte aligned
+    assert layout.lse_alignment_ok(32, 4096, 1000)
 
 
 def test_lse_launch_refuses_unaligned_views(seed_rng):
     T, V = 4, 300
     big = torch.randn(T, V + 1, device=DEV).bfloat16()
     tok = torch.randint(0, V, (T,), device=DEV)
-    st, lp, ent = LP._init_state(T, big.device), torch.empty(T, device=DEV), torch.empty(T, device=DEV)
+    st, lp, ent = layout._init_state(T, big.device), torch.empty(T, device=DEV), torch.empty(T, device=DEV)
     with pytest.raises(ValueError, match="aligned"):
-        LP._lse_launch(big[:, :V], tok, st, lp, ent, 0, V, 1.0, True)   # row stride 301
+        triton_ops._lse_launch(big[:, :V], tok, st, lp, ent, 0, V, 1.0, True)   # row stride 301
     with pytest.raises(ValueError, match="aligned"):
-        LP._lse_launch(big.view(-1)[1:1 + T * V].view(T, V), tok, st, lp, ent, 0, V, 1.0, True)  # base +2 B
+        triton_ops._lse_launch(big.view(-1)[1:1 + T * V].view(T, V), tok, st, lp, ent, 0, V, 1.0, True)  # base +2 B
 
 
 @pytest.mark.parametrize("V", [VB + 3, 2 * VB - 1])
@@ -105,16 +106,16 @@ def test_odd_vocab_buffers_aligned_and_bitwise(V, seed_rng, monkeypatch):
     T, K = 6, 32
     h, w, tok = _problem(T, V, K)
     seen = []
-    real = LP._lse_launch
+    real = triton_ops._lse_launch
 
     def spy(lg, *a, **k):
         seen.append((lg.data_ptr() % 16, lg.stride(0), lg.shape[0]))
         return real(lg, *a, **k)
-    monkeypatch.setattr(LP, "_lse_launch", spy)
+    monkeypatch.setattr(triton_ops, "_lse_launch", spy)
     lp_u = LP.logprobs_from_logits_triton(L.linear_triton(h, w), tok, 0.9)
     for chunk in (None, VB):
         assert contract.compare_bits(LP.token_logprobs_triton(h, w, tok, 0.9, _chunk_cols=chunk), lp_u), chunk
-    assert seen and all(LP.lse_alignment_ok(p, s, n) for p, s, n in seen), seen
+    assert seen and all(layout.lse_alignment_ok(p, s, n) for p, s, n in seen), seen
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch_ref"])
@@ -140,13 +141,13 @@ def test_gradients_hidden_weight_and_logits(impl, seed_rng):
 
 def test_outputs_written_and_errors(seed_rng):
     T, V = 4, 300
-    logits = LP.alloc_logits_buffer(T, V, torch.bfloat16, DEV)  # aligned row stride (the kernel needs it)
+    logits = layout.alloc_logits_buffer(T, V, torch.bfloat16, DEV)  # aligned row stride (the kernel needs it)
     logits.copy_(torch.randn(T, V, device=DEV))
     tok = torch.randint(0, V, (T,), device=DEV)
-    st = LP._init_state(T, logits.device)
+    st = layout._init_state(T, logits.device)
     lp, ent = torch.empty(T, device=DEV), torch.empty(T, device=DEV)
-    assert contract.check_outputs_written(lambda o: LP._lse_launch(logits, tok, st.clone(), o, ent, 0, V, 1.0, True), lp)
-    assert contract.check_outputs_written(lambda o: LP._lse_launch(logits, tok, st.clone(), lp, o, 0, V, 1.0, True), ent)
+    assert contract.check_outputs_written(lambda o: triton_ops._lse_launch(logits, tok, st.clone(), o, ent, 0, V, 1.0, True), lp)
+    assert contract.check_outputs_written(lambda o: triton_ops._lse_launch(logits, tok, st.clone(), lp, o, 0, V, 1.0, True), ent)
     ref_lp, ref_ent = LP.logprobs_reference(logits, tok, 1.0)
     assert (lp.double() - ref_lp).abs().max() < 1e-4 and (ent.double() - ref_ent).abs().max() < 1e-4
     assert contract.check_inputs_unchanged(lambda a, b: LP.logprobs_from_logits_triton(a, b, 1.0), logits, tok)
@@ -213,7 +214,7 @@ def test_logits_backward_row_blocked(seed_rng, monkeypatch):
         return lg.grad
 
     whole = grad()
-    monkeypatch.setattr(LP, "_DLOGITS_ROW_BLOCK", 2)
+    monkeypatch.setattr(torch_ref, "_DLOGITS_ROW_BLOCK", 2)
     blocked = grad()
     assert blocked.dtype == torch.bfloat16 and torch.isfinite(blocked.float()).all()
     assert torch.equal(blocked, whole)
@@ -224,7 +225,7 @@ def test_logits_backward_triton_padded_rows(seed_rng):
     living in a row-padded buffer (stride > V): same gradient as torch_ref within fp32 noise, the
     logits themselves untouched."""
     T, V = 5, 301
-    logits = LP.alloc_logits_buffer(T, V, torch.float32, DEV)
+    logits = layout.alloc_logits_buffer(T, V, torch.float32, DEV)
     assert logits.stride(0) > V
     logits.copy_(torch.randn(T, V, device=DEV))
     keep = logits.clone()

@@ -46,7 +46,7 @@ def test_jit_watch_counts_through_the_hooks():
     before = jit_watch.snapshot()
 
     class Info:
-        name = "areal_tik.kernels.linear._linear_fwd_kernel"
+        name = "areal_tik.kernels.linear.triton_kernels._linear_fwd_kernel"
     assert jit_watch._on_cache_miss(fn=Info()) is False
     jit_watch._on_compiled(fn=Info())
     d = jit_watch.delta(before)

@@ -1,2 +1,3 @@
-"""The csrc CUDA extension: ``loader`` builds or loads it, ``ops`` wraps its kernels as ops
-(the ``cuda`` backend of the attention pair, RMSNorm, RoPE and the KV write)."""
+"""The csrc CUDA extension: ``loader`` builds or loads it, ``extension`` checks the build and holds
+what every cuda op shares (``CUDA_SOURCES``, ``META``), ``attention`` and ``elementwise`` wrap its
+kernels as ops (the ``cuda`` backend of the attention pair, and of RMSNorm, RoPE and the KV write)."""

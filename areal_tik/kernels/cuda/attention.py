@@ -1,19 +1,13 @@
-"""CUDA C++ backend (``csrc/``) for attention, KV-cache write, RMSNorm and RoPE.
-
-The kernels live in ``csrc/tik_attention*.cu`` / ``*.cuh`` and ``csrc/tik_elementwise.cu`` (plain CUDA,
-no torch headers, C launcher API in ``csrc/tik_api.h``); ``csrc/tik_bindings.cpp`` binds
-them to torch. The module is ``areal_tik.kernels.cuda._C`` when ``setup.py`` built it, else a JIT build
-by :func:`areal_tik.kernels.cuda.loader.load`. Nothing here touches CUDA at import time, so
-the registry can import this module on a CPU machine (the cuda backend then reports
-itself unavailable).
+"""CUDA C++ backend (``csrc/``) of the attention pair: the ``attention_varlen`` and
+``attention_paged`` wrappers (validation, launch selectors, autograd) over the extension of
+:mod:`.extension` (which holds the build constants, ``META``, ``CUDA_SOURCES`` and the
+stale-build checks).
 
 Entry points (``OPS``), same signatures as the Triton backend (docs/interfaces.md):
 
 - ``attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale=None)`` — R1, autograd.
 - ``attention_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q,
   scale=None)`` — R2/R3/R4.
-- ``kv_cache_write(k, v, k_cache, v_cache, slot_mapping)``; ``rms_norm(x, weight, eps)``;
-  ``apply_rope(x, cos, sin, positions)``.
 
 Attention maths: ``out[t,h] = softmax(scale * q[t,h] . k[j, h//G], j <= pos(t)) @ v``, bf16
 in/out, D in {64, 128}, G = Hq/Hkv, causal. Contract (within this backend): for a query at
@@ -51,100 +45,29 @@ output bits; FOLD mode) and the backward runs on it, as the Triton forward's doe
 (``kernels/attention/flash_backward.py``: PyTorch's flash-attention-2 backward kernel by default, the Triton
 recompute under deterministic algorithms or with ``Settings.attention_backward="triton"``): correct, not bitwise
 invariant, not the exact derivative of the bf16 forward. A forced ``mode="split"`` keeps the older float32
-recompute through PyTorch's ``scaled_dot_product_attention`` per sequence. ``rms_norm`` and
-``apply_rope`` backward: the Triton RMSNorm backward kernel on each row's rstd from the Triton
-forward, and the csrc RoPE kernel's transpose.
-
-RMSNorm: HF rounding points, one warp per row, reduction order fixed by N only (row
-invariant). RoPE: fp32 products and sum rounded separately, one rounding to x's dtype.
-kv_cache_write: byte copies (exact).
+recompute through PyTorch's ``scaled_dot_product_attention`` per sequence.
 """
 from __future__ import annotations
 
-import glob
 import math
-import os
 
 import torch
 
-from areal_tik.kernels.cuda import loader
+from areal_tik.kernels.cuda.extension import (  # CUDA_SOURCES, META: the registry reads them here
+    CUDA_SOURCES, META, PREFILL_KERNEL, _need_cuda, extension,
+)
 
-__all__ = [
-    "attention_varlen_cuda", "attention_paged_cuda", "kv_cache_write_cuda", "rms_norm_cuda", "apply_rope_cuda",
-    "OPS", "META", "CUDA_SOURCES", "BLOCK_N", "SPLIT", "extension",
-]
+__all__ = ["attention_varlen_cuda", "attention_paged_cuda", "describe", "OPS", "META", "CUDA_SOURCES",
+           "DECODE_MERGE", "PREFILL_KERNEL"]
 
-# every csrc file, headers included (the fingerprint hashes them all)
-CUDA_SOURCES = tuple(sorted(f for ext in ("h", "cuh", "cu", "cpp")
-                            for f in glob.glob(os.path.join(loader.CSRC_DIR, f"*.{ext}"))))
-
-BLOCK_N = 64      # must equal TIK_ATTN_BLOCK_N in csrc/tik_api.h
-SPLIT = 256       # must equal TIK_ATTN_SPLIT
 HEAD_DIMS = (64, 128)
 _MODES = {"auto": 0, "fold": 1, "split": 2}
-DECODE_PATH = 4   # must equal TIK_ATTN_DECODE_PATH (4-warp decode, fused merge, chunks per CTA, lse output)
 _DECODE_MERGES = {"fused": 0, "kernel": 1}
 # Default split-KV merge of decode-shaped launches ("fused": in the decode launch; "kernel":
 # the separate merge kernel); a launch may pass decode_merge=. Same bits either way.
 DECODE_MERGE = "fused"
-PREFILL_KERNELS = 2  # must equal TIK_ATTN_PREFILL_KERNELS (the build knows prefill_kernel)
 _PREFILL = {"auto": 0, "mma": 1, "wgmma": 2}
-ELEMENTWISE_API = 2  # must equal TIK_ELEMENTWISE_API (2: apply_rope_fwd has the backward transpose)
-# Kernel of FOLD-mode launches that are not decode-shaped ("auto": the sm_90a wgmma kernel where
-# the GPU and the build have it and D = 128, else mma.sync; "mma"/"wgmma" force one); a launch may
-# pass prefill_kernel=. The GPU tests check both give the same bits.
-PREFILL_KERNEL = "auto"
 LOG2E = 1.4426950408889634
-
-META = {"cuda.attn.BLOCK_N": BLOCK_N, "cuda.attn.SPLIT": SPLIT, "cuda.attn.mma": "m16n8k16 bf16->f32",
-        "cuda.attn.exp": "ex2.approx.ftz", "cuda.rms_norm": "warp/row, lane-strided 8-groups, xor tree",
-        "cuda.rope": "fp32 mul/add rn",
-        "cuda.attn.prefill": f"{PREFILL_KERNEL}: sm_90a and D=128 -> wgmma m64n64k16/m64n128k16 + TMA (2 consumer "
-                             "warpgroups, 128 rows per CTA, + a producer warpgroup), else mma.sync m16n8k16",
-        "cuda.attn.decode": "max_seqlen_q*G<=16: one 4-warp CTA per 16 rows, warps split the head dim "
-                            "(P V, D/4 columns each; S split by columns, exchanged in shared memory); split-KV: "
-                            "256-position chunks, one or more per CTA, merged ascending "
-                            "(in the launch by the tile's last CTA, or by a merge kernel: same operations); K/V by TMA "
-                            "boxes on sm_90a at D=128 with boxes of >= 64 rows, else cp.async (same bits)"}
-
-
-def extension():
-    """The compiled module (prebuilt or JIT). Raises RuntimeError with the reason."""
-    mod = loader.load()
-    if getattr(mod, "BLOCK_N", BLOCK_N) != BLOCK_N or getattr(mod, "SPLIT", SPLIT) != SPLIT:
-        raise RuntimeError(f"areal-tik CUDA extension built with BLOCK_N={mod.BLOCK_N}, SPLIT={mod.SPLIT}; "
-                           f"cuda_ops expects {BLOCK_N}/{SPLIT}: rebuild")
-    if getattr(mod, "DECODE_PATH", None) != DECODE_PATH:
-        raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} was built from other csrc "
-                           f"(DECODE_PATH={getattr(mod, 'DECODE_PATH', None)}, expected {DECODE_PATH}: it predates "
-                           "the current decode path, e.g. the removed 1-warp decode, the decode without the "
-                           "fused merge, or a build without the lse output): rebuild it (pip install -e . to rebuild areal_tik.kernels.cuda._C, or delete the stale "
-                           "areal_tik/kernels/cuda/_C*.so to use the JIT build)")
-    # revision markers of later csrc features: a build without one predates that feature
-    for attr, want, feature in (("PREFILL_KERNELS", PREFILL_KERNELS, "the prefill_kernel selector (wgmma prefill)"),
-                                ("ELEMENTWISE_API", ELEMENTWISE_API, "the RoPE backward kernel (ELEMENTWISE_API)")):
-        if getattr(mod, attr, None) != want:
-            raise RuntimeError(f"areal-tik CUDA extension {getattr(mod, '__file__', mod)} predates {feature}: "
-                               "rebuild it (pip install -e ., or delete the stale areal_tik/kernels/cuda/_C*.so to use the JIT "
-                               "build)")
-    return mod
-
-
-# ---------------------------------------------------------------------------------------
-# validation
-# ---------------------------------------------------------------------------------------
-
-def _need_cuda(name, *named):
-    dev = None
-    for n, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {n} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cuda":
-            raise ValueError(f"{name}: the cuda backend needs CUDA tensors; {n} is on {t.device}")
-        if dev is None:
-            dev = t.device
-        elif t.device != dev:
-            raise ValueError(f"{name}: {n} is on {t.device} but the other inputs are on {dev}")
 
 
 def _check_int(name, nm, t, dims=1):
@@ -199,10 +122,6 @@ def _prefill_kernel(prefill_kernel):
 def _decode_merge(decode_merge):
     return _choice("decode_merge", decode_merge, DECODE_MERGE, _DECODE_MERGES)
 
-
-# ---------------------------------------------------------------------------------------
-# attention
-# ---------------------------------------------------------------------------------------
 
 def _varlen_grad_reference(q, k, v, cu_seqlens, scale, dout):
     """Float32 recompute of the varlen attention and its gradients, one sequence at a time."""
@@ -333,125 +252,6 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
                                            prefill_kernel=_prefill_kernel(prefill_kernel))
 
 
-def kv_cache_write_cuda(k, v, k_cache, v_cache, slot_mapping):
-    """Copy ``k[t], v[t]`` into cache slot ``slot_mapping[t]`` (negative slots skipped). In place."""
-    name = "kv_cache_write"
-    _need_cuda(name, ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping))
-    if k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"{name}: k/v must be [Tk, Hkv, D] of one shape, got {tuple(k.shape)} / {tuple(v.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
-        raise ValueError(f"{name}: caches must be [num_pages, page_size, {k.shape[1]}, {k.shape[2]}], got "
-                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype) or k.element_size() not in (2, 4):
-        raise TypeError(f"{name}: dtypes must match and be 2 or 4 bytes: {k.dtype} {v.dtype} {k_cache.dtype} "
-                        f"{v_cache.dtype}")
-    if slot_mapping.dtype not in (torch.int32, torch.int64) or slot_mapping.shape != (k.shape[0],):
-        raise TypeError(f"{name}: slot_mapping must be int32/int64 [{k.shape[0]}], got {slot_mapping.dtype} "
-                        f"{tuple(slot_mapping.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"{name}: caches must be contiguous")
-    extension().kv_cache_write(k.contiguous(), v.contiguous(), k_cache, v_cache,
-                               slot_mapping.to(torch.int64).contiguous())
-
-
-# ---------------------------------------------------------------------------------------
-# RMSNorm
-# ---------------------------------------------------------------------------------------
-
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def rms_norm_backward(x, w, eps, dy):
-    """(dx, dw) of HF RMSNorm, the backward of the csrc rms_norm and of an agent-exported one
-    (areal_tik.agent.export): the Triton backward kernel of ``kernels/rms_norm.py`` (fp32 maths, dw from
-    fixed per-program partial sums) on each row's ``rsqrt(mean(x^2) + eps)`` from its Triton forward. Like
-    the attention's backward, a gradient: accurate, not part of the bitwise contract."""
-    from areal_tik.kernels.rms_norm import _rms_norm_bwd, rms_norm_fwd
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    _, rstd = rms_norm_fwd(x2, w, eps, store_rstd=True)  # the Triton forward's rstd (its y is not used)
-    dx, dw = _rms_norm_bwd(dy.reshape(-1, n), x2, w, rstd)
-    return dx.view(x.shape), dw
-
-
-class _RMSNormCudaFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, eps):
-        ctx.save_for_backward(x, w)
-        ctx.eps = eps
-        return extension().rms_norm_fwd(x, w, eps)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        return (*rms_norm_backward(x, w, ctx.eps, dy), None)
-
-
-def rms_norm_cuda(x, weight, eps, out=None):
-    """HF-semantics RMSNorm ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (CUDA, one
-    warp per row; a row's bits depend only on that row and N). x ``[..., N]`` bf16/fp16/fp32
-    with a unit last stride, weight ``[N]`` of x's dtype. Backward: :func:`rms_norm_backward`."""
-    name = "rms_norm"
-    _need_cuda(name, ("x", x), ("weight", weight))
-    if x.dtype not in _FLOATS or weight.dtype != x.dtype:
-        raise TypeError(f"{name}: x ({x.dtype}) and weight ({weight.dtype}) must share a dtype in {_FLOATS}")
-    if weight.dim() != 1 or x.dim() < 1 or x.shape[-1] != weight.shape[0]:
-        raise ValueError(f"{name}: x {tuple(x.shape)} and weight {tuple(weight.shape)} need x[..., N], weight[N]")
-    w = weight.contiguous()
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _RMSNormCudaFunction.apply(x, w, float(eps))
-    return extension().rms_norm_fwd(x, w, float(eps), out=out)
-
-
-# ---------------------------------------------------------------------------------------
-# RoPE
-# ---------------------------------------------------------------------------------------
-
-class _RopeCudaFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin, positions):
-        ctx.save_for_backward(cos, sin, positions)
-        return extension().apply_rope_fwd(x, cos, sin, positions)
-
-    @staticmethod
-    def backward(ctx, dy):
-        cos, sin, positions = ctx.saved_tensors
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        return extension().apply_rope_fwd(dy, cos, sin, positions, backward=True), None, None, None
-
-
-def apply_rope_cuda(x, cos, sin, positions, out=None):
-    """Neox (rotate-half) RoPE: ``out[:h] = x1*cos1 - x2*sin1``, ``out[h:] = x2*cos2 + x1*sin2`` in
-    fp32 (each product and sum rounded, no FMA), rounded once to x's dtype. x ``[T, H, D]``
-    (unit last stride, other strides free), cos/sin fp32 ``[P, D]``, positions int32/int64
-    ``[T]`` in ``[0, P)`` (clamped on the GPU, never read out of bounds). New contiguous output.
-    Backward: the same kernel's transpose (csrc ``tik_apply_rope(..., backward=1)``)."""
-    name = "apply_rope"
-    _need_cuda(name, ("x", x), ("cos", cos), ("sin", sin), ("positions", positions))
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"{name}: x dtype {x.dtype} unsupported; {_FLOATS}")
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise TypeError(f"{name}: cos/sin must be float32")
-    if positions.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name}: positions must be int32/int64, got {positions.dtype}")
-    if x.dim() != 3:
-        raise ValueError(f"{name}: x must be [T, H, D], got {tuple(x.shape)}")
-    T, H, D = x.shape
-    if D % 2 or cos.dim() != 2 or cos.shape[1] != D or sin.shape != cos.shape:
-        raise ValueError(f"{name}: cos/sin must be [P, {D}] (even D), got {tuple(cos.shape)}/{tuple(sin.shape)}")
-    if positions.shape != (T,):
-        raise ValueError(f"{name}: positions must be [{T}], got {tuple(positions.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    pos = positions.to(torch.int64).contiguous()
-    c, s = cos.contiguous(), sin.contiguous()
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _RopeCudaFunction.apply(x, c, s, pos)
-    return extension().apply_rope_fwd(x, c, s, pos, out=out)
-
-
 def describe() -> str:
     """Registers / spills / shared memory of every attention kernel (needs the GPU)."""
     return extension().describe()
@@ -460,17 +260,4 @@ def describe() -> str:
 OPS = {
     "attention_varlen": {"cuda": attention_varlen_cuda},
     "attention_paged": {"cuda": attention_paged_cuda},
-    "kv_cache_write": {"cuda": kv_cache_write_cuda},
-    "rms_norm": {"cuda": rms_norm_cuda},
-    "apply_rope": {"cuda": apply_rope_cuda},
 }
-
-
-def _rope_table(*args, **kwargs):
-    """The one RoPE table (built on the CPU in float64, see ``kernels/rope.py``); listed here so
-    a ``backend="cuda"`` request finds it. Identical for every backend."""
-    from areal_tik.kernels.rope import rope_table
-    return rope_table(*args, **kwargs)
-
-
-OPS["rope_table"] = {"cuda": _rope_table}

@@ -1,0 +1,185 @@
+"""The A/B report directory: ``report.json``, ``steps.csv``, ``summary.md`` (the markdown
+summary of :func:`areal_tik.ab.analysis.analyze`'s report) and the figures ``step_time.png``
+(step time by phase, both arms) and ``reward.png``."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+
+from areal_tik.ab.analysis import ARMS, PHASES
+
+__all__ = ["REPORT_FILES", "summary_markdown", "plot", "write_report"]
+
+REPORT_FILES = ("report.json", "steps.csv", "summary.md", "step_time.png", "reward.png")
+
+
+def _has_critic(report: dict) -> bool:
+    return any(r.get("critic", 0.0) > 0 for a in ARMS for r in report["rows"][a])
+
+
+def _fmt(x, nd=3):
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def summary_markdown(report: dict, meta: dict) -> str:
+    r = report
+    lines = [f"# areal-tik A/B: {meta.get('config')}", ""]
+    cut = [a for a, t in (meta.get("timed_out") or {}).items() if t]
+    if cut:
+        lines += [f"**PARTIAL: {', '.join(cut)} arm(s) stopped at the per-arm timeout; "
+                  f"{r['n_steps']} of {meta.get('steps')} requested steps compared.**", ""]
+    lines += [
+             f"{r['n_steps']} steps per arm; ratios over steps {r['measured_steps']} "
+             "(step 0 = warm-up + tik audit, excluded when there are >= 2 steps; so is a step recorded "
+             "under torch.profiler).", "",
+             f"- **step throughput tik/baseline: {_fmt(r['throughput_ratio_total'])}x** "
+             f"(sum of baseline step times / sum of tik step times); per-step ratio mean "
+             f"{_fmt(r['step_time_ratio']['mean'])}, min {_fmt(r['step_time_ratio']['min'])}, "
+             f"max {_fmt(r['step_time_ratio']['max'])}, std {_fmt(r['step_time_ratio']['std'])}",
+             f"- generated tokens/s: baseline {_fmt(r['tokens_per_s']['baseline'], 1)}, "
+             f"tik {_fmt(r['tokens_per_s']['tik'], 1)} (ratio {_fmt(r['tokens_per_s_ratio'])})",
+             f"- mean training reward: baseline {_fmt(r['reward_mean']['baseline'])} "
+             f"(+- {_fmt(r['reward_mean'].get('se_baseline'))} s.e.), tik {_fmt(r['reward_mean']['tik'])} "
+             f"(+- {_fmt(r['reward_mean'].get('se_tik'))}); ratio {_fmt(r['reward_mean']['ratio'])}, "
+             f"95% CI [{', '.join(_fmt(x) for x in r['reward_mean'].get('ratio_ci95', [math.nan, math.nan]))}] "
+             f"(per-step means as samples, all steps)",
+             f"- tik: recompute skipped on {r['tik']['steps_skipped']}/{r['n_steps']} steps, "
+             f"{r['tik']['audits']} audits, {r['tik']['audit_mismatch_tokens']}/{r['tik']['audit_tokens']} "
+             f"audited tokens mismatching (max |diff| {r['tik']['audit_max_abs_diff']:.3g}); "
+             f"reasons recompute ran: {', '.join(r['tik']['skip_reasons']) or 'none (audit only)'}",
+             f"- baseline rollout vs recompute log-probs: {r['baseline_rollout_vs_recompute']['mismatch_tokens']}/"
+             f"{r['baseline_rollout_vs_recompute']['tokens']} tokens differ "
+             f"(max |diff| {r['baseline_rollout_vs_recompute']['max_abs_diff']:.3g})",
+             f"- limiting phase: baseline {r['limiting_phase']['baseline']}, tik {r['limiting_phase']['tik']}",
+             f"- baseline packed attention (train + recompute forward): "
+             f"{', '.join(sorted({x['default_attention'] for x in r['rows']['baseline'] if x.get('default_attention')})) or 'not recorded'}",
+             "",
+             "## Mean seconds per measured step", "",
+             "| arm | rollout | recompute | train step | weight update |" + (" critic |" if _has_critic(r) else "")
+             + " other | step |",
+             "|---|---|---|---|---|---|---|" + ("---|" if _has_critic(r) else "")]
+    for a in ARMS:
+        p = r["phase_mean_s"][a]
+        lines.append(f"| {a} | {_fmt(p['rollout'])} | {_fmt(p['recompute'])} | {_fmt(p['train_step'])} | "
+                     f"{_fmt(p['weight_update'])} |" + (f" {_fmt(p['critic'])} |" if _has_critic(r) else "")
+                     + f" {_fmt(p['other'])} | {_fmt(p['wall_s'])} |")
+    srv_iv = {a: (meta.get("server_intervals") or {}).get(a, []) for a in ARMS}
+    lines += ["", "## Per step", "",
+              "| arm | step | step s | rollout | recompute | recompute fwd | train | weights | gen tok | tok/s | "
+              "reward | skipped | audit mism | JIT compiles (trainer / server) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for a in ARMS:
+        for i, x in enumerate(r["rows"][a]):
+            iv = srv_iv[a][i] if i < len(srv_iv[a]) else {}
+            srv_jit = f"{iv['jit_compiles']} ({_fmt(iv.get('jit_compile_s'), 1)} s)" \
+                if iv.get("jit_compiles") is not None else "-"
+            own_jit = f"{x['jit_compiles']} ({_fmt(x.get('jit_compile_s', 0.0), 1)} s)" \
+                if x.get("jit_compiles") is not None else "-"
+            lines.append(f"| {a} | {x['step']}{' (profiled)' if x.get('profiled') else ''} | {_fmt(x['wall_s'])} | "
+                         f"{_fmt(x['rollout'])} | {_fmt(x['recompute'])} | "
+                         f"{_fmt(x['recompute_forward_s'])} | {_fmt(x['train_step'])} | {_fmt(x['weight_update'])} | "
+                         f"{x['gen_tokens']} | {_fmt(x['tokens_per_s'], 1)} | {_fmt(x['reward'])} | "
+                         f"{'yes' if x['recompute_skipped'] else 'no'} | "
+                         f"{x['audit_mismatch_tokens'] if x['audit'] else '-'} | "
+                         f"{own_jit} / {srv_jit} |")
+    walls = meta.get("arm_wall_s") or {}
+    outside = []
+    for a in ARMS:   # process start-up (AReaL init, rollout server, model) + teardown: what device calls pay
+        w = walls.get(a)
+        if isinstance(w, (int, float)):
+            in_steps = sum(x["wall_s"] for x in r["rows"][a])
+            outside.append(f"{a} {_fmt(w, 1)} s, of which {_fmt(w - in_steps, 1)} s outside the logged steps")
+    if outside:
+        lines += ["", "Arm wall time (whole process): " + "; ".join(outside) + "."]
+    killed = [a for a, k in (meta.get("teardown_killed") or {}).items() if k]
+    if killed:
+        lines += ["", f"The {', '.join(killed)} process(es) logged every step but did not exit within the grace "
+                      "period and were killed during teardown (their steps are complete)."]
+    srv = []
+    for a in ARMS:   # the rollout server's view of each step's rollout (intervals between weight updates)
+        iv = [x for x in (meta.get("server_intervals") or {}).get(a, [])[1:] if x.get("requests")]
+        if iv:
+            busy = statistics.fmean(x["engine_busy_s"] for x in iv)
+            span = statistics.fmean(x["first_request_to_last_finish_s"] or 0.0 for x in iv)
+            txt = (f"{a}: engine stepping {_fmt(busy, 2)} s of a {_fmt(span, 2)} s first-request-to-last-finish "
+                   f"window ({len(iv)} steps)")
+            if all("eager_s" in x for x in iv):
+                txt += (f", of it eager steps (prefill) {_fmt(statistics.fmean(x['eager_s'] for x in iv), 2)} s, "
+                        f"slowest step {_fmt(max(x['max_step_ms'] for x in iv), 1)} ms, "
+                        f"{sum(x['graphs_captured'] for x in iv)} graph captures and "
+                        f"{sum(x['jit_compiles'] or 0 for x in iv)} Triton compiles in all")
+            srv.append(txt)
+    if srv:
+        lines += ["", "Rollout server, mean per step after the first: " + "; ".join(srv) + "."]
+    lines += ["", "Recompute column = AReaL's `timeperf/recompute_logp` timer (in the tik arm it holds the "
+              "skip decision: server query + weight digest); `recompute fwd` = time in the actual forward.",
+              "", f"Commands: `{' '.join(meta.get('cmd_baseline', []))}` / `{' '.join(meta.get('cmd_tik', []))}`", ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, out: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    colors = dict(zip([p for p, _ in PHASES] + ["other"], ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3",
+                                                          "#8c8c8c"]))
+    names = [p for p in colors if p != "critic" or _has_critic(report)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.38
+    for k, a in enumerate(ARMS):
+        rows = report["rows"][a]
+        xs = [r["step"] + (k - 0.5) * width for r in rows]
+        bottom = [0.0] * len(rows)
+        for name in names:
+            c = colors[name]
+            vals = [max(0.0, r[name]) for r in rows]
+            ax.bar(xs, vals, width, bottom=bottom, color=c, edgecolor="black" if a == "tik" else None,
+                   hatch="//" if a == "tik" else None, label=name if k == 0 else None)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xlabel("step (left bar: baseline, hatched: tik)")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"step time by phase (throughput ratio {_fmt(report['throughput_ratio_total'])}x)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = os.path.join(out, "step_time.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for a, c in zip(ARMS, ("#4c72b0", "#dd8452")):
+        rows = report["rows"][a]
+        ax.plot([r["step"] for r in rows], [r["reward"] for r in rows], marker="o", label=a, color=c)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean training reward")
+    ax.legend()
+    fig.tight_layout()
+    p = os.path.join(out, "reward.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+def write_report(report: dict, out: str, meta: dict) -> dict:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump({"meta": meta, **report}, f, indent=2, default=str)
+    cols = ["step", "wall_s", "rollout", "recompute", "recompute_forward_s", "train_step", "weight_update", "critic",
+            "other", "gen_tokens", "tokens_per_s", "reward", "recompute_skipped", "audit", "audit_tokens",
+            "audit_mismatch_tokens", "audit_max_abs_diff", "compare_tokens", "compare_mismatch_tokens",
+            "jit_compiles", "jit_compile_s", "profiled"]
+    with open(os.path.join(out, "steps.csv"), "w") as f:
+        f.write("arm," + ",".join(cols) + "\n")
+        for a in ARMS:
+            for r in report["rows"][a]:
+                f.write(a + "," + ",".join(str(r[c]) for c in cols) + "\n")
+    md = summary_markdown(report, meta)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(md)
+    pngs = plot(report, out)
+    return {"summary": md, "files": ["report.json", "steps.csv", "summary.md", *map(os.path.basename, pngs)]}

@@ -1,0 +1,114 @@
+"""The tile configs the triton backend may use (:data:`CONFIGS`, :data:`CONFIGS_FP32`, the
+interpreter's one config) and the built-in choice among them when no tuned rule applies
+(:func:`default_config_name`). Configs differ only in tiling, warps, stages, load unrolling,
+program order and how tiles are fetched, never in the reduction (``BLOCK_K``)."""
+from __future__ import annotations
+
+import triton
+
+BLOCK_K = 64  # the bit-defining reduction step (fixed for every config)
+
+
+def _cfg(bm, bn, warps, stages, unroll=1, group=8, kernel="ptr", flatten=False, ws=False):
+    c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=group, num_warps=warps, num_stages=stages,
+             kernel=kernel)
+    if kernel == "ptr":
+        c["K_UNROLL"] = unroll
+    if kernel == "tma_p":
+        c.update(FLATTEN=flatten, WARP_SPEC=ws)
+    return c
+
+
+#: Every tile config the triton backend may use on a GPU. They differ only in M/N tiling,
+#: warps, stages, load unrolling, program order and how tiles are fetched (plain pointers,
+#: TMA descriptors, persistent TMA), never in the reduction (BLOCK_K=64, ascending K, one
+#: fresh fp32 accumulator per output tile); the GPU test checks each against the others
+#: bit for bit, and bench/tune_linear.py re-checks every candidate before timing it.
+#: "kernel": "ptr" = :func:`_linear_fwd_kernel`, "tma" = :func:`_linear_fwd_tma_kernel`,
+#: "tma_p" = :func:`_linear_fwd_tma_persistent_kernel` (TMA kinds: sm_90+ only).
+CONFIGS = {
+    # decode: memory bound, small M tile, N tile sized for enough programs, loads in flight
+    "dec16_n16": _cfg(16, 16, 4, 4, unroll=4),
+    "dec16_n32": _cfg(16, 32, 4, 4, unroll=4),
+    "dec16_n64": _cfg(16, 64, 4, 4, unroll=2),
+    "dec32_n32": _cfg(32, 32, 4, 4, unroll=2),
+    "dec32_n64": _cfg(32, 64, 4, 4, unroll=2),
+    "dec64_n64": _cfg(64, 64, 4, 4, unroll=2),
+    "dec16_n16_s6": _cfg(16, 16, 4, 6, unroll=2),
+    "dec16_n32_s6": _cfg(16, 32, 4, 6, unroll=2),
+    "dec16_n64_s6": _cfg(16, 64, 4, 6, unroll=1),
+    "dec16_n128": _cfg(16, 128, 4, 4, unroll=1),
+    "dec16_n32_w2": _cfg(16, 32, 2, 5, unroll=2),
+    "dec64_n32": _cfg(64, 32, 4, 4, unroll=2),
+    # medium M (64..512): more, smaller programs to fill 132 SMs
+    "mid64_n128": _cfg(64, 128, 4, 4),
+    "mid64_n64": _cfg(64, 64, 4, 5),
+    "mid32_n128": _cfg(32, 128, 4, 5),
+    "mid128_n64": _cfg(128, 64, 4, 5),
+    "mid64_n256": _cfg(64, 256, 8, 4),
+    "big128_n128": _cfg(128, 128, 8, 4),
+    "big128_n128_w4": _cfg(128, 128, 4, 4),
+    # large M: Hopper-style big tiles
+    "big128_n256": _cfg(128, 256, 8, 3),
+    "big256_n128": _cfg(256, 128, 8, 3),
+    "big128_n256_g16": _cfg(128, 256, 8, 3, group=16),
+    # TMA descriptors (sm_90+)
+    "tma64_n128": _cfg(64, 128, 4, 4, kernel="tma"),
+    "tma128_n128": _cfg(128, 128, 8, 4, kernel="tma"),
+    "tma128_n128_w4": _cfg(128, 128, 4, 4, kernel="tma"),
+    "tma128_n256": _cfg(128, 256, 8, 3, kernel="tma"),
+    "tma256_n128": _cfg(256, 128, 8, 3, kernel="tma"),
+    # persistent TMA (grouped tile order; optional loop flattening / warp specialisation)
+    "tmap128_n128": _cfg(128, 128, 8, 4, kernel="tma_p"),
+    "tmap128_n256": _cfg(128, 256, 8, 3, kernel="tma_p"),
+    "tmap128_n128_flat": _cfg(128, 128, 8, 4, kernel="tma_p", flatten=True),
+    "tmap128_n256_flat": _cfg(128, 256, 8, 3, kernel="tma_p", flatten=True),
+    "tmap128_n128_ws": _cfg(128, 128, 8, 4, kernel="tma_p", ws=True),
+    "tmap128_n256_ws": _cfg(128, 256, 8, 3, kernel="tma_p", ws=True),
+}
+TMA_KERNELS = ("tma", "tma_p")
+
+#: fp32 inputs take twice the shared memory per stage: smaller tiles, fewer stages.
+CONFIGS_FP32 = {
+    "f32_dec16_n32": _cfg(16, 32, 4, 2),
+    "f32_mid64_n64": _cfg(64, 64, 4, 2),
+    "f32_big64_n128": _cfg(64, 128, 8, 2),
+}
+
+#: The single config used under the CPU interpreter (tile-shape invariance of the
+#: interpreter's numpy dot is not guaranteed, so tests there use one tile shape).
+INTERPRETER_CONFIG = _cfg(16, 32, 4, 1, unroll=2, group=4)
+
+
+def _dec_bn(N: int, bm: int) -> int:
+    if N >= 64 * 256 or bm >= 64:
+        return 64
+    if N >= 32 * 128:
+        return 32
+    return 16
+
+
+def default_config_name(M: int, N: int, K: int, arch: str = "sm_90") -> str:
+    """Built-in choice (pointer kernels only: valid on every arch) when no tuned rule applies."""
+    if M <= 16:
+        return f"dec16_n{_dec_bn(N, 16)}"
+    if M <= 32:
+        return "dec32_n64" if _dec_bn(N, 32) == 64 else "dec32_n32"
+    if M <= 64:
+        return "dec64_n64"
+    if M <= 256:
+        return "mid64_n128"
+    tiles_256 = triton.cdiv(M, 128) * triton.cdiv(N, 256)
+    return "big128_n256" if tiles_256 >= 132 else "big128_n128"
+
+
+def arch_has_tma(arch: str) -> bool:
+    try:
+        return int(arch.split("_")[1][:-1]) >= 9  # "sm_90" -> major 9, "sm_100" -> 10
+    except (IndexError, ValueError):
+        return False
+
+
+def _fallback_ptr_config(cfg: dict) -> dict:
+    """A TMA config's pointer-kernel twin (same tile; used when TMA preconditions fail)."""
+    return _cfg(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], group=cfg["GROUP_M"])

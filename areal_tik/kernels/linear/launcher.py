@@ -1,0 +1,82 @@
+"""Launching the linear forward on a 2-D input (:func:`linear_fwd`: config choice, the TMA
+preconditions and their pointer-kernel fallback, the persistent grid) and the triton backend's
+entry point :func:`linear_triton`."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from areal_tik.kernels.linear.autograd import _linear_2d
+from areal_tik.kernels.linear.configs import CONFIGS, CONFIGS_FP32, TMA_KERNELS, _fallback_ptr_config
+from areal_tik.kernels.linear.selection import _config_for, _device_info
+from areal_tik.kernels.linear.triton_kernels import (
+    _linear_fwd_kernel, _linear_fwd_tma_kernel, _linear_fwd_tma_persistent_kernel,
+)
+
+
+def tma_ok(x2: torch.Tensor, w: torch.Tensor) -> bool:
+    """TMA descriptor preconditions: 16-byte aligned bases and row strides, one dtype."""
+    return (w.dtype == x2.dtype
+            and x2.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and (x2.stride(0) * x2.element_size()) % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
+            and x2.shape[1] * x2.element_size() >= 16)
+
+
+def linear_fwd(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, config: dict | str | None = None) -> torch.Tensor:
+    """Launch the forward kernel on a 2-D ``x2 [M, K]`` (row stride free, unit last stride).
+
+    ``out`` (``[M, N]``, x dtype, unit last stride) receives the result when given;
+    ``config`` forces a tile config (name in :data:`CONFIGS` or a dict) — tests/tuning.
+    A TMA config whose preconditions (:func:`tma_ok`) fail runs its pointer-kernel twin,
+    which the tests prove gives the same bits.
+    """
+    M, K = x2.shape
+    N = w.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.zero_()
+        if b is not None:
+            out.copy_(b.to(out.dtype).expand(M, N))
+        return out
+    if isinstance(config, str):
+        config = {**CONFIGS, **CONFIGS_FP32}[config]
+    cfg = dict(config or _config_for(M, N, K, x2))
+    kind = cfg.pop("kind", None) or cfg.pop("kernel", "ptr")
+    if kind in TMA_KERNELS and not tma_ok(x2, w):
+        cfg = _fallback_ptr_config(cfg)
+        kind = cfg.pop("kernel")
+    nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+    prec = "ieee" if x2.dtype == torch.float32 else "tf32"
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    bias = b if b is not None else out
+    if kind == "ptr":
+        _linear_fwd_kernel[(tiles,)](
+            x2, w, bias, out, M, N, K, x2.stride(0), w.stride(0), out.stride(0),
+            HAS_BIAS=b is not None, PRECISION=prec, num_warps=nw, num_stages=ns, **cfg)
+        return out
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    bk = cfg["BLOCK_K"]
+    xd = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [bm, bk])
+    wd = TensorDescriptor(w, [N, K], [w.stride(0), 1], [bn, bk])
+    if kind == "tma":
+        _linear_fwd_tma_kernel[(tiles,)](
+            xd, wd, bias, out, M, N, K, out.stride(0), HAS_BIAS=b is not None, PRECISION=prec,
+            num_warps=nw, num_stages=ns, **cfg)
+        return out
+    # one program per SM whatever the problem (one compile; programs without a tile exit)
+    progs = _device_info(x2.device.index if x2.device.index is not None else torch.cuda.current_device())[1] \
+        if x2.is_cuda else 4
+    _linear_fwd_tma_persistent_kernel[(progs,)](
+        xd, wd, bias, out, M, N, K, out.stride(0), HAS_BIAS=b is not None, PRECISION=prec,
+        NUM_PROGS=progs, num_warps=nw, num_stages=ns, **cfg)
+    return out
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with a row-invariant Triton GEMM (see the module docstring)."""
+    return _linear_2d(linear_fwd, x, weight, bias, triton_path=True)
