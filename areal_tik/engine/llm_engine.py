@@ -4,7 +4,8 @@
     outs = engine.generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_new_tokens=16, seed=7))
 
 API (docs/interfaces.md): ``add_request``, ``step``, ``generate``, ``abort``, ``abort_all``,
-``update_weights``, ``version``; additions: ``has_unfinished``, ``score``, ``stats``.
+``update_weights``, ``version``; additions: ``has_unfinished``, ``score``, ``stats``,
+``stage_weights``/``commit_weights``/``check_weight_specs`` (all-or-nothing updates).
 
 - ``step()`` schedules one batch (prefill before decode), runs it and returns the
   ``RequestOutput`` of every sample that finished in it.

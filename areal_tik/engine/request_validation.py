@@ -74,14 +74,17 @@ def _need_int(where: str, v, lo: int | None = None, hi: int | None = None) -> in
         raise RequestError(f"{where} must be an integer, got {_show(v)}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"
-        raise RequestError(f"{where} must be {rng}, got {v}")
+        raise RequestError(f"{where} must be {rng}, got {_brief(v)}")
     return int(v)
 
 
 def _need_number(where: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise RequestError(f"{where} must be a number, got {_show(v)}")
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # an integer beyond float range
+        f = math.inf
     if not math.isfinite(f):
         raise RequestError(f"{where} must be finite, got {f}")
     return f
@@ -103,9 +106,16 @@ def _need_str(where: str, v, max_len: int = 4096) -> str:
     return v
 
 
+def _brief(v) -> str:
+    """``repr(v)`` cut to 40 characters; containers by their length (cheap for any size)."""
+    if isinstance(v, (list, dict)):
+        return f"[{len(v)} items]" if isinstance(v, list) else f"{{{len(v)} keys}}"
+    s = repr(v[:41]) if isinstance(v, str) else repr(v) if not _int(v) or abs(v) < 10 ** 40 else "<huge>"
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
 def _show(v) -> str:
-    s = repr(v)
-    return f"{type(v).__name__} {s if len(s) <= 40 else s[:37] + '...'}"
+    return f"{type(v).__name__} {_brief(v)}"
 
 
 def _absent(v) -> bool:
@@ -126,7 +136,7 @@ def _token_ids(ids, limits: Limits) -> list[int]:
     if vocab is not None:
         for i, t in enumerate(ids):
             if not 0 <= t < vocab:
-                raise RequestError(f"input_ids[{i}] = {t} is outside the vocabulary [0, {vocab})")
+                raise RequestError(f"input_ids[{i}] = {_brief(t)} is outside the vocabulary [0, {vocab})")
     if limits.max_model_len is not None and len(ids) >= limits.max_model_len:
         raise RequestError(f"prompt of {len(ids)} tokens leaves no room for output under the context length "
                            f"{limits.max_model_len} (send at most {limits.max_model_len - 1} tokens)")

@@ -110,7 +110,13 @@ class EngineWorker(WeightUpdateCommands):
     ``engine`` must offer ``add_request(rid, input_ids, params)``, ``step() ->
     list[RequestOutput]``, ``abort(rid)``, ``update_weights(path, version)`` and
     ``version``; ``score(input_ids, temperature) -> list[float]`` (log-prob of token i+1
-    given tokens <= i) when input log-probs are asked for.
+    given tokens <= i) when input log-probs are asked for. Used when present:
+    ``has_unfinished()``, ``stage_weights``/``commit_weights``/``check_weight_specs``.
+
+    Guarantees: a request is in ``_active`` only while the engine holds it; an engine fault
+    fails the request it belongs to (an output with finish_reason ``"error"``) or, when
+    ``step`` itself raises, the requests then in flight, which are removed from the engine;
+    the thread keeps serving either way.
     """
 
     def __init__(self, engine, sampling_params_cls, model_info: Callable[[], dict] | None = None):
@@ -279,8 +285,8 @@ class EngineWorker(WeightUpdateCommands):
         if p.want_input_lps:
             try:
                 input_lps = self._input_logprobs(p)
-            except Exception as e:  # noqa: BLE001
-                self._resolve(p.fut, p.loop, exc=e)
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                self._fail(p, RequestError(f"input log-probs failed: {type(e).__name__}: {e}", 500))
                 return
         self._resolve(p.fut, p.loop, dict(out_ids=p.out_ids, out_lps=p.out_lps, reason=reason,
                                           version=self.engine.version if p.version is None else p.version,

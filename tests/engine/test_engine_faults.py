@@ -8,7 +8,6 @@ import torch
 
 from areal_tik.backend.patch import patch_model
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
-from areal_tik.engine.weight_staging import UnknownParameterError, WeightUpdateError
 from areal_tik.models import build_model
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9], [10, 11]]
@@ -96,6 +95,7 @@ def _same(model, snap) -> bool:
 
 
 def test_weight_updates_are_all_or_nothing(model, tmp_path):
+    from areal_tik.engine.weight_staging import UnknownParameterError, WeightUpdateError
     eng = _eng(model)
     snap = _snapshot(model)
     names = [n for n, _ in model.named_parameters()]
