@@ -3,14 +3,18 @@ the engine accepts, or is refused with a status and a one-line reason."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from areal_tik.engine.request_validation import (Limits, RequestError, parse_abort, parse_disk_update,
                                                  parse_distributed_update, parse_generate, parse_group_init)
 from areal_tik.engine.sequence import SamplingParams
+
+sys.path.insert(0, os.path.dirname(__file__))
+import hostile  # noqa: E402  (tests/engine/hostile.py: hypothesis strategies)
 
 LIM = Limits(vocab_size=100, max_model_len=16)
 
@@ -57,25 +61,8 @@ def test_refusals_name_the_field(body, why):
     assert ei.value.status == 400 and why in msg and "\n" not in msg and len(msg) < 300, msg
 
 
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 66, 2 ** 66), st.floats(), st.text(max_size=4))
-_values = st.recursive(_scalars, lambda c: st.one_of(st.lists(c, max_size=3),
-                                                     st.dictionaries(st.text(max_size=4), c, max_size=3)),
-                       max_leaves=6)
-_keys = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "sampling_seed",
-         "seed", "frequency_penalty", "presence_penalty", "n", "stop", "min_new_tokens")
-_sampling = st.one_of(st.dictionaries(st.sampled_from(_keys), st.one_of(_scalars, st.integers(0, 120),
-                                                                       st.floats(0, 3), _values), max_size=6),
-                      _values)
-_bodies = st.one_of(
-    st.fixed_dictionaries({"input_ids": st.one_of(st.lists(st.integers(-2, 102), max_size=18), _values)},
-                          optional={"sampling_params": _sampling, "rid": _scalars, "return_logprob": _scalars,
-                                    "logprob_start_len": st.one_of(st.integers(-3, 20), _scalars),
-                                    "top_logprobs_num": _scalars, "stream": _scalars, "image_data": _values}),
-    _values)
-
-
 @settings(max_examples=400, deadline=None, derandomize=True, database=None)
-@given(body=_bodies)
+@given(body=hostile.generate_bodies(100, 16))
 def test_fuzzed_bodies_parse_to_engine_ready_values_or_a_one_line_400(body):
     try:
         r = parse_generate(body, LIM)

@@ -19,13 +19,17 @@ import threading
 import time
 import types
 
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from areal_tik.engine.sequence import SamplingParams
 from areal_tik.engine.server import EngineWorker, ServerConfig, TikServer, _Pending, build, run_server
+
+sys.path.insert(0, os.path.dirname(__file__))
+import hostile  # noqa: E402  (tests/engine/hostile.py: hypothesis strategies)
 
 CTX = 64
 VOCAB = 512
@@ -341,31 +345,9 @@ def test_unknown_paths_and_methods_get_json_errors_and_the_server_is_healthy(S):
 
 
 # ---- fuzzing -------------------------------------------------------------------------------
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(), st.text(max_size=6))
-_values = st.recursive(_scalars, lambda c: st.one_of(st.lists(c, max_size=3),
-                                                     st.dictionaries(st.text(max_size=5), c, max_size=3)),
-                       max_leaves=8)
-_ids = st.one_of(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
-                 st.lists(st.one_of(st.integers(-3, VOCAB + 3), _scalars), max_size=5), _values)
-_small = st.one_of(st.integers(0, 3), st.integers(-3, -1), st.floats(), st.booleans(), st.text(max_size=3),
-                   st.lists(st.integers(0, 3), max_size=2))
-_sampling = st.one_of(
-    st.fixed_dictionaries({"max_new_tokens": _small}, optional={
-        "temperature": st.one_of(st.floats(0, 2), _scalars), "top_p": st.one_of(st.floats(0, 1), _scalars),
-        "top_k": st.one_of(st.integers(-2, 10 ** 9), _scalars), "sampling_seed": st.one_of(st.integers(0, 99), _scalars),
-        "stop_token_ids": st.one_of(st.lists(st.integers(0, VOCAB)), _values), "ignore_eos": _scalars,
-        "frequency_penalty": _scalars, "n": _scalars, "stop": _values}),
-    _values.filter(lambda v: not isinstance(v, dict)))
-_generate_bodies = st.one_of(
-    st.fixed_dictionaries({"input_ids": _ids, "sampling_params": _sampling}, optional={
-        "return_logprob": _scalars, "logprob_start_len": st.one_of(st.integers(-3, 8), _scalars),
-        "top_logprobs_num": _scalars, "stream": _scalars, "rid": _scalars}),
-    _values)
-
-
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(body=_generate_bodies)
+@given(body=hostile.generate_bodies(VOCAB, CTX))
 def test_fuzzed_generate_bodies_are_answered_200_or_400(S, body):
     code, ctype, obj = call(S.addr, "/generate", body)
     assert ctype == "application/json", obj
