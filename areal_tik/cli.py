@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="areal-tik",
         description="Unified rollout/training kernels for AReaL: bitwise-equal log-probs, recompute skipped.",
     )
+    p.add_argument("--debug", action="store_true", help="print the traceback of an error (may go anywhere on the "
+                                                        "command line)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for modname in SUBCOMMANDS:
         try:
@@ -49,12 +51,20 @@ def print_json(obj) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; its exit status. A user error (bad argument, unsupported model,
+    missing file, port in use) is one line on stderr and status 2; ``--debug`` (anywhere on
+    the line) adds the traceback."""
+    from areal_tik.cli_errors import run_command
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return int(args.func(args) or 0)
+    return run_command(args.func, args, prog=f"areal-tik {args.command}", debug=debug)
 
 
 if __name__ == "__main__":  # pragma: no cover

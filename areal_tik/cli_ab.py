@@ -1,6 +1,8 @@
 """``areal-tik ab``: the recompute baseline vs tik on one recipe; writes a report directory."""
 from __future__ import annotations
 
+import os
+
 
 def add_parser(sub):
     p = sub.add_parser("ab", help="throughput A/B: AReaL recompute baseline vs tik (same recipe, seed, data)")
@@ -22,15 +24,26 @@ def add_parser(sub):
     return p
 
 
+def check_args(args) -> None:
+    """Refuse bad arguments before either arm starts (``UsageError``)."""
+    from areal_tik.cli_errors import need, need_file, need_float, need_int
+    need_file("--config", args.config)
+    need_int("--steps", args.steps, lo=1)
+    need_float("--timeout", args.timeout, lo=0, lo_open=True, optional=True)
+    need(args.arms == "both" or bool(args.out), "--arms baseline|tik|none needs --out (the directory the other "
+                                                "arm was or will be written to)")
+    need(not args.out or not os.path.exists(args.out) or os.path.isdir(args.out),
+         f"--out {args.out!r} exists and is not a directory; give a report directory")
+    bad = [o for o in args.overrides if "=" not in o]
+    need(not bad, f"overrides must be key=value, got {', '.join(map(repr, bad))}")
+
+
 def run(args) -> int:
-    import os
     import time
 
+    check_args(args)
     from areal_tik.ab.runner import run_ab
 
-    if args.arms != "both" and not args.out:
-        raise SystemExit("areal-tik ab: --arms baseline|tik|none needs --out (the directory the other arm "
-                         "was or will be written to)")
     out = args.out or os.path.join("ab_reports", f"{os.path.splitext(os.path.basename(args.config))[0]}-"
                                                   f"{time.strftime('%Y%m%d-%H%M%S')}")
     report = run_ab(args.config, args.steps, out, overrides=args.overrides, progress=not args.no_progress,

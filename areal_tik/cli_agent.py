@@ -16,7 +16,14 @@ from __future__ import annotations
 import json
 import os
 
+from areal_tik.cli_errors import UsageError
+
 DEFAULT_DB = "runs/agent.sqlite"
+
+
+def _need_db(db: str) -> None:
+    if not os.path.isfile(db):
+        raise UsageError(f"--db {db!r}: no such file; give the SQLite file of an earlier 'areal-tik agent init'")
 
 
 def _workdir(db: str) -> str:
@@ -31,7 +38,7 @@ def _proposer(args):
             model=args.model or "",
             api_key=os.environ.get("OPENAI_API_KEY"), token_budget=args.token_budget)
         if not cfg.model:
-            raise SystemExit("llm proposer: give --model")
+            raise UsageError("llm proposer: give --model")
         return proposers.LLMProposer(cfg)
     if args.proposer == "replay":
         with open(args.script) as f:
@@ -44,7 +51,7 @@ def _timer(choice: str) -> str:
     if choice == "auto":
         return "gpu" if torch.cuda.is_available() else "simulated"
     if choice == "gpu" and not torch.cuda.is_available():
-        raise SystemExit("--timer gpu needs a CUDA GPU")
+        raise UsageError("--timer gpu needs a CUDA GPU; use --timer simulated or auto")
     return choice
 
 
@@ -137,6 +144,7 @@ def cmd_run(args) -> int:
 def cmd_status(args) -> int:
     from areal_tik.agent.roles import summarize
     from areal_tik.agent.store import Store
+    _need_db(args.db)
     store = Store(args.db, read_only=True)
     sums = [summarize(store, r.id) for r in store.runs() if not args.name or r.name == args.name]
     if args.json:
@@ -161,10 +169,11 @@ def cmd_status(args) -> int:
 def cmd_show(args) -> int:
     from areal_tik.agent.roles import summarize
     from areal_tik.agent.store import Store
+    _need_db(args.db)
     store = Store(args.db, read_only=True)
     run = store.run(args.name)
     if run is None:
-        raise SystemExit(f"no run {args.name!r}")
+        raise UsageError(f"no run {args.name!r} in {args.db}; 'areal-tik agent status --db {args.db}' lists them")
     if args.plot:
         from areal_tik.agent.plot import plot_lineage
         print(plot_lineage(store, args.name, args.plot))
@@ -186,6 +195,7 @@ def cmd_show(args) -> int:
 def cmd_export(args) -> int:
     from areal_tik.agent.export import ExportRefused, export_best
     from areal_tik.agent.store import Store
+    _need_db(args.db)
     store = Store(args.db, read_only=True)
     try:
         r = export_best(store, args.name, out_dir=args.out_dir)

@@ -37,7 +37,24 @@ def add_parser(sub):
     return p
 
 
+def check_args(args) -> None:
+    """Refuse bad arguments before the model is built (``UsageError``)."""
+    from areal_tik.cli_errors import need, need_device, need_float, need_int, need_model, need_port_free
+    need_model("--model", args.model)
+    need_int("--port", args.port, lo=1, hi=65535)
+    need(bool(args.host), "--host is empty; give an address of this machine, e.g. 127.0.0.1")
+    need_int("--max-running-requests", args.max_running_requests, lo=1)
+    need_int("--context-length", args.context_length, lo=2, optional=True)
+    need_float("--mem-fraction", args.mem_fraction, lo=0, hi=1, lo_open=True)
+    need_int("--cuda-graph-max-bs", args.cuda_graph_max_bs, lo=1, optional=True)
+    need_int("--prefill-graph-max-tokens", args.prefill_graph_max_tokens, lo=0, optional=True)
+    need_int("--seed", args.seed, lo=0)
+    need_device("--device", args.device)
+    need_port_free(args.host, args.port)
+
+
 def run(args) -> int:
+    check_args(args)
     from areal_tik.dispatch.process import configure_process
     from areal_tik.engine.server import ServerConfig, build, run_server
     from areal_tik.settings import Settings

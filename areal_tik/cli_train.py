@@ -12,6 +12,8 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    from areal_tik.cli_errors import need_file
+    need_file("--config", args.config)
     from areal_tik.areal.train import main
 
     argv = ["--config", args.config, *args.overrides]

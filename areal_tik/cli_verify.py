@@ -28,7 +28,31 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_args(args) -> tuple:
+    """Refuse bad arguments before the model is built (``UsageError``); the regimes asked for."""
+    from areal_tik.cli_errors import need, need_choices, need_device, need_int, need_model
+    from areal_tik.verify.parity import REGIMES
+    from areal_tik.layers.models import PRESETS
+    need_model("--model", args.model)
+    need_device("--device", args.device)
+    need(args.dtype in ("bfloat16", "float16", "float32"), f"--dtype {args.dtype!r}: use bfloat16, float16 or float32")
+    need_int("--prompts", args.prompts, lo=1)
+    need_int("--min-prompt-len", args.min_prompt_len, lo=1)
+    need(args.max_prompt_len >= args.min_prompt_len,
+         f"--max-prompt-len {args.max_prompt_len} is below --min-prompt-len {args.min_prompt_len}")
+    need_int("--max-new-tokens", args.max_new_tokens, lo=1)
+    need_int("--pad-to", args.pad_to, lo=1)
+    need_int("--seed", args.seed, lo=0)
+    regimes = tuple(r.strip() for r in args.regimes.split(",") if r.strip())
+    need_choices("--regimes", list(regimes), REGIMES)
+    max_pos = PRESETS.get(args.model, {}).get("max_position_embeddings")
+    need(max_pos is None or args.max_prompt_len + args.max_new_tokens < max_pos,
+         f"--max-prompt-len + --max-new-tokens must stay below {args.model}'s {max_pos} positions")
+    return regimes
+
+
 def run(args) -> int:
+    regimes = check_args(args)
     import torch
 
     from areal_tik.layers.patch import patch_model
@@ -41,7 +65,7 @@ def run(args) -> int:
     patch_model(model, kernels=settings.kernels, backend=settings.backend)
     cfg = ParityConfig(n_prompts=args.prompts, min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,
                        max_new_tokens=args.max_new_tokens, seed=args.seed, pad_to=args.pad_to,
-                       backward=not args.no_backward, regimes=tuple(r.strip() for r in args.regimes.split(",")))
+                       backward=not args.no_backward, regimes=regimes)
     if args.json:
         rep = run_parity(model, cfg)
     else:

@@ -19,7 +19,24 @@ def add_parser(sub):
     return p
 
 
+def check_args(args) -> None:
+    """Refuse bad arguments before training starts (``UsageError``)."""
+    import os
+
+    from areal_tik.areal.arith import TASKS
+    from areal_tik.cli_errors import need, need_choices, need_device, need_float, need_int, need_model
+    need_model("--model", args.model)
+    need(not os.path.exists(args.out) or os.path.isdir(args.out), f"--out {args.out!r} exists and is not a directory")
+    need_choices("--task", [args.task], TASKS)
+    need_int("--steps", args.steps, lo=1)
+    need_int("--batch", args.batch, lo=1)
+    need_float("--lr", args.lr, lo=0, lo_open=True)
+    need_int("--seed", args.seed, lo=0)
+    need_device("--device", args.device)
+
+
 def run(args) -> int:
+    check_args(args)
     from areal_tik.areal.warmstart import warm_start
     from areal_tik.cli import print_json
 

@@ -4,7 +4,8 @@
     outs = engine.generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_new_tokens=16, seed=7))
 
 API (docs/interfaces.md): ``add_request``, ``step``, ``generate``, ``abort``, ``abort_all``,
-``update_weights``, ``version``; additions: ``has_unfinished``, ``score``, ``stats``.
+``update_weights``, ``version``; additions: ``has_unfinished``, ``score``, ``stats``,
+``stage_weights``/``commit_weights``/``check_weight_specs`` (all-or-nothing updates).
 
 - ``step()`` schedules one batch (prefill before decode), runs it and returns the
   ``RequestOutput`` of every sample that finished in it.
@@ -14,17 +15,20 @@ API (docs/interfaces.md): ``add_request``, ``step``, ``generate``, ``abort``, ``
   (same seed gives the same continuation).
 - ``update_weights(src, version)`` copies a state dict or an HF checkpoint directory into
   the parameters in place (CUDA graphs stay valid); in-flight sequences are preempted and
-  re-prefilled with the new weights on the next steps (per-token versions record it).
+  re-prefilled with the new weights on the next steps (per-token versions record it). It
+  is all or nothing: the whole update is checked before the first copy.
+- A step that raises never stops the engine: its requests are isolated (run alone) until
+  one fails alone; that one finishes with reason ``"error"``, the others keep their bits.
 """
 from __future__ import annotations
 
-import glob
-import os
+import numbers
 import random
 
 import torch
 
 from areal_tik.layers.logprob_head import packed_logprobs
+from areal_tik.engine import weight_staging
 from areal_tik.engine.config import EngineConfig
 from areal_tik.engine.kv_cache import BlockManager
 from areal_tik.engine.model_runner import ModelRunner
@@ -55,6 +59,7 @@ class LLMEngine:
         self._version = int(version)
         self.weights_serial = 0  # +1 per update_weights call (a bucketed update is several calls per version)
         self.num_steps = 0
+        self.num_failed_steps = 0  # steps whose forward or sampling raised (requests isolated or failed)
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
 
@@ -69,12 +74,23 @@ class LLMEngine:
 
     def add_request(self, request_id, input_ids, params: SamplingParams | None = None) -> None:
         """Queue a request (``n`` samples become ``n`` sequences). Ids must be unique among
-        unfinished requests."""
+        unfinished requests. Raises ``ValueError`` (and changes nothing) for a duplicate id,
+        an empty prompt, a prompt of ``max_model_len`` tokens or more, a token id that is not
+        an integer in ``[0, vocab)``, parameters that are not ``SamplingParams``, or a
+        request the KV cache could never hold."""
         rid = str(request_id)
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {rid!r}: params must be SamplingParams, got {type(params).__name__}")
+        params.__post_init__()  # re-check: fields may have been changed after construction
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in flight")
-        ids = [int(t) for t in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
+        raw = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in raw):
+            raise ValueError(f"request {rid!r}: token ids must be integers")
+        ids = [int(t) for t in raw]
+        if not ids:
+            raise ValueError(f"request {rid!r}: empty prompt")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room under max_model_len {self.max_model_len}")
         if any(t < 0 or t >= self.runner.vocab_size for t in ids):
@@ -84,6 +100,8 @@ class LLMEngine:
         for i in range(params.n):
             seed = base_seed if params.n == 1 else (base_seed ^ (_hash32_py(i + 0x5BD1E995) << 31)) & ((1 << 63) - 1)
             seqs.append(Sequence(rid, ids, params, seed, sample_index=i, version=self._version))
+        if params.max_new_tokens > 0:
+            self.scheduler.check_fits(seqs[0])  # before anything is queued
         self._requests[rid] = seqs
         for s in seqs:
             if params.max_new_tokens == 0:
@@ -101,7 +119,10 @@ class LLMEngine:
         done, self._pending_done = self._pending_done, []
         batch = self.scheduler.schedule()
         if batch is not None:
-            tokens, logprobs = self.runner.run(batch)
+            try:
+                tokens, logprobs = self.runner.run(batch)
+            except Exception as e:  # noqa: BLE001 - one request's fault must not stop the others
+                return self._collect(done + self._step_failed(batch, e))
             self.num_steps += 1
             if batch.is_prefill:
                 self.num_prefill_tokens += batch.num_tokens
@@ -110,6 +131,31 @@ class LLMEngine:
             done += self.scheduler.postprocess(batch, tokens, logprobs, self._version, self.eos_token_id,
                                                self.max_model_len)
         return self._collect(done)
+
+    def _step_failed(self, batch, exc: Exception) -> list[Sequence]:
+        """A step's forward or sampling raised. Its sequences lose their KV and wait again
+        (outputs kept). If they all belong to one request, that request caused it: it is
+        removed and its samples finish with reason ``"error"`` (returned). Otherwise each
+        is isolated (runs alone from now on), so a second failure names the culprit."""
+        self.num_failed_steps += 1
+        self.scheduler.unschedule(batch)
+        seqs = list(dict.fromkeys(c.seq for c in batch.chunks))
+        rids = list(dict.fromkeys(s.request_id for s in seqs))
+        if len(rids) > 1:
+            for seq in seqs:
+                seq.isolated = True
+            self.scheduler.isolating = True
+            return []
+        msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        failed = []
+        for seq in self._requests.pop(rids[0], []):
+            if seq.is_finished:
+                continue
+            self.scheduler.remove(seq)
+            seq.status, seq.finish_reason, seq.error, seq.version = (SequenceStatus.FINISHED, "error", msg,
+                                                                     self._version)
+            failed.append(seq)
+        return failed
 
     def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
         outs = []
@@ -163,26 +209,24 @@ class LLMEngine:
         return outs
 
     # ---- weights -----------------------------------------------------------------------------
-    @torch.no_grad()
     def update_weights(self, state_dict_or_dir, version: int) -> None:
         """Copy new weights in place (names as in ``model.state_dict()``), set ``version``,
-        and preempt in-flight sequences so they re-prefill with the new weights."""
-        src = state_dict_or_dir
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
-        n = 0
-        for name, tensor in _iter_weights(src):
-            dst = params.get(name)
-            if dst is None:
-                if name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False):
-                    continue
-                raise KeyError(f"update_weights: unknown parameter {name!r}")
-            if dst.shape != tensor.shape:
-                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
-            n += 1
-        if n == 0:
-            raise ValueError("update_weights: no tensors found")
+        and preempt in-flight sequences so they re-prefill with the new weights. All or
+        nothing: the whole update is read and checked first (``stage_weights``); on any
+        problem it raises and the weights, ``version`` and ``weights_serial`` are unchanged."""
+        self.commit_weights(self.stage_weights(state_dict_or_dir), version)
+
+    def stage_weights(self, state_dict_or_dir) -> weight_staging.StagedWeights:
+        """Read and check a whole update without changing anything (``WeightUpdateError``)."""
+        return weight_staging.stage(self.model, state_dict_or_dir)
+
+    def check_weight_specs(self, names: list, dtypes: list, shapes: list) -> None:
+        """Raise ``WeightUpdateError`` unless a bucket of these names, dtypes and shapes would load."""
+        weight_staging.check_specs(self.model, names, dtypes, shapes)
+
+    def commit_weights(self, staged: weight_staging.StagedWeights, version: int) -> None:
+        """Copy ``staged`` in, set ``version`` and preempt in-flight sequences."""
+        weight_staging.commit(staged)
         self.scheduler.preempt_all()
         self._version = int(version)
         self.weights_serial += 1
@@ -204,22 +248,3 @@ class LLMEngine:
                     graph_capture_s=round(self.runner.graph_capture_seconds, 3),
                     num_pages=self.runner.num_pages, free_pages=self.block_manager.num_free)
 
-
-def _iter_weights(src):
-    if isinstance(src, dict):
-        yield from src.items()
-        return
-    path = str(src)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"update_weights: {path!r} is neither a state dict nor a directory")
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if files:
-        from safetensors.torch import load_file
-        for f in files:
-            yield from load_file(f).items()
-        return
-    files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
-    if not files:
-        raise FileNotFoundError(f"update_weights: no *.safetensors or pytorch_model*.bin in {path}")
-    for f in files:
-        yield from torch.load(f, map_location="cpu", weights_only=True).items()

@@ -11,6 +11,11 @@ Policy (nano-vllm style, plus chunked prefill):
   admitted running sequence is preempted: its pages are freed and it goes back to the
   head of the queue, to be re-prefilled over prompt + generated tokens (resume).
 Requests join (``add``) and leave (finish, ``abort``) between any two steps.
+- Fault isolation: after a step that raised, ``unschedule`` returns its sequences to the
+  head of the queue with no KV (as a preemption does). Sequences marked ``isolated`` are
+  then never batched with another sequence: every other step (or whenever nothing else
+  can run) one of them runs alone, so a step that raises again names its culprit.
+  Kernels and sampling are batch-invariant, so running alone changes no bits.
 """
 from __future__ import annotations
 
@@ -59,11 +64,17 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._solo_turn = False
+        self.isolating = False  # some sequence may be isolated (set by whoever isolates one)
 
     # ---- queue changes -------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise ``ValueError`` if ``seq`` could never fit in the KV cache (changes nothing)."""
         if self.bm.pages_needed(seq, seq.num_tokens + 1) > self.bm.num_pages:
             raise ValueError(f"sequence of {seq.num_tokens} tokens can never fit in {self.bm.num_pages} KV pages")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -95,12 +106,60 @@ class Scheduler:
             if seq.block_table:
                 self.bm.free(seq)
 
+    def unschedule(self, batch: ScheduledBatch) -> None:
+        """Undo ``batch`` after its forward raised: its sequences lose their KV and wait at the
+        head of the queue, in their order, to be re-prefilled (their outputs so far are kept)."""
+        seqs = list(dict.fromkeys(c.seq for c in batch.chunks))
+        for seq in reversed(seqs):
+            if seq in self.running:
+                self.running.remove(seq)
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            self.bm.free(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
+        """The next batch: normally prefill, else decode; an isolated sequence alone every other step."""
+        self._solo_turn = not self._solo_turn
+        if self.isolating and self._solo_turn and (solo := self._schedule_isolated()) is not None:
+            return solo
         batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        return self._schedule_decode()
+        if batch is None:
+            batch = self._schedule_decode()
+        if batch is None and self.isolating:
+            batch = self._schedule_isolated()
+        return batch
+
+    def _schedule_isolated(self) -> ScheduledBatch | None:
+        """One isolated sequence alone: its decode token if running, else its next prefill chunk."""
+        if not any(s.isolated for s in self.running) and not any(s.isolated for s in self.waiting):
+            self.isolating = False
+            return None
+        for seq in self.running:
+            if seq.isolated:
+                if not self.bm.can_allocate(seq, seq.num_tokens):
+                    self.preempt(seq)
+                    return None
+                self.bm.allocate(seq, seq.num_tokens)
+                return ScheduledBatch([Chunk(seq, seq.num_tokens - 1, seq.num_tokens)], is_prefill=False)
+        for seq in self.waiting:
+            if seq.isolated:
+                if len(self.running) >= self.max_num_seqs:
+                    return None
+                remaining = seq.num_tokens - seq.num_cached_tokens
+                take = min(remaining, self.max_num_batched_tokens) if self.chunked_prefill else remaining
+                end = seq.num_cached_tokens + take
+                if not self.bm.can_allocate(seq, end):
+                    return None
+                self.bm.allocate(seq, end)
+                if end == seq.num_tokens:
+                    self.waiting.remove(seq)
+                    seq.status = SequenceStatus.RUNNING
+                    self.running.append(seq)
+                return ScheduledBatch([Chunk(seq, end - take, end)], is_prefill=True)
+        return None
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
@@ -109,6 +168,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if len(self.running) + len(chunks) >= self.max_num_seqs or budget <= 0:
                 break
+            if seq.isolated:
+                continue
             remaining = seq.num_tokens - seq.num_cached_tokens
             if remaining > budget:
                 if self.chunked_prefill:
@@ -140,8 +201,8 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         chunks: list[Chunk] = []
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status != SequenceStatus.RUNNING or seq.isolated:
+                continue  # preempted earlier in this loop, or runs alone
             while not self.bm.can_allocate(seq, seq.num_tokens):
                 victim = self.running[-1]
                 self.preempt(victim)

@@ -11,8 +11,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
+import numbers
 
 __all__ = ["SamplingParams", "Sequence", "SequenceStatus", "RequestOutput", "sample_request_id"]
+
+
+def _is_int(v) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass
@@ -35,16 +42,30 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
+        """Refuses (``ValueError``) any value the engine cannot sample with: a non-finite or
+        negative temperature, top_p outside (0, 1], non-integer counts, ids or seed."""
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("top_k", "max_new_tokens", "n"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        ids = list(self.stop_token_ids or [])
+        if not all(_is_int(t) for t in ids):
+            raise ValueError(f"stop_token_ids must be integers, got {ids!r}")
         self.top_k = int(self.top_k)
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.stop_token_ids = [int(t) for t in ids]
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +108,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.version = version
         self.num_preemptions = 0
+        self.isolated = False  # was in a failed step with other requests: runs alone until it finishes
+        self.error: str | None = None  # why the engine failed it (finish_reason "error")
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -134,6 +157,7 @@ class Sequence:
             version=self.version,
             output_versions=list(self.output_versions),
             sample_index=self.sample_index,
+            error=self.error,
         )
 
     def __repr__(self) -> str:
@@ -147,6 +171,8 @@ class RequestOutput:
 
     ``version`` is the engine's weight version when the sample finished; ``output_versions``
     (an addition to the interface) is the weight version that produced each output token.
+    ``finish_reason == "error"``: a step running this request alone raised; ``error`` says what
+    (the engine removed the request and kept serving the others).
     """
 
     request_id: str
@@ -157,3 +183,4 @@ class RequestOutput:
     version: int
     output_versions: list[int] = dataclasses.field(default_factory=list)
     sample_index: int = 0
+    error: str | None = None

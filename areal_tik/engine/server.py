@@ -32,6 +32,12 @@ Endpoints (responses are ``Content-Type: application/json``; AReaL's client refu
 
 Stepping happens in one background thread that alone touches the engine; HTTP handlers
 hand it commands through a queue and await futures.
+
+Hostile input: every body is checked before the engine sees it (``request_validation``); a
+refusal is 400 (409: request id in flight, or a weight update with requests in flight and
+no abort) with ``{"success": false, "message", "error": {"message", "type"}}``. A request
+the engine fails on later fails alone (500); the others and the server carry on. Weight
+updates are all or nothing (``worker_weights``).
 """
 from __future__ import annotations
 
@@ -46,12 +52,16 @@ import time
 import traceback
 from typing import Any, Callable
 
+from areal_tik.engine.http_errors import error_middleware, error_reply, json_reply
+from areal_tik.engine.request_validation import (Limits, RequestError, parse_abort, parse_disk_update,
+                                                 parse_distributed_update, parse_generate, parse_group_init,
+                                                 parse_group_name)
+from areal_tik.engine.worker_weights import WeightUpdateCommands
 from areal_tik.kernels import jit_watch
 
 logger = logging.getLogger("areal_tik.server")
 
-JSON = "application/json"
-TOP_K_DISABLED = 1 << 30
+MAX_BODY_BYTES = 64 << 20  # the largest request body (a context-length prompt is well under 1 MiB)
 
 
 @dataclasses.dataclass
@@ -96,13 +106,19 @@ class _Pending:
         self.temperature = temperature
 
 
-class EngineWorker:
+class EngineWorker(WeightUpdateCommands):
     """Owns the engine; runs commands and ``engine.step()`` in one background thread.
 
     ``engine`` must offer ``add_request(rid, input_ids, params)``, ``step() ->
     list[RequestOutput]``, ``abort(rid)``, ``update_weights(path, version)`` and
     ``version``; ``score(input_ids, temperature) -> list[float]`` (log-prob of token i+1
-    given tokens <= i) when input log-probs are asked for.
+    given tokens <= i) when input log-probs are asked for. Used when present:
+    ``has_unfinished()``, ``stage_weights``/``commit_weights``/``check_weight_specs``.
+
+    Guarantees: a request is in ``_active`` only while the engine holds it; an engine fault
+    fails the request it belongs to (an output with finish_reason ``"error"``) or, when
+    ``step`` itself raises, the requests then in flight, which are removed from the engine;
+    the thread keeps serving either way.
     """
 
     def __init__(self, engine, sampling_params_cls, model_info: Callable[[], dict] | None = None):
@@ -118,6 +134,7 @@ class EngineWorker:
         self.model_info = model_info
         self.n_steps = 0
         self.n_generated = 0
+        self.n_failed = 0  # requests failed after they were accepted (an engine fault)
         self.last_error: str | None = None
         self.groups: dict[str, Any] = {}  # weight-update process groups by name (xccl mode)
         self._dist_update_open = False  # a bucketed update has started and not been closed by continue
@@ -205,24 +222,55 @@ class EngineWorker:
                     if self._runner_counter("num_eager_steps") != n_eager:
                         self.iv["eager_steps"] += 1
                         self.iv["eager_s"] += dt
-                except Exception as e:  # noqa: BLE001
-                    self.last_error = traceback.format_exc()
-                    logger.error("engine.step failed: %s", self.last_error)
-                    for p in list(self._active.values()):
-                        self._resolve(p.fut, p.loop, exc=e)
-                    self._active.clear()
+                except Exception as e:  # noqa: BLE001 - the engine thread never dies
+                    self._step_raised(e)
                     continue
                 self.n_steps += 1
                 for o in outs or ():
                     self._absorb(o)
+                self._reconcile()
                 continue
             if not ran:
                 self._wake.wait(0.05)
                 self._wake.clear()
 
+    def _step_raised(self, e: Exception):
+        """``engine.step`` itself raised (the LLMEngine contains its requests' faults; another
+        engine may not): every request in flight is removed from the engine and failed, so
+        the next request starts from an empty engine instead of the same fault."""
+        self.last_error = f"{type(e).__name__}: {e}".splitlines()[0]
+        logger.error("engine.step failed: %s", traceback.format_exc())
+        for rid, p in list(self._active.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - best effort: the request is failed either way
+                logger.exception("abort of %s after a failed step failed", rid)
+            self._fail(p, RequestError(f"engine step failed: {self.last_error}", 500))
+
+    def _reconcile(self):
+        """Fail requests the engine no longer holds (none should exist: a request enters
+        ``_active`` only once the engine took it), instead of stepping on them forever."""
+        has = getattr(self.engine, "has_unfinished", None)
+        if self._active and has is not None and not has():
+            for p in list(self._active.values()):
+                self._fail(p, RequestError("the engine lost this request", 500))
+
+    def _fail(self, p: _Pending, exc: Exception):
+        """Remove ``p`` and fail its future with ``exc``; nothing else changes."""
+        if self._active.get(p.rid) is p:
+            del self._active[p.rid]
+        if p in self._held:
+            self._held.remove(p)
+        self.n_failed += 1
+        self._resolve(p.fut, p.loop, exc=exc)
+
     def _absorb(self, o):
         p = self._active.get(str(o.request_id))
         if p is None:
+            return
+        if o.finish_reason == "error":
+            self.last_error = getattr(o, "error", None) or "error"
+            self._fail(p, RequestError(f"the engine failed on this request: {self.last_error}", 500))
             return
         p.out_ids = list(o.output_ids)
         p.out_lps = [float(x) for x in (o.output_logprobs or [])]
@@ -239,8 +287,8 @@ class EngineWorker:
         if p.want_input_lps:
             try:
                 input_lps = self._input_logprobs(p)
-            except Exception as e:  # noqa: BLE001
-                self._resolve(p.fut, p.loop, exc=e)
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                self._fail(p, RequestError(f"input log-probs failed: {type(e).__name__}: {e}", 500))
                 return
         self._resolve(p.fut, p.loop, dict(out_ids=p.out_ids, out_lps=p.out_lps, reason=reason,
                                           version=self.engine.version if p.version is None else p.version,
@@ -255,17 +303,28 @@ class EngineWorker:
 
     # ---- commands (run in the engine thread) ---------------------------------------
     def cmd_add(self, p: _Pending):
+        """Queue ``p`` (held while paused). A request id already in flight or held fails
+        ``p`` alone (409); the request holding the id is not touched."""
+        if p.rid in self._active or any(h.rid == p.rid for h in self._held):
+            self._resolve(p.fut, p.loop, exc=RequestError(f"request id {p.rid!r} is already in flight", 409))
+            return
         if self.paused:
             self._held.append(p)
             return
         self._add_now(p)
 
     def _add_now(self, p: _Pending):
+        """Give ``p`` to the engine; it joins ``_active`` only once the engine took it. An engine
+        refusal fails ``p`` alone (400)."""
         if p.params.max_new_tokens <= 0:  # scoring only
             self._finish(p, "length")
             return
+        try:
+            self.engine.add_request(p.rid, list(p.prompt_ids), p.params)
+        except Exception as e:  # noqa: BLE001 - a request the engine refuses fails alone
+            self._resolve(p.fut, p.loop, exc=RequestError(f"{e}", 400))
+            return
         self._active[p.rid] = p
-        self.engine.add_request(p.rid, list(p.prompt_ids), p.params)
         self.iv["requests"] += 1
         if self.iv["first_add"] is None:
             self.iv["first_add"] = time.perf_counter()
@@ -297,6 +356,11 @@ class EngineWorker:
             self._add_now(p)
 
     def cmd_abort_rid(self, rid: str):
+        held = next((h for h in self._held if h.rid == rid), None)
+        if held is not None:  # never reached the engine
+            self._held.remove(held)
+            self._finish(held, "abort")
+            return True
         p = self._active.get(rid)
         if p is None:
             return False
@@ -308,72 +372,46 @@ class EngineWorker:
         self._finish(p, "abort")
         return True
 
-    def cmd_update_weights(self, path: str, abort: bool):
-        self._dist_update_open = False
-        return self._load(lambda: path, abort, new_version=True, what="update_weights_from_disk", with_info=True)
-
-    def cmd_update_from_distributed(self, body: dict, abort: bool):
-        """One bucket of an xccl update: receive (in this thread, the only one touching the
-        model) and load it. The first bucket after a pause opens a new version."""
-        from areal_tik.engine.weight_group import receive_bucket
-        pg = self.groups.get(body.get("group_name"))
-        if pg is None:
-            raise RuntimeError(f"update_weights_from_distributed: no weight update group {body.get('group_name')!r} "
-                               f"(known: {sorted(self.groups)}); call /init_weights_update_group first")
-        new_version = not self._dist_update_open
-        device = getattr(self.engine, "device", "cpu")
-        res = self._load(lambda: receive_bucket(pg, body["names"], body["dtypes"], body["shapes"], device), abort,
-                         new_version=new_version, what="update_weights_from_distributed", with_info=False)
-        self._dist_update_open = True  # only once a bucket loaded: a failed first bucket opens no version
-        return res
-
-    def _load(self, source: Callable[[], Any], abort: bool, new_version: bool, what: str, with_info: bool):
-        """``with_info``: also compute the model info (weights digest) now; a bucket leaves it to
-        the next ``/get_server_info`` (only the last bucket's digest would mean anything)."""
-        if abort:
-            self.abort_all()
-        elif self._active:
-            raise RuntimeError(f"{what} with requests in flight and abort_all_requests=false")
-        version = int(self.engine.version) + (1 if new_version else 0)
-        interval = None
-        if new_version:
-            interval = self.interval_stats()
-            self._interval_reset()
-        t0 = time.perf_counter()
-        self.engine.update_weights(source(), version)
-        dt = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        info = self.model_info() if self.model_info and with_info else {}
-        return {"version": version, "load_s": dt, "info_s": time.perf_counter() - t1, "previous_interval": interval,
-                **info}
-
 
 class TikServer:
-    """aiohttp application around an :class:`EngineWorker`."""
+    """aiohttp application around an :class:`EngineWorker`.
+
+    Every request body is checked at the edge (``request_validation``): a bad one is
+    answered 400 (409 for a request id already in flight) with a one-line reason and never
+    reaches the engine; every reply, errors included, is JSON (``http_errors``)."""
 
     def __init__(self, worker: EngineWorker, cfg: ServerConfig, info: dict):
         self.worker = worker
         self.cfg = cfg
         self.info = info  # static: fingerprint, kernels, model path, ...
         self._rid = itertools.count()
+        self._inflight: set[str] = set()  # /generate ids between arrival and reply (event-loop thread only)
         self.started = time.time()
 
     # ---- helpers -----------------------------------------------------------------
-    @staticmethod
-    def _json(obj, status=200):
-        from aiohttp import web
-        return web.Response(text=json.dumps(obj), status=status, content_type=JSON)
+    _json = staticmethod(json_reply)
 
-    async def _body(self, request) -> dict:
+    async def _body(self, request):
+        """The JSON body (``None`` when there is none); :class:`RequestError` if it is not JSON."""
+        from aiohttp import web
         if not request.can_read_body:
-            return {}
+            return None
         try:
-            body = await request.json()
-        except Exception:  # noqa: BLE001
-            raise ValueError("request body is not JSON")
-        if not isinstance(body, dict):
-            raise ValueError("request body must be a JSON object")
-        return body
+            return json.loads(await request.read())
+        except web.HTTPException:
+            raise  # e.g. 413: the middleware answers it
+        except Exception:  # noqa: BLE001 - bad bytes, bad JSON, absurd nesting
+            raise RequestError("request body is not valid JSON") from None
+
+    def _limits(self) -> Limits:
+        eng = self.worker.engine
+        return Limits(vocab_size=getattr(getattr(eng, "runner", None), "vocab_size", None),
+                      max_model_len=getattr(eng, "max_model_len", None))
+
+    def _new_rid(self) -> str:
+        while (rid := f"tik-{next(self._rid)}") in self._inflight:
+            pass
+        return rid
 
     def server_info(self) -> dict:
         w = self.worker
@@ -382,8 +420,10 @@ class TikServer:
             "weight_version": int(w.engine.version),
             "paused": w.paused,
             "active_requests": len(w._active),
+            "held_requests": len(w._held),
             "engine_steps": w.n_steps,
             "generated_tokens": w.n_generated,
+            "failed_requests": w.n_failed,
             "uptime_s": time.time() - self.started,
             "last_error": w.last_error,
             **(w.model_info() if w.model_info else {}),
@@ -403,60 +443,32 @@ class TikServer:
         # and on its device: a server on cuda:1 would launch the digest kernel on cuda:0 from here)
         return self._json(await self.worker.submit(self.server_info))
 
-    def _params(self, sp: dict):
-        temp = float(sp.get("temperature", 1.0) if sp.get("temperature") is not None else 1.0)
-        top_k = sp.get("top_k", -1)
-        top_k = -1 if top_k is None or int(top_k) <= 0 or int(top_k) >= TOP_K_DISABLED else int(top_k)
-        if float(sp.get("frequency_penalty", 0.0) or 0.0) != 0.0:
-            raise ValueError("frequency_penalty is not supported by the tik server (it would change the log-probs)")
-        if float(sp.get("presence_penalty", 0.0) or 0.0) != 0.0:
-            raise ValueError("presence_penalty is not supported by the tik server")
-        if sp.get("stop"):
-            raise ValueError("string stop sequences ('stop') are not supported; use stop_token_ids")
-        if int(sp.get("min_new_tokens", 0) or 0) != 0:
-            raise ValueError("min_new_tokens is not supported")
-        return self.worker.SamplingParams(
-            temperature=temp,
-            top_p=float(sp.get("top_p", 1.0) if sp.get("top_p") is not None else 1.0),
-            top_k=top_k,
-            max_new_tokens=int(sp.get("max_new_tokens", 128) if sp.get("max_new_tokens") is not None else 128),
-            stop_token_ids=[int(t) for t in (sp.get("stop_token_ids") or [])],
-            ignore_eos=bool(sp.get("ignore_eos", False)),
-            seed=sp.get("sampling_seed", sp.get("seed")),
-        )
-
     async def generate(self, request):
         try:
-            body = await self._body(request)
-            if body.get("stream"):
-                raise ValueError("stream=true is not supported")
-            ids = body.get("input_ids")
-            if not isinstance(ids, list) or not ids or isinstance(ids[0], list):
-                raise ValueError("input_ids must be a non-empty list of token ids (batched input not supported)")
-            ids = [int(t) for t in ids]
-            if body.get("image_data"):
-                raise ValueError("image_data is not supported")
-            if body.get("lora_path"):
-                raise ValueError("LoRA is not supported")
-            params = self._params(body.get("sampling_params") or {})
-        except (ValueError, TypeError) as e:
-            return self._json({"error": {"message": str(e), "type": "invalid_request"}}, status=400)
-        rid = str(body.get("rid") or f"tik-{next(self._rid)}")
-        lsl = body.get("logprob_start_len")
-        want_input = bool(body.get("return_logprob")) and (lsl is not None and int(lsl) >= 0
-                                                           or params.max_new_tokens == 0)
+            req = parse_generate(await self._body(request), self._limits())
+            params = self.worker.SamplingParams(**req.sampling)
+        except (RequestError, ValueError, TypeError) as e:
+            return error_reply(getattr(e, "message", str(e)), getattr(e, "status", 400))
+        rid = req.rid or self._new_rid()
+        if rid in self._inflight:
+            return error_reply(f"request id {rid!r} is already in flight; give each request its own rid", 409)
+        ids = req.input_ids
         temp = params.temperature if params.temperature > 0 else 1.0
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        p = _Pending(rid, ids, params, fut, loop, want_input, int(lsl or 0) if lsl is not None else 0, temp)
-        await self.worker.submit(lambda: self.worker.cmd_add(p))
+        p = _Pending(rid, ids, params, fut, loop, req.want_input_logprobs, max(0, req.logprob_start_len or 0), temp)
+        self._inflight.add(rid)
         try:
-            res = await fut
-        except asyncio.CancelledError:  # client went away
-            await self.worker.submit(lambda: self.worker.cmd_abort_rid(rid))
-            raise
-        except Exception as e:  # noqa: BLE001
-            return self._json({"error": {"message": f"{type(e).__name__}: {e}", "type": "engine_error"}}, status=500)
+            await self.worker.submit(lambda: self.worker.cmd_add(p))
+            try:
+                res = await fut
+            except asyncio.CancelledError:  # client went away
+                await self.worker.submit(lambda: self.worker.cmd_abort_rid(rid))
+                raise
+        except RequestError as e:
+            return error_reply(e.message, e.status)
+        finally:
+            self._inflight.discard(rid)
         meta = {
             "id": rid,
             "finish_reason": self._finish_reason(res, params),
@@ -465,11 +477,11 @@ class TikServer:
             "cached_tokens": 0,
             "weight_version": res["version"],
         }
-        if body.get("return_logprob"):
+        if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res["out_lps"], res["out_ids"])]
             if res["input_lps"] is not None:
                 meta["input_token_logprobs"] = res["input_lps"]
-            if body.get("top_logprobs_num"):
+            if req.top_logprobs_num:
                 meta["output_top_logprobs"] = [None] * len(res["out_ids"])
         return self._json({"text": "", "output_ids": res["out_ids"], "meta_info": meta})
 
@@ -494,18 +506,27 @@ class TikServer:
         await self.worker.submit(self.worker.cmd_continue)
         return self._json({"success": True})
 
+    async def _weights_call(self, what: str, fn):
+        """Run weight-update command ``fn`` in the engine thread; a refusal is a one-line reply
+        (its status: 400, or 409 for requests in flight), after which nothing has changed."""
+        try:
+            return await self.worker.submit(fn), None
+        except RequestError as e:
+            logger.error("%s refused: %s", what, e.message)
+            return None, error_reply(e.message, e.status)
+        except Exception as e:  # noqa: BLE001 - WeightUpdateError, a missing or unreadable checkpoint, ...
+            logger.error("%s failed: %s", what, e)
+            return None, error_reply(f"{what}: {type(e).__name__}: {e}", 400)
+
     async def update_weights_from_disk(self, request):
         try:
-            body = await self._body(request)
-            path = body["model_path"]
-        except (ValueError, KeyError) as e:
-            return self._json({"success": False, "message": f"bad request: {e}"}, status=400)
-        abort = bool(body.get("abort_all_requests", False))
-        try:
-            res = await self.worker.submit(lambda: self.worker.cmd_update_weights(path, abort))
-        except Exception as e:  # noqa: BLE001
-            logger.error("weight update from %s failed: %s", path, e)
-            return self._json({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
+            path, abort = parse_disk_update(await self._body(request))
+        except RequestError as e:
+            return error_reply(e.message, e.status)
+        res, err = await self._weights_call("update_weights_from_disk",
+                                            lambda: self.worker.cmd_update_weights(path, abort))
+        if err is not None:
+            return err
         logger.info("loaded weights from %s as version %s in %.2fs (+ digest %.2fs); since the previous update: %s",
                     path, res["version"], res["load_s"], res.get("info_s", 0.0), res.get("previous_interval"))
         return self._json({"success": True, "message": "Succeeded to update model weights.",
@@ -514,13 +535,9 @@ class TikServer:
     async def init_weights_update_group(self, request):
         from areal_tik.engine.weight_group import join_group
         try:
-            body = await self._body(request)
-            args = dict(master_address=str(body["master_address"]), master_port=int(body["master_port"]),
-                        rank=int(body.get("rank_offset", 1)), world_size=int(body["world_size"]),
-                        group_name=str(body.get("group_name", "weight_update_group")),
-                        backend=str(body.get("backend", "nccl")))
-        except (ValueError, KeyError, TypeError) as e:
-            return self._json({"success": False, "message": f"bad request: {e}"}, status=400)
+            args = parse_group_init(await self._body(request))
+        except RequestError as e:
+            return error_reply(e.message, e.status)
         old = self.worker.groups.pop(args["group_name"], None)
         if old is not None:  # a restarted trainer re-creates its group: it is already waiting in the rendezvous
             from areal_tik.engine.weight_group import leave_group
@@ -531,7 +548,7 @@ class TikServer:
             pg = await asyncio.to_thread(join_group, **args)
         except Exception as e:  # noqa: BLE001
             logger.error("joining weight update group %s failed: %s", args, e)
-            return self._json({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
+            return error_reply(f"{type(e).__name__}: {e}", 400)
         self.worker.groups[args["group_name"]] = pg
         logger.info("joined weight update group %s as rank %d of %d (%s) in %.2fs", args["group_name"], args["rank"],
                     args["world_size"], args["backend"], time.perf_counter() - t0)
@@ -542,12 +559,12 @@ class TikServer:
         destroying its side blocks until this side does too (AReaL's engine ``destroy`` hung
         there for minutes with no call like this one)."""
         try:
-            name = str((await self._body(request)).get("group_name", "weight_update_group"))
-        except (ValueError, TypeError) as e:
-            return self._json({"success": False, "message": f"bad request: {e}"}, status=400)
+            name = parse_group_name(await self._body(request))
+        except RequestError as e:
+            return error_reply(e.message, e.status)
         pg = self.worker.groups.pop(name, None)
         if pg is None:
-            return self._json({"success": False, "message": f"no weight update group {name!r}"}, status=400)
+            return error_reply(f"no weight update group {name!r}", 400)
         from areal_tik.engine.weight_group import leave_group
         await asyncio.to_thread(leave_group, pg)
         logger.info("left weight update group %s", name)
@@ -555,22 +572,15 @@ class TikServer:
 
     async def update_weights_from_distributed(self, request):
         try:
-            body = await self._body(request)
-            for k in ("names", "dtypes", "shapes"):
-                if not isinstance(body.get(k), list):
-                    raise ValueError(f"{k} must be a list")
-            if body.get("load_format") not in (None, "direct", "auto"):
-                raise ValueError(f"load_format {body.get('load_format')!r} is not supported")
-        except ValueError as e:
-            return self._json({"success": False, "message": f"bad request: {e}"}, status=400)
-        abort = bool(body.get("abort_all_requests", False))
-        try:
-            res = await self.worker.submit(lambda: self.worker.cmd_update_from_distributed(body, abort))
-        except Exception as e:  # noqa: BLE001
-            logger.error("weight update from group %s failed: %s", body.get("group_name"), e)
-            return self._json({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
-        logger.info("received %d tensors from group %s into version %s in %.2fs%s", len(body["names"]),
-                    body.get("group_name"), res["version"], res["load_s"],
+            req = parse_distributed_update(await self._body(request))
+        except RequestError as e:
+            return error_reply(e.message, e.status)
+        res, err = await self._weights_call("update_weights_from_distributed",
+                                            lambda: self.worker.cmd_update_from_distributed(req))
+        if err is not None:
+            return err
+        logger.info("received %d tensors from group %s into version %s in %.2fs%s", len(req["names"]),
+                    req["group_name"], res["version"], res["load_s"],
                     f"; since the previous update: {res['previous_interval']}" if res.get("previous_interval") else "")
         return self._json({"success": True, "message": "Succeeded to update model weights.", **res})
 
@@ -578,21 +588,23 @@ class TikServer:
         return self._json({"success": True})
 
     async def abort_request(self, request):
-        body = await self._body(request)
-        if body.get("abort_all"):
+        try:
+            abort_all, rid = parse_abort(await self._body(request))
+        except RequestError as e:
+            return error_reply(e.message, e.status)
+        if abort_all:
             n = await self.worker.submit(self.worker.abort_all)
             return self._json({"success": True, "aborted": n})
-        ok = await self.worker.submit(lambda: self.worker.cmd_abort_rid(str(body.get("rid"))))
+        ok = await self.worker.submit(lambda: self.worker.cmd_abort_rid(rid))
         return self._json({"success": bool(ok)})
 
     async def unsupported(self, request):
-        return self._json({"success": False, "message": f"{request.path} is not supported by the areal-tik server "
-                                                       "(no LoRA, no memory offload)"},
-                          status=400)
+        return error_reply(f"{request.path} is not supported by the areal-tik server (no LoRA, no memory offload)",
+                           400)
 
     def app(self):
         from aiohttp import web
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware()])
         r = app.router
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)

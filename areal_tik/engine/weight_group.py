@@ -22,7 +22,7 @@ import datetime
 
 import torch
 
-__all__ = ["join_group", "receive_bucket", "leave_group"]
+__all__ = ["join_group", "receive_bucket", "drain_bucket", "leave_group"]
 
 
 def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
@@ -62,12 +62,14 @@ def receive_bucket(pg, names: list[str], dtypes: list[str], shapes: list, device
                          f"{len(shapes)} shapes")
     # every buffer before the first receive: a bad entry found mid-bucket would leave the trainer's
     # remaining broadcasts unmatched (it hangs until the group's timeout)
+    from areal_tik.engine.weight_staging import WeightUpdateError, parse_dtype, parse_shape
     bufs = []
     for name, dt, shape in zip(names, dtypes, shapes):
-        dtype = getattr(torch, str(dt), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"update_weights_from_distributed: {name} has unknown dtype {dt!r}")
-        bufs.append((name, torch.empty(tuple(int(s) for s in shape), dtype=dtype, device=device)))
+        try:
+            dtype, size = parse_dtype(dt), parse_shape(shape)
+        except WeightUpdateError as e:
+            raise ValueError(f"update_weights_from_distributed: {name}: {e}") from None
+        bufs.append((name, torch.empty(size, dtype=dtype, device=device)))
     out = {}
     for name, t in bufs:
         dist.broadcast(t, src=0, group=pg)
@@ -75,6 +77,31 @@ def receive_bucket(pg, names: list[str], dtypes: list[str], shapes: list, device
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return out
+
+
+def drain_bucket(pg, dtypes: list, shapes: list, device, max_bytes: int) -> str:
+    """Receive a refused bucket's broadcasts into scratch buffers and drop them, so the
+    trainer's side completes and reads the refusal instead of waiting for the group's
+    timeout. Only when every dtype and shape is well formed and the bucket is at most
+    ``max_bytes`` + 64 MiB (a real bucket is never larger than the model). Never raises;
+    returns what was done, for the reply."""
+    from areal_tik.engine.weight_staging import WeightUpdateError, parse_dtype, parse_shape
+    try:
+        nbytes = 0
+        for dt, shape in zip(dtypes, shapes):
+            n = parse_dtype(dt).itemsize
+            for x in parse_shape(shape):
+                n *= x
+            nbytes += n
+    except WeightUpdateError as e:
+        return f"its broadcasts were not received: {e}"
+    if nbytes > max_bytes + (64 << 20):
+        return f"its broadcasts were not received: {nbytes} bytes is more than the model holds"
+    try:
+        receive_bucket(pg, [f"t{i}" for i in range(len(dtypes))], dtypes, shapes, device)
+    except Exception as e:  # noqa: BLE001 - reported in the reply
+        return f"receiving its broadcasts failed: {type(e).__name__}: {e}"
+    return "its broadcasts were received and dropped"
 
 
 def leave_group(pg) -> None:

@@ -20,10 +20,12 @@ assignments to subclasses / siblings with the same attributes.
 
 Refused with ``UnsupportedModelError`` before anything is touched: unknown ``model_type``
 (MoE variants included), sliding-window layers, non-SiLU MLPs, head dims the attention
-kernels lack, unexpected module layouts. A model is never left half patched.
+kernels lack, unexpected module layouts, RoPE types other than default, linear and llama3
+(yarn, dynamic, longrope, ...). A model is never left half patched.
 """
 from __future__ import annotations
 
+import math
 import types
 
 from torch import nn
@@ -31,10 +33,13 @@ from torch import nn
 from areal_tik.dispatch.bound import BoundOps, bind
 from areal_tik.layers import modules as M
 
-__all__ = ["patch_model", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES", "kernels_of", "ops_of", "validate_config",
-           "rope_spec"]
+__all__ = ["patch_model", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "kernels_of",
+           "ops_of", "validate_config", "rope_spec"]
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_FIELDS = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 _SUPPORTED_HEAD_DIMS = (64, 128)
 
 
@@ -54,24 +59,53 @@ def ops_of(model: nn.Module) -> BoundOps | None:
 
 
 def rope_spec(cfg) -> tuple[float, dict | None]:
+    """(theta, scaling) of the model's RoPE; ``UnsupportedModelError`` for any RoPE type but
+    ``default``, ``linear`` and ``llama3`` (the ones ``ops.rope_table`` builds; yarn,
+    dynamic, longrope, ... are refused for both kernel modes, so the A/B runs one model), for
+    missing or non-positive scaling fields, and for positions past the table's exact range."""
     rp = getattr(cfg, "rope_parameters", None) or {}
     if "full_attention" in rp and isinstance(rp["full_attention"], dict):
         rp = rp["full_attention"]
     theta = rp.get("rope_theta", getattr(cfg, "rope_theta", None))
     if theta is None:
         raise UnsupportedModelError("config has no rope_theta")
+    if not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 1:
+        raise UnsupportedModelError(f"rope_theta must be a finite number above 1, got {theta!r}")
     rtype = rp.get("rope_type", rp.get("type", "default"))
     scaling = None if rtype in (None, "default") else dict(rp)
     legacy = getattr(cfg, "rope_scaling", None)
     if scaling is None and isinstance(legacy, dict) and legacy.get("rope_type", legacy.get("type")) not in (None, "default"):
         scaling = dict(legacy)
+    max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+    if scaling is not None:
+        _check_rope_scaling(scaling)
+    # the table's largest angle is (max_positions - 1) * inv_freq[0], inv_freq[0] = 1 (/ factor for linear)
+    from areal_tik.kernels.rope import _MAX_ANGLE
+    linear = scaling is not None and scaling.get("rope_type", scaling.get("type")) == "linear"
+    if (max_positions - 1) / (float(scaling["factor"]) if linear else 1.0) >= _MAX_ANGLE:
+        raise UnsupportedModelError(f"max_position_embeddings {max_positions} is past the RoPE table's exact range")
     return float(theta), scaling
+
+
+def _check_rope_scaling(scaling: dict) -> None:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"RoPE type {kind!r} is not supported (supported: "
+                                    f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a checkpoint without rope scaling or "
+                                    "with linear or llama3 scaling")
+    for field in _ROPE_FIELDS.get(kind, ()):
+        v = scaling.get(field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise UnsupportedModelError(f"RoPE {kind} scaling needs a positive {field}, got {v!r}")
+    if kind == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
+        raise UnsupportedModelError(f"RoPE llama3 scaling needs low_freq_factor < high_freq_factor, got "
+                                    f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
 
 
 def validate_config(cfg) -> None:
     """Refuse, with :class:`UnsupportedModelError`, a config the tik kernels cannot run: other model
     types (MoE included), sliding windows, non-SiLU or biased MLPs, head dims the attention kernels
-    lack, uneven GQA, RoPE types other than the plain one."""
+    lack, uneven GQA, RoPE types other than default, linear and llama3."""
     mt = getattr(cfg, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
         hint = " (mixture-of-experts models are not supported)" if mt and "moe" in mt else ""
