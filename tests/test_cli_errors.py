@@ -88,7 +88,7 @@ def test_debug_adds_the_traceback_and_other_failures_are_one_line_exit_1(monkeyp
     assert main(["verify", "--prompts", "0", "--debug"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("areal-tik verify: error: --prompts")
-    import areal_tik.cli_env as env
+    import areal_tik.cli.env as env
 
     def broken(args):
         raise RuntimeError("disk on fire\nsecond line")

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from areal_tik import cli_agent
+from areal_tik.cli import agent as cli_agent
 
 
 def _args(*argv):

@@ -80,7 +80,7 @@ def test_server_settings_from_the_recipe():
 def test_server_cli_flags_size_the_engine():
     import argparse
 
-    from areal_tik import cli_serve
+    from areal_tik.cli import serve as cli_serve
     from areal_tik.engine.server import ServerConfig, build
     sub = argparse.ArgumentParser().add_subparsers()
     args = cli_serve.add_parser(sub).parse_args(["--model", "tiny-qwen2", "--max-running-requests", "7",

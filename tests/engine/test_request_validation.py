@@ -9,7 +9,7 @@ import sys
 import pytest
 from hypothesis import given, settings
 
-from areal_tik.engine.request_validation import (Limits, RequestError, parse_abort, parse_disk_update,
+from areal_tik.engine.server.request_validation import (Limits, RequestError, parse_abort, parse_disk_update,
                                                  parse_distributed_update, parse_generate, parse_group_init)
 from areal_tik.engine.sequence import SamplingParams
 

@@ -35,5 +35,5 @@ def test_describe_for_env():
     assert line.startswith(ab.ATTN_BACKWARD)
     if not torch.cuda.is_available():
         assert "no CUDA GPU" in line
-    from areal_tik import cli_env
+    from areal_tik.cli import env as cli_env
     assert cli_env.collect()["attention_backward"] == line

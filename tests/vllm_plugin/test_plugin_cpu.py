@@ -22,14 +22,14 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 def test_import_areal_tik_never_imports_vllm():
     code = ("import sys, areal_tik, areal_tik.vllm_plugin, areal_tik.vllm_plugin.glue, "
             "areal_tik.vllm_plugin.stack, areal_tik.vllm_plugin.logprobs, areal_tik.vllm_plugin.register, "
-            "areal_tik.cli_env; assert 'vllm' not in sys.modules, 'vllm imported'")
+            "areal_tik.cli.env; assert 'vllm' not in sys.modules, 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM installed here")
 def test_unavailable_without_vllm_and_says_why():
     from areal_tik import vllm_plugin
-    from areal_tik.cli_env import collect
+    from areal_tik.cli.env import collect
     from areal_tik.vllm_plugin.register import register
 
     ok, why = vllm_plugin.available()

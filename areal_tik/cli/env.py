@@ -37,7 +37,7 @@ def collect() -> dict:
 def run(args) -> int:
     info = collect()
     if args.json:
-        from areal_tik.cli import print_json
+        from areal_tik.cli.output import print_json
         print_json(info)
         return 0
     from rich.console import Console

@@ -26,7 +26,7 @@ def add_parser(sub):
 
 def check_args(args) -> None:
     """Refuse bad arguments before either arm starts (``UsageError``)."""
-    from areal_tik.cli_errors import need, need_file, need_float, need_int
+    from areal_tik.cli.errors import need, need_file, need_float, need_int
     need_file("--config", args.config)
     need_int("--steps", args.steps, lo=1)
     need_float("--timeout", args.timeout, lo=0, lo_open=True, optional=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 
-from areal_tik.cli_errors import UsageError
+from areal_tik.cli.errors import UsageError
 
 DEFAULT_DB = "runs/agent.sqlite"
 
@@ -148,7 +148,7 @@ def cmd_status(args) -> int:
     store = Store(args.db, read_only=True)
     sums = [summarize(store, r.id) for r in store.runs() if not args.name or r.name == args.name]
     if args.json:
-        from areal_tik.cli import print_json
+        from areal_tik.cli.output import print_json
         print_json(sums)
         return 0
     from rich.console import Console
@@ -187,7 +187,7 @@ def cmd_show(args) -> int:
     else:
         out = summarize(store, run.id)
         out["decision_log"] = [f"[{d.step}] {d.action} v{d.version_id}: {d.reason}" for d in store.decisions(run.id)]
-    from areal_tik.cli import print_json
+    from areal_tik.cli.output import print_json
     print_json(out)
     return 0
 

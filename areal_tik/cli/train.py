@@ -12,7 +12,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from areal_tik.cli_errors import need_file
+    from areal_tik.cli.errors import need_file
     need_file("--config", args.config)
     from areal_tik.areal.train import main
 

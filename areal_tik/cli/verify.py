@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
 
 def check_args(args) -> tuple:
     """Refuse bad arguments before the model is built (``UsageError``); the regimes asked for."""
-    from areal_tik.cli_errors import need, need_choices, need_device, need_int, need_model
+    from areal_tik.cli.errors import need, need_choices, need_device, need_int, need_model
     from areal_tik.verify.parity import REGIMES
     from areal_tik.layers.models import PRESETS
     need_model("--model", args.model)
@@ -80,7 +80,7 @@ def run(args) -> int:
         fp = compute(settings.backend)
         rep.update(kernel_fingerprint=fp["fingerprint"], kernel_selection=fp["selection"])
     if args.json:
-        from areal_tik.cli import print_json
+        from areal_tik.cli.output import print_json
         print_json(rep)
     else:
         _print(rep)

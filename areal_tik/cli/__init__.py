@@ -9,21 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 
-# (module path, attribute) of each subcommand's add_parser; missing optional modules are skipped.
-SUBCOMMANDS = [
-    "areal_tik.cli_env",
-    "areal_tik.cli_compile",
-    "areal_tik.cli_verify",
-    "areal_tik.cli_serve",
-    "areal_tik.cli_train",
-    "areal_tik.cli_ab",
-    "areal_tik.cli_warmstart",
-    "areal_tik.cli_bench",
-    "areal_tik.cli_agent",
-]
+# the module of each subcommand; each exposes add_parser(subparsers)
+SUBCOMMANDS = [f"areal_tik.cli.{name}" for name in ("env", "compile", "verify", "serve", "train", "ab", "warmstart",
+                                                     "agent")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,26 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "command line)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for modname in SUBCOMMANDS:
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as e:
-            if e.name == modname:
-                continue
-            raise
-        mod.add_parser(sub)
+        importlib.import_module(modname).add_parser(sub)
     return p
-
-
-def print_json(obj) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; its exit status. A user error (bad argument, unsupported model,
     missing file, port in use) is one line on stderr and status 2; ``--debug`` (anywhere on
     the line) adds the traceback."""
-    from areal_tik.cli_errors import run_command
+    from areal_tik.cli.errors import run_command
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv

@@ -39,7 +39,7 @@ def add_parser(sub):
 
 def check_args(args) -> None:
     """Refuse bad arguments before the model is built (``UsageError``)."""
-    from areal_tik.cli_errors import need, need_device, need_float, need_int, need_model, need_port_free
+    from areal_tik.cli.errors import need, need_device, need_float, need_int, need_model, need_port_free
     need_model("--model", args.model)
     need_int("--port", args.port, lo=1, hi=65535)
     need(bool(args.host), "--host is empty; give an address of this machine, e.g. 127.0.0.1")

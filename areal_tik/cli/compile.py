@@ -12,7 +12,7 @@ def run(args) -> int:
     cu = [] if args.skip_cuda else compile_check.compile_cuda()
     ok = all(r["ok"] for r in rows + cu)
     if args.json:
-        from areal_tik.cli import print_json
+        from areal_tik.cli.output import print_json
         print_json({"ok": ok, "triton": rows, "cuda": cu})
     else:
         for r in rows:

@@ -24,7 +24,7 @@ def check_args(args) -> None:
     import os
 
     from areal_tik.areal.arith import TASKS
-    from areal_tik.cli_errors import need, need_choices, need_device, need_float, need_int, need_model
+    from areal_tik.cli.errors import need, need_choices, need_device, need_float, need_int, need_model
     need_model("--model", args.model)
     need(not os.path.exists(args.out) or os.path.isdir(args.out), f"--out {args.out!r} exists and is not a directory")
     need_choices("--task", [args.task], TASKS)
@@ -38,7 +38,7 @@ def check_args(args) -> None:
 def run(args) -> int:
     check_args(args)
     from areal_tik.areal.warmstart import warm_start
-    from areal_tik.cli import print_json
+    from areal_tik.cli.output import print_json
 
     rec = warm_start(args.model, args.out, task=args.task, steps=args.steps, batch=args.batch, lr=args.lr,
                      seed=args.seed, device=args.device, progress=not args.no_progress)

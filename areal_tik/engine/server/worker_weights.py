@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from areal_tik.engine.request_validation import RequestError
+from areal_tik.engine.server.request_validation import RequestError
 
 __all__ = ["WeightUpdateCommands"]
 
@@ -30,7 +30,7 @@ class WeightUpdateCommands:
         pause opens a new version. A bucket refused before receiving (unknown name, wrong
         shape or dtype, requests in flight) is still received and dropped when its size is
         sane, so the trainer's broadcasts complete and it gets the reply."""
-        from areal_tik.engine.weight_group import drain_bucket, receive_bucket
+        from areal_tik.engine.server.weight_group import drain_bucket, receive_bucket
         from areal_tik.engine.weight_staging import model_nbytes
         pg = self.groups.get(req["group_name"])
         if pg is None:

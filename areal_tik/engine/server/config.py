@@ -1,0 +1,32 @@
+"""The server's settings (SGLang's flag names where they exist)."""
+from __future__ import annotations
+
+import dataclasses
+
+MAX_BODY_BYTES = 64 << 20  # the largest request body (a context-length prompt is well under 1 MiB)
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """``max_running_requests``: sequences decoded together (SGLang's name; AReaL sends a whole
+    RL batch at once, e.g. 16 prompts x 8 samples, so 64 made the rollout run in waves).
+    ``context_length``: longest prompt + output (SGLang's name; ``None``: the model's, capped at
+    8192); it and ``max_running_requests`` bound the KV cache. ``mem_fraction``: share of the
+    GPU memory free at start-up the KV cache may take (the trainer shares the GPU in an SPMD
+    world of one, so SGLang's ``mem_fraction_static`` = 0.9 is not taken over).
+    ``disable_cuda_graph`` / ``cuda_graph_max_bs`` (SGLang's names): ``EngineConfig.enforce_eager`` /
+    ``cuda_graph_max_bs``; ``prefill_graph_max_tokens``: ``EngineConfig``'s (``None``: its default)."""
+    model: str
+    kernels: str = "tik"
+    backend: str | None = None          # Settings.backend: the op implementations (bound at patch time)
+    precompile: bool = True             # Settings.precompile
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str | None = None
+    seed: int = 0
+    max_running_requests: int = 256
+    context_length: int | None = None
+    mem_fraction: float = 0.5
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    prefill_graph_max_tokens: int | None = None
