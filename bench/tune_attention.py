@@ -31,6 +31,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness
 os.environ.setdefault("AREAL_TIK_ATTN_TUNED", "0")   # start from the defaults; we configure() explicitly
 
 import torch  # noqa: E402
@@ -63,11 +64,11 @@ PAGE = 16
 
 
 def _bench(fn, graph=False):
-    import triton.testing as tt
+    """Median ms (bench/harness.py): do_bench_cudagraph for decode cells, else do_bench."""
+    from harness import time_ms
     if graph:
-        with torch.cuda.stream(torch.cuda.Stream()):
-            return float(tt.do_bench_cudagraph(fn, rep=20, return_mode="median"))
-    return float(tt.do_bench(fn, warmup=5, rep=25, return_mode="median"))
+        return time_ms(fn, "cudagraph", rep_ms=20).p50
+    return time_ms(fn, "do_bench", warmup_ms=5, rep_ms=25).p50
 
 
 def geomean(xs):

@@ -6,7 +6,7 @@ script splits one step into its host phases (schedule, prepare + graph replay / 
 forward, sample, postprocess; each phase synchronised so the split is honest) and records
 a torch.profiler table of the top device and host ops over the same steps.
 
-    python bench/profile_engine.py --out DIR [--model qwen2.5-1.5b] [--batches 1 64] [--kernels tik default]
+    python bench/probes/profile_engine.py --out DIR [--model qwen2.5-1.5b] [--batches 1 64] [--kernels tik default]
 
 Writes ``engine_profile.json`` (per kernels mode and batch: ms per step per phase, device
 busy ms per step, top ops) and prints a table.
@@ -21,8 +21,8 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: harness, bench_cuda, kernel_arms
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the repo root (areal_tik) and bench/
 
 import torch  # noqa: E402
 

@@ -1,9 +1,9 @@
 """How fast can a decode CTA stream a paged K/V cache into shared memory, by which copy instruction?
 
-    python bench/probe_load_paths.py --out $OUT        # H100/H200 (sm_90a); writes OUT/load_paths.json
+    python bench/probes/probe_load_paths.py --out $OUT        # H100/H200 (sm_90a); writes OUT/load_paths.json
 
 The decode kernel's loader (csrc attn_decode_kernel) measured at the same speed whether it computes or
-not (bench/csrc_ablations.py DECLOAD), at every ring depth and chunks-per-CTA setting, and with pages in
+not (bench/probes/csrc_ablations.py DECLOAD), at every ring depth and chunks-per-CTA setting, and with pages in
 order or shuffled: ~3.6 TB/s at 16 sequences x 8192 positions, where SDPA reads its contiguous copy at
 4.3 TB/s. This probe isolates the copy path. One CTA of 128 threads streams `bpc` blocks (64 positions,
 one page) of one (sequence, KV head) of the engine's cache layout [page][64 rows][Hkv][128] bf16 through
@@ -14,7 +14,7 @@ an S-stage shared-memory ring (rows padded to 136 columns, as the decode kernel'
     bulk16k  one thread issues 2 bulk copies of 16 KB (a head-major page: NOT the engine's layout; the
              size ceiling of the bulk path)
     tma_box  one thread issues 4 TMA tensor boxes (64 columns x 1 head x 64 rows, 128-byte swizzle) over the
-             engine's layout, as the wgmma prefill loads K/V (not yet run on a GPU: written in session 11)
+             engine's layout, as the wgmma prefill loads K/V
 The consumer touches two values per block; each CTA writes one float so nothing is elided. Bytes moved
 are the same in every row of the output: 2 x B x ctx x Hkv x 128 x 2.
 """
@@ -23,8 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: harness, bench_cuda, kernel_arms
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the repo root (areal_tik) and bench/
 
 _SRC = r"""
 #include <torch/extension.h>
@@ -158,7 +162,7 @@ __global__ void __launch_bounds__(128) probe_tma(const __grid_constant__ CUtenso
   const int b = blockIdx.z, hk = blockIdx.y, blk0 = blockIdx.x * bpc;
   const int nb = min(bpc, npg - blk0);
   constexpr int STAGE = 4 * 8192;  // K halves, V halves
-  const uint32_t s0 = (uint32_t)__cvta_generic_to_shared(sm), bar0 = s0 + S * STAGE;
+  const uint32_t smem0 = (uint32_t)__cvta_generic_to_shared(sm), bar0 = smem0 + S * STAGE;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) mbar_init(bar0 + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -167,7 +171,7 @@ __global__ void __launch_bounds__(128) probe_tma(const __grid_constant__ CUtenso
   auto issue = [&](int i) {
     if (threadIdx.x != 0) return;
     const int st = i % S, row = __ldg(bt + (int64_t)b * npg + blk0 + i) * BN;
-    const uint32_t bar = bar0 + 8 * st, d = s0 + st * STAGE;
+    const uint32_t bar = bar0 + 8 * st, d = smem0 + st * STAGE;
     mbar_expect(bar, STAGE);
     tma3(d, &mk, 0, hk, row, bar);
     tma3(d + 8192, &mk, 64, hk, row, bar);

@@ -1,6 +1,6 @@
 """Find the first module whose output bits differ between the engine prefill and the training forward.
 
-    python bench/diag_parity.py [--out DIR]
+    python bench/probes/diag_parity.py [--out DIR]
 
 For each model variant: one prompt; forward hooks record every module's output in (a) the
 training forward (packed_logprobs, autograd on), (b) the same under no_grad, (c) the

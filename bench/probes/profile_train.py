@@ -7,7 +7,7 @@ batch: the no-grad forward to token log-probs (what recompute runs) and forward 
 their sum (one PPO micro-batch; the recipe's 32 seqs x 272 tokens = one micro-batch of a
 minibatch), and records a torch.profiler table of the top device ops of forward + backward.
 
-    python bench/profile_train.py --out DIR [--model qwen2.5-1.5b] [--seqs 32] [--seq-len 272] [--kernels tik default]
+    python bench/probes/profile_train.py --out DIR [--model qwen2.5-1.5b] [--seqs 32] [--seq-len 272] [--kernels tik default]
 
 ``--kernels`` takes arms (bench/kernel_arms.py), e.g. ``tik tik@attention_varlen=cuda,attention_paged=cuda``.
 
@@ -23,8 +23,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: harness, bench_cuda, kernel_arms
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the repo root (areal_tik) and bench/
 
 import torch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Does the paged cache's head interleaving cost the decode bandwidth? Same bytes, two layouts.
 
-    python bench/probe_kv_layout.py --out DIR
+    python bench/probes/probe_kv_layout.py --out DIR
 
 The decode bench compares the csrc/Triton paged decode with SDPA reading K/V gathered into
 [B, H, ctx, D]: each head's rows contiguous. In the paged cache [pages, 64, Hkv, D] a KV head's row is
@@ -19,9 +19,9 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: harness, bench_cuda, kernel_arms
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the repo root (areal_tik) and bench/
+ROOT = os.path.dirname(BENCH)
 
 
 def _cell(B, hkv, hq, ctx, tri_paged):

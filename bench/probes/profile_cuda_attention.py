@@ -1,7 +1,7 @@
 """A few launches of one csrc attention kernel, for Nsight Compute (32 q / 8 kv heads, D 128, bf16).
 
-    ncu -k regex:attn_kernel_wgmma -c 1 --launch-skip 2 ... python bench/profile_cuda_attention.py prefill 4096
-    ncu -k regex:attn_decode_kernel -c 1 --launch-skip 2 ... python bench/profile_cuda_attention.py decode 16 8192 [CPC]
+    ncu -k regex:attn_kernel_wgmma -c 1 --launch-skip 2 ... python bench/probes/profile_cuda_attention.py prefill 4096
+    ncu -k regex:attn_decode_kernel -c 1 --launch-skip 2 ... python bench/probes/profile_cuda_attention.py decode 16 8192 [CPC]
 
 prefill L: one causal sequence of L tokens through attention_varlen (the default prefill kernel);
 decode B CTX: B sequences of CTX cached positions (page size 64, shuffled pages), one query each,
@@ -11,6 +11,9 @@ import os
 import sys
 
 import torch
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: harness, bench_cuda, kernel_arms
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the repo root (areal_tik) and bench/
 
 from areal_tik.kernels import cuda_ops
 
@@ -27,7 +30,6 @@ if kind == "prefill":
 elif kind == "decode":
     B = int(sys.argv[2]) if len(sys.argv) > 2 else 16
     ctx = int(sys.argv[3]) if len(sys.argv) > 3 else 8192
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_cuda import decode_case
     q, kc, vc, bt, cq, sk = decode_case(B, ctx, hq=HQ, hkv=HKV, page=64, device=dev)
     if len(sys.argv) > 4:

@@ -8,10 +8,10 @@ Part 1 (``ops``): for each tik op at the engine's prefill shapes (T tokens, Qwen
 widths) and its torch counterpart: ``issue_us``, the host time to issue one call (N calls
 back to back, timed before the synchronize; the launch queue never fills at these N), and
 ``total_us``, N calls including the synchronize, per call.
-Part 2 (``cprofile``): cProfile of eager engine steps (B prompts of T tokens, ``enforce_eager``: since
-session 11 the engine replays prefill graphs up to ``prefill_graph_max_tokens``), functions by self time.
+Part 2 (``cprofile``): cProfile of eager engine steps (B prompts of T tokens, ``enforce_eager``: the
+engine otherwise replays prefill graphs up to ``prefill_graph_max_tokens``), functions by self time.
 
-    python bench/host_overhead.py --out DIR [--tokens 512] [--calls 200] [--batch 1]
+    python bench/probes/host_overhead.py --out DIR [--tokens 512] [--calls 200] [--batch 1]
 
 Writes DIR/host_overhead.json and DIR/host_overhead_cprofile.txt.
 """
@@ -26,7 +26,8 @@ import pstats
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: harness, bench_cuda, kernel_arms
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the repo root (areal_tik) and bench/
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -132,13 +133,13 @@ def profile_engine_steps(T: int, B: int, dev: str, model_name: str, reps: int) -
     s = io.StringIO()
     st = pstats.Stats(prof, stream=s).sort_stats("tottime")
     st.print_stats(40)
-    s2 = io.StringIO()
-    pstats.Stats(prof, stream=s2).sort_stats("cumulative").print_stats(40)
+    s_cum = io.StringIO()
+    pstats.Stats(prof, stream=s_cum).sort_stats("cumulative").print_stats(40)
     top = sorted(((v[2], v[3], v[1], f"{k[0].split('site-packages/')[-1]}:{k[1]}({k[2]})")
                   for k, v in st.stats.items()), reverse=True)[:25]
     return ({"batch": B, "tokens": T, "ms_per_prefill": sorted(times)[len(times) // 2], "ms_samples": times,
              "top_self": [{"self_ms": 1e3 * a, "cum_ms": 1e3 * b, "calls": c, "fn": f} for a, b, c, f in top]},
-            s.getvalue() + "\n\n==== by cumulative time\n" + s2.getvalue())
+            s.getvalue() + "\n\n==== by cumulative time\n" + s_cum.getvalue())
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """Time several csrc trees side by side in one process on one GPU (the wgmma prefill), bits checked first.
 
-    python bench/bisect_csrc.py --dir scratch/bisect --variants H B2 S2 [--ref H] --out $OUT
+    python bench/probes/bisect_csrc.py --dir scratch/bisect --variants H A B [--ref H] --out $OUT
 
 Each variant is a directory DIR/NAME holding a full csrc copy (e.g. `git archive BRANCH csrc | tar -x -C
 DIR/NAME --strip-components=1`), built in parallel as its own torch extension (tikv_NAME, sm_90a).
@@ -11,14 +11,13 @@ beside it (a probe whose bits differ by design must still be attention: compare 
 TFLOP/s at L 4K/8K/16K (batch 1, causal), two interleaved repetitions, with SDPA beside them.
 Writes OUT/bisect.json: [checks, rows...]. Exit 1 if any bit check fails.
 
-    python bench/bisect_csrc.py --decode --dir DIR --variants H MC [--cpc 0 1 2 4] --out $OUT
+    python bench/probes/bisect_csrc.py --decode --dir DIR --variants H MC [--cpc 0 1 2 4] --out $OUT
 
 Decode mode: the decode kernel instead (one query per sequence, page size 64). Bits first: a ragged batch
 (KV lengths 1..8192 around chunk and block edges, NaN-poisoned caches, page sizes 16 and 64), fused and
 two-launch merge, every variant (and every --cpc value of a build that takes `decode_cpc`) torch.equal to
 the reference variant's fused output. Then CUDA-graph times per (batch, context) cell, SDPA beside them.
 Writes OUT/bisect_decode.json.
-This is the script session 7 ran from the result folders (run_bisect.py there), made one tool.
 """
 from __future__ import annotations
 
@@ -31,6 +30,9 @@ import sys
 import time
 
 import torch
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: harness, bench_cuda, kernel_arms
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the repo root (areal_tik) and bench/
 
 HQ, HKV, D = 32, 8, 128
 
@@ -67,9 +69,9 @@ def _paged_cache(k, v, lens, cu, ps, g):
         bt[i, :npg[i]] = torch.tensor(pages, dtype=torch.int32)
         pos = torch.arange(L)
         slot = (torch.tensor(pages)[pos // ps] * ps + pos % ps).cuda()
-        s0 = int(cu[i])
-        kc.view(-1, HKV, D)[slot] = k[s0:s0 + L]
-        vc.view(-1, HKV, D)[slot] = v[s0:s0 + L]
+        start = int(cu[i])
+        kc.view(-1, HKV, D)[slot] = k[start:start + L]
+        vc.view(-1, HKV, D)[slot] = v[start:start + L]
     return kc, vc, bt.cuda()
 
 
@@ -297,5 +299,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())
