@@ -1,8 +1,7 @@
 """Host cost per op call, and where an eager engine step spends its host time.
 
-Why: an eager prefill of one 512-token prompt on the 1.5B shape takes ~46 ms of wall time for
-~6.4 ms of device work (profile_engine, 2026-11-30), so small eager steps are bound by the
-host. This script says which calls cost it.
+Why: an eager prefill of one 512-token prompt on the 1.5B shape measured ~33 ms of wall time for
+~6.4 ms of device work on an H200 (profile_engine), so small eager steps are bound by the host. This script says which calls cost it.
 
 Part 1 (``ops``): for each tik op at the engine's prefill shapes (T tokens, Qwen2.5-1.5B
 widths) and its torch counterpart: ``issue_us``, the host time to issue one call (N calls

@@ -1,10 +1,10 @@
 """Where an engine decode step spends its time (for the host-overhead question).
 
-On the H200 a 1.5B decode step at B=1 took 3.65 ms with tik kernels and CUDA graphs
-(bench_engine, 2026-11-30), about 5x the ~0.7 ms it takes to read the weights once. This
-script splits one step into its host phases (schedule, prepare + graph replay / eager
-forward, sample, postprocess; each phase synchronised so the split is honest) and records
-a torch.profiler table of the top device and host ops over the same steps.
+For a step whose wall time is far above its device time (a 1.5B decode step at B=1 has measured
+several times the ~0.7 ms it takes to read the weights once on an H200). This script splits one
+step into its host phases (schedule, prepare + graph replay / eager forward, sample, postprocess;
+each phase synchronised so the split is honest) and records a torch.profiler table of the top
+device and host ops over the same steps.
 
     python bench/probes/profile_engine.py --out DIR [--model qwen2.5-1.5b] [--batches 1 64] [--kernels tik default]
 
@@ -38,7 +38,7 @@ def _sync():
         torch.cuda.synchronize()
 
 
-@torch.no_grad()  # as ModelRunner.run: without it the eager forward ran under autograd (_LinearFn in the 2026-11-30 profiles)
+@torch.no_grad()  # as ModelRunner.run: without it the eager forward runs under autograd
 def _phased_step(eng: LLMEngine, acc: dict) -> None:
     """One ``LLMEngine.step``, phase by phase (same calls, same order, the runner's graph-or-eager rule)."""
     def timed(name, fn, *a):

@@ -1,8 +1,7 @@
 """Where a training micro-batch spends its time, tik vs default kernels (the A/B's train-step gap).
 
-On 2x H200 (2026-11-30, GRPO 1.5B, 16 x 8 x 256 tokens) AReaL's train step took 1.45 s with tik
-kernels against 1.25 s with the default ones (cuBLAS + FlashAttention varlen), and the skipped
-recompute forward only 0.36-0.43 s. This script times, per kernels mode, on the same packed
+For when the A/B's train step differs between the arms (tik kernels vs the default ones: cuBLAS +
+FlashAttention varlen), e.g. at small micro-batches where launches are host-bound. This script times, per kernels mode, on the same packed
 batch: the no-grad forward to token log-probs (what recompute runs) and forward + backward of
 their sum (one PPO micro-batch; the recipe's 32 seqs x 272 tokens = one micro-batch of a
 minibatch), and records a torch.profiler table of the top device ops of forward + backward.
