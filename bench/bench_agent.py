@@ -5,7 +5,7 @@
 Runs ``init`` (root checks, frozen contract + Qwen2.5-1.5B linear workloads, noise
 floor) and the loop with the zero-token offline proposer until the budget (init
 included) or stagnation, then times the best version interleaved against the root.
-Writes DIR/agent_summary.json, DIR/agent_lineage.png, DIR/agent.sqlite (the whole IR)
+Writes DIR/agent_summary.json, DIR/rows.csv, DIR/agent_lineage.png, DIR/agent.sqlite (the whole IR)
 and DIR/exported/linear_<arch>.{py,json} (the export with provenance; copy it into
 areal_tik/kernels/exported/ to make the backend use it on that arch). Exit status 0
 only if the speedup goal (--goal, default 1.5x) is met with every contract passing.
@@ -19,6 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness
 
 
 def main() -> int:
@@ -37,7 +38,7 @@ def main() -> int:
     from areal_tik.agent.plot import plot_lineage
     from areal_tik.agent.proposers import OfflineProposer
     from areal_tik.agent.store import Store
-    from areal_tik.backend.fingerprint import environment
+    from areal_tik.dispatch.fingerprint import environment
     if not torch.cuda.is_available():
         print("bench_agent: needs a CUDA GPU (the CPU path is the simulated timer, see tests/agent)")
         return 2
@@ -80,8 +81,17 @@ def main() -> int:
     sp = (summ.get("final") or {}).get("speedup") or 0.0
     summ["goal"] = a.goal
     summ["goal_met"] = bool(sp >= a.goal and not summ["SIMULATED"])
+    from harness import Recorder
+    rec = Recorder("bench_agent", a.out)
+    summ.update(commit=rec.env["commit"], command=rec.env["command"])
     with open(os.path.join(a.out, "agent_summary.json"), "w") as f:
         json.dump(summ, f, indent=1, default=str)
+    final = summ.get("final") or {}
+    if final.get("root_us") and final.get("best_us"):  # the interleaved final measurement as harness rows
+        case = f"agent linear {a.preset} weighted workloads (offline proposer)"
+        rec.add(case, "root", "weighted latency", final["root_us"] / 1e3, "ms")
+        rec.add(case, f"best v{final.get('best_version')}", "weighted latency", final["best_us"] / 1e3, "ms")
+        rec.write()
     print(json.dumps({k: summ[k] for k in ("versions", "by_status", "decisions", "rejections_by_check", "final",
                                            "goal_met", "wall_s")}, indent=1, default=str))
     return 0 if summ["goal_met"] else 1
@@ -92,7 +102,7 @@ def _check_export(path: str) -> dict:
     import importlib.util
 
     import torch
-    from areal_tik import contract
+    from areal_tik.verify import contract
     spec = importlib.util.spec_from_file_location("tik_exported_check", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -2,7 +2,7 @@
 
     python bench/bench_attention.py --out DIR [--quick]
 
-Writes DIR/bench_attention.json and prints a compact table last. Cells:
+Writes DIR/bench_attention.json and DIR/rows.csv (bench/harness.py) and prints a compact table last. Cells:
 - prefill/training forward, batch 1, 32 q heads, 8 kv heads, d=128, causal, L in 1K/4K/8K/16K
   (ours: attention_varlen; SDPA: [1, H, L, D] with is_causal, GQA via enable_gqa, else
   K/V repeated outside the timed region);
@@ -10,7 +10,7 @@ Writes DIR/bench_attention.json and prints a compact table last. Cells:
   cache, page 16 and 64; SDPA: one query over contiguous KV); CUDA-graph timing;
 - backward at 4K (time of ``out.backward``, graph retained).
 speedup = SDPA ms / ours ms (> 1 means we are faster); best SDPA backend is the baseline.
-Median times from triton.testing.do_bench / do_bench_cudagraph.
+Median times from triton.testing.do_bench / do_bench_cudagraph (through bench/harness.py).
 """
 from __future__ import annotations
 
@@ -22,20 +22,22 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-COPY_TBPS = 4.1  # measured device copy rate (DESIGN.md section 6)
+from harness import Recorder, time_ms  # noqa: E402
+
+COPY_TBPS = 4.1  # measured device copy rate on the H200 (docs/results.md)
 HQ, HKV, D = 32, 8, 128
 
 
 def _bench(fn, graph=False):
-    import triton.testing as tt
+    """Median ms: triton's do_bench_cudagraph for graph-captured decode cells, else do_bench (harness.time_ms)."""
     if graph:
-        with torch.cuda.stream(torch.cuda.Stream()):
-            return float(tt.do_bench_cudagraph(fn, rep=30, return_mode="median"))
-    return float(tt.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+        return time_ms(fn, "cudagraph", rep_ms=30).p50
+    return time_ms(fn, "do_bench", warmup_ms=10, rep_ms=40).p50
 
 
 def _sdpa_backends():
@@ -188,8 +190,16 @@ def main(argv=None):
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, meta=A.META, shape=dict(HQ=HQ, HKV=HKV, D=D),
                 copy_tbps=COPY_TBPS, seconds=round(time.time() - t0, 1), quick=quick)
+    rec = Recorder("bench_attention", a.out)
+    info.update(commit=rec.env["commit"], command=rec.env["command"])
     with open(os.path.join(a.out, "bench_attention.json"), "w") as f:
         json.dump(dict(info=info, rows=rows, geomean_speedup=summary), f, indent=1, default=str)
+    for r in rows:  # medians (the JSON's figures) as harness rows
+        case = f"decode page={r['page']} B={r['B']} ctx={r['ctx']}" if r["kind"] == "decode" else f"{r['kind']} L={r['L']}"
+        rec.add(case, "triton", "time", r["ms"], "ms")
+        if r["sdpa_best"]:
+            rec.add(case, f"sdpa_{r['sdpa_best']}", "time", r["sdpa_ms"], "ms")
+    rec.write()
     print(f"{'cell':34s} {'ours ms':>9s} {'sdpa ms':>9s} {'speedup':>8s}  rate")
     for r in rows:
         if r["kind"] == "decode":

@@ -1,6 +1,6 @@
-"""What any kernel could reach against PyTorch SDPA on this GPU: the bounds behind issue 9's goals.
+"""What any kernel could reach against PyTorch SDPA on this GPU: decode >= 1.2x SDPA, prefill >= 1.05x SDPA?
 
-    python bench/bench_ceiling.py --out DIR [--quick]      # writes DIR/bench_ceiling.json (+ .png)
+    python bench/bench_ceiling.py --out DIR [--quick]      # writes DIR/bench_ceiling.json (+ .png), DIR/rows.csv
 
 Decode (the cells of bench_cuda.py: batch {1,4,8,16} x context {128,1K,4K,8K}, 32/8 heads, d=128, bf16,
 pages of 64), measured in one run:
@@ -16,9 +16,9 @@ Per cell, a lower bound on any decode kernel's time: where the K/V bytes exceed 
 replay finds them cached), K/V bytes / read ceiling (at least the launch floor); elsewhere the launch floor.
 The bound on the speed-up against SDPA is SDPA's time over that; ``bound_at_spec_*`` uses the vendor's HBM
 peak instead of a measured rate (4.8 TB/s on the H200), a rate no kernel here has reached.
-``decode_cells_goal_unreachable`` lists the HBM cells whose bound is below issue 9's 1.2x.
+``decode_cells_goal_unreachable`` lists the HBM cells whose bound is below 1.2x SDPA.
 Prefill (batch 1, causal, 32/8 heads): cuBLAS bf16 GEMM 8192^3 as the tensor-core rate in practice,
-SDPA and the csrc prefill at L 4K/16K, and the rate the 1.05x goal asks for, as a share of that GEMM.
+SDPA and the csrc prefill at L 4K/16K, and the rate 1.05x SDPA would be, as a share of that GEMM.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_cuda import D, HKV, HQ, _graphed, _median_ms, decode_case, sdpa_layout, warm_up_clocks  # noqa: E402
+from bench_cuda import D, HKV, HQ, _median_ms, decode_case, sdpa_layout  # noqa: E402
+from harness import Recorder, graphed as _graphed, warm_up_clocks  # noqa: E402
 
 # Vendor HBM peaks (bytes/s) by device-name substring: an upper bound, never a measurement.
 SPEC_HBM = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "A100-SXM4-80GB": 2.039e12}
@@ -214,6 +215,30 @@ def prefill_cells(quick: bool) -> dict:
     return out
 
 
+def _record(res: dict, rec: Recorder) -> None:
+    """The JSON's measured figures as harness rows (medians: the derived rates carry no quantiles)."""
+    read = res.get("read", {})
+    for k, v in read.get("read_rates_Bps", {}).items():
+        rec.add(f"read {read['buffer_bytes'] >> 20} MiB", k, "read rate", v / 1e12, "TB/s")
+    if "copy_rate_Bps" in read:
+        rec.add(f"read {read['buffer_bytes'] >> 20} MiB", "copy", "copy rate", read["copy_rate_Bps"] / 1e12, "TB/s")
+    for k, v in res.get("launch_floors_us", {}).items():
+        rec.add("launch floor", k, "time", v / 1e3, "ms")
+    for r in res.get("decode", []):
+        case = f"decode B={r['batch']} ctx={r['ctx']}"
+        for p in ("sdpa", "cuda", "triton"):
+            if f"{p}_us" in r:
+                rec.add(case, p, "time", r[f"{p}_us"] / 1e3, "ms")
+        rec.add(case, "any kernel", "lower bound", r["bound_us"] / 1e3, "ms")
+    pre = res.get("prefill", {})
+    if "gemm_8192_bf16_flops" in pre:
+        rec.add("gemm 8192^3 bf16", "cublas", "throughput", pre["gemm_8192_bf16_flops"] / 1e12, "TFLOP/s")
+    for r in pre.get("cells", []):
+        for p in ("sdpa", "cuda"):
+            if f"{p}_flops" in r:
+                rec.add(f"prefill L={r['L']}", p, "throughput", r[f"{p}_flops"] / 1e12, "TFLOP/s")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -226,8 +251,9 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     name = torch.cuda.get_device_name()
+    rec = Recorder("bench_ceiling", args.out)
     res = {"gpu": name, "torch": torch.__version__, "cuda": torch.version.cuda, "l2_bytes": props.L2_cache_size,
-           "spec_hbm_Bps": _spec_hbm(name)}
+           "spec_hbm_Bps": _spec_hbm(name), "commit": rec.env["commit"], "command": rec.env["command"]}
     warm_up_clocks(0.1)  # ~50 GEMMs of 8192^3
     res["read"] = read_ceiling(args.read_gib)
     print(f"read ceiling {res['read']['read_ceiling_Bps'] / 1e12:.2f} TB/s ({res['read']['read_ceiling_by']}); "
@@ -251,7 +277,8 @@ def main(argv=None) -> int:
     finally:
         path = os.path.join(args.out, "bench_ceiling.json")
         json.dump(res, open(path, "w"), indent=1)
-        print(f"wrote {path}")
+        _record(res, rec)
+        print(f"wrote {path} and {rec.write()}")
     print(f"HBM-bound decode cells where no kernel can reach 1.2x SDPA: at the measured read ceiling "
           f"{res['decode_cells_goal_unreachable'] or 'none'}; at the vendor peak "
           f"{res['decode_cells_goal_unreachable_at_spec'] or 'none'}")

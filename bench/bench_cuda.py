@@ -2,7 +2,7 @@
 
     python bench/bench_cuda.py --out DIR [--quick]
 
-Writes DIR/bench_cuda.json and prints a table. Cells (DESIGN.md section 6 / issue 9):
+Writes DIR/bench_cuda.json and DIR/rows.csv (bench/harness.py) and prints a table. Cells:
 prefill batch 1, 32 q heads / 8 kv heads, d=128, causal, L in 1K/4K/8K/16K (attention_varlen
 for cuda/triton, SDPA with enable_gqa; "cuda" is the default prefill kernel, on sm_90a the wgmma
 one, and the mma.sync kernel is timed beside it as cuda_mma_*, with a bits-equal check); decode batch {1,4,8,16} x context {128,1K,4K,8K}
@@ -17,7 +17,7 @@ registers/spills per attention kernel. ``decode_wide_table``: ctx 128 / 1K decod
 table 8K positions wide (as an engine sized for 8K contexts passes it: 32 grid chunks, most
 of them idle), fused vs two-launch merge. ``train_attention``: forward + backward of the training
 attention (packed equal-length sequences: 16 x 1K at 12/2 heads, 4 x 4K at 32/8), cuda (csrc forward
-+ the default backward on its lse, kernels/attention_backward.py) vs the same with the Triton backward vs
++ the default backward on its lse, kernels/attention/flash_backward.py) vs the same with the Triton backward vs
 Triton vs SDPA.
 """
 from __future__ import annotations
@@ -34,6 +34,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness
+
+from harness import Recorder, graphed as _graphed, time_ms, warm_up_clocks  # noqa: E402,F401  (re-exported for probes)
 
 PEAK_BW = 4.1e12
 HQ, HKV, D = 32, 8, 128
@@ -41,20 +44,8 @@ PAGE = 64
 
 
 def _median_ms(fn, iters=20, reps=5):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / iters)
-    ts.sort()
-    return ts[len(ts) // 2]
+    """Median ms per call (``harness.time_ms``, CUDA events, warm L2); for the probes that import it from here."""
+    return time_ms(fn, "events", iters=iters, reps=reps).p50
 
 
 def decode_case(B, ctx, hq=HQ, hkv=HKV, page=PAGE, table_pages=None, device="cuda"):
@@ -85,34 +76,6 @@ def sdpa_layout(q, kc, vc, bt, ctx):
     idx = bt[:, :npg].long()
     kk, vv = (c[idx].reshape(B, npg * page, hkv, d)[:, :ctx].transpose(1, 2).contiguous() for c in (kc, vc))
     return q.view(B, q.shape[1], 1, d), kk, vv
-
-
-def warm_up_clocks(seconds: float) -> None:
-    """Bring the GPU's clocks up (bf16 GEMMs for ``seconds``) before timing microsecond cells."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t_end = time.time() + seconds
-    while time.time() < t_end:
-        a @ a
-    torch.cuda.synchronize()
-    del a
-
-
-def _graphed(fn):
-    """Capture fn in a CUDA graph; return (replay, 'graph') or (fn, 'eager: why')."""
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g.replay, "graph"
-    except Exception as e:  # report, time eagerly
-        torch.cuda.synchronize()
-        return fn, f"eager ({type(e).__name__}: {str(e)[:120]})"
 
 
 def _ptxas_report(arch):
@@ -148,22 +111,22 @@ def main(argv=None):
                     help="only the RMSNorm / RoPE / KV-write cells (skips the attention sections and ptxas report)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    rec = Recorder("bench_cuda", args.out)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "prefill": [], "decode": [], "notes": []}
+           "commit": rec.env["commit"], "command": rec.env["command"], "prefill": [], "decode": [], "notes": []}
     cc = torch.cuda.get_device_capability()
     arch = f"{cc[0]}{cc[1]}" + ("a" if cc == (9, 0) else "")
 
     # ---- build ---------------------------------------------------------------------------
     t0 = time.time()
-    from areal_tik.backend import cuda_ext
+    from areal_tik.kernels.cuda import loader as cuda_ext
     try:
         from areal_tik import _C  # noqa: F401
         prebuilt = True
     except ImportError:
         prebuilt = False
     try:
-        from areal_tik.kernels.cuda import attention as cuda_attention, elementwise as cuda_elementwise
-        from areal_tik.kernels.cuda import extension as cuda_extension
+        from areal_tik.kernels.cuda import attention as cuda_attention, elementwise as cuda_elementwise, extension as cuda_extension
         mod = cuda_extension.extension()
         res["cuda_decode_merge"] = cuda_attention.DECODE_MERGE  # the default the "cuda" timings ran
         res["cuda_prefill_kernel"] = cuda_extension.PREFILL_KERNEL
@@ -189,19 +152,19 @@ def main(argv=None):
     try:  # every section's rows so far reach the JSON even if a later one fails
         if args.elementwise_only:
             warm_up_clocks(1.0)  # the attention sections otherwise run first
-            _elementwise_section(res, args, cuda_elementwise)
+            _elementwise_section(res, args, cuda_elementwise, rec)
         else:
-            _sections(res, args, cuda_attention, cuda_elementwise)
+            _sections(res, args, cuda_attention, cuda_elementwise, rec)
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
         raise
     finally:
         json.dump(res, open(os.path.join(args.out, "bench_cuda.json"), "w"), indent=1)
-        print(f"wrote {os.path.join(args.out, 'bench_cuda.json')}")
+        print(f"wrote {os.path.join(args.out, 'bench_cuda.json')} and {rec.write()}")
     return 0
 
 
-def _sections(res, args, cuda_attention, cuda_elementwise):
+def _sections(res, args, cuda_attention, cuda_elementwise, rec):
     """Prefill, training attention, decode and wide-table decode cells, appended to res as they finish."""
     tri_varlen, tri_paged, tri_why = _triton_ops()
     if tri_why:
@@ -221,19 +184,19 @@ def _sections(res, args, cuda_attention, cuda_elementwise):
         flops = 2.0 * L * L * D * HQ  # causal: half of 4*L^2*D*H
         with torch.no_grad():
             sd = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # noqa: E731
-            row["sdpa_ms"] = _median_ms(sd)
+            row["sdpa_ms"] = rec.time(f"prefill L={L}", "sdpa", sd)
             ref = sd()[0].transpose(0, 1)
             cf = lambda: cuda_attention.attention_varlen_cuda(q, k, v, cu, L)  # noqa: E731
-            row["cuda_ms"] = _median_ms(cf)
+            row["cuda_ms"] = rec.time(f"prefill L={L}", "cuda", cf)
             row["cuda_max_abs_diff_vs_sdpa"] = float((cf().float() - ref.float()).abs().max())
             # the mma.sync prefill kernel side by side (auto runs the wgmma kernel on sm_90a)
             cm = lambda: cuda_attention.attention_varlen_cuda(q, k, v, cu, L, prefill_kernel="mma")  # noqa: E731
-            row["cuda_mma_ms"] = _median_ms(cm)
+            row["cuda_mma_ms"] = rec.time(f"prefill L={L}", "cuda_mma", cm)
             row["cuda_bits_equal_mma"] = bool(torch.equal(cf(), cm()))
             if tri_varlen is not None:
                 try:
                     tf = lambda: tri_varlen(q, k, v, cu, L)  # noqa: E731
-                    row["triton_ms"] = _median_ms(tf)
+                    row["triton_ms"] = rec.time(f"prefill L={L}", "triton", tf)
                 except Exception as e:
                     row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         for p in ("sdpa", "cuda", "cuda_mma", "triton"):
@@ -253,7 +216,7 @@ def _sections(res, args, cuda_attention, cuda_elementwise):
     # cuda = the csrc forward (it also writes each row's lse) + the default backward on it; triton = the
     # Triton forward + the same backward; SDPA on [B, H, L, D] (equal lengths, so the same attention).
     res["train_attention"] = []
-    from areal_tik.kernels import attention_backward
+    from areal_tik.kernels.attention import flash_backward as attention_backward
     bwd_default = attention_backward.ATTN_BACKWARD
     for B, L, hq, hkv in ((16, 1024, 12, 2), (4, 4096, 32, 8)):
         T = B * L
@@ -273,7 +236,7 @@ def _sections(res, args, cuda_attention, cuda_elementwise):
         provs = {"sdpa": (lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
                           (qs, ks, vs), dos),
                  "cuda": (lambda: cuda_attention.attention_varlen_cuda(q, k, v, cu, L), (q, k, v), do)}
-        # the same csrc forward with the backward forced to the Triton recompute (kernels/attention_backward.py)
+        # the same csrc forward with the backward forced to the Triton recompute (kernels/attention/flash_backward.py)
         provs["cuda_tritonbwd"] = provs["cuda"]
         if tri_varlen is not None:
             provs["triton"] = (lambda: tri_varlen(q, k, v, cu, L), (q, k, v), do)
@@ -281,10 +244,11 @@ def _sections(res, args, cuda_attention, cuda_elementwise):
         for name, (f, inputs, g) in provs.items():
             attention_backward.ATTN_BACKWARD = "triton" if name == "cuda_tritonbwd" else bwd_default
             try:
-                row[f"{name}_fwd_bwd_ms"] = _median_ms(lambda: fb(f, inputs, g), iters=10)
+                row[f"{name}_fwd_bwd_ms"] = rec.time(f"train B={B} L={L} {hq}/{hkv} fwd+bwd", name,
+                                                      lambda: fb(f, inputs, g), iters=10)
                 if name != "cuda_tritonbwd":
                     with torch.no_grad():
-                        row[f"{name}_fwd_ms"] = _median_ms(f, iters=10)
+                        row[f"{name}_fwd_ms"] = rec.time(f"train B={B} L={L} {hq}/{hkv} fwd", name, f, iters=10)
             except Exception as e:
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             finally:
@@ -314,21 +278,21 @@ def _sections(res, args, cuda_attention, cuda_elementwise):
                 sd = lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True)  # noqa: E731
                 ref = sd().view(B, HQ, D)
                 fn, how = _graphed(sd)
-                row["sdpa_ms"], row["sdpa_timing"] = _median_ms(fn), how
+                row["sdpa_ms"], row["sdpa_timing"] = rec.time(f"decode B={B} ctx={ctx}", "sdpa", fn), how
                 cf = lambda: cuda_attention.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
                 row["cuda_max_abs_diff_vs_sdpa"] = float((cf().float() - ref.float()).abs().max())
                 fn, how = _graphed(cf)
-                row["cuda_ms"], row["cuda_timing"] = _median_ms(fn), how
+                row["cuda_ms"], row["cuda_timing"] = rec.time(f"decode B={B} ctx={ctx}", "cuda", fn), how
                 c2 = lambda: cuda_attention.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="kernel")  # noqa: E731
                 row["cuda_fused_bits_equal_2launch"] = bool(torch.equal(cf(), c2()))
                 fn, how = _graphed(c2)
-                row["cuda_2launch_ms"], row["cuda_2launch_timing"] = _median_ms(fn), how
+                row["cuda_2launch_ms"], row["cuda_2launch_timing"] = rec.time(f"decode B={B} ctx={ctx}", "cuda_2launch", fn), how
                 row["cuda_speedup_vs_2launch"] = round(row["cuda_2launch_ms"] / row["cuda_ms"], 3)
                 if tri_paged is not None:
                     try:
                         tf = lambda: tri_paged(q, kc, vc, bt, cq, sk, 1)  # noqa: E731
                         fn, how = _graphed(tf)
-                        row["triton_ms"], row["triton_timing"] = _median_ms(fn), how
+                        row["triton_ms"], row["triton_timing"] = rec.time(f"decode B={B} ctx={ctx}", "triton", fn), how
                     except Exception as e:
                         row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             for p in ("sdpa", "cuda", "cuda_mma", "triton"):
@@ -361,9 +325,10 @@ def _sections(res, args, cuda_attention, cuda_elementwise):
                 c2 = lambda: cuda_attention.attention_paged_cuda(q, kc, vc, bt, cq, sk, 1, decode_merge="kernel")  # noqa: E731
                 row["bits_equal"] = bool(torch.equal(cf(), c2()))
                 fn, how = _graphed(cf)
-                row["cuda_fused_ms"], row["cuda_fused_timing"] = _median_ms(fn), how
+                row["cuda_fused_ms"], row["cuda_fused_timing"] = rec.time(f"decode wide B={B} ctx={ctx}", "cuda", fn), how
                 fn, how = _graphed(c2)
-                row["cuda_2launch_ms"], row["cuda_2launch_timing"] = _median_ms(fn), how
+                row["cuda_2launch_ms"], row["cuda_2launch_timing"] = rec.time(f"decode wide B={B} ctx={ctx}", "cuda_2launch",
+                                                                               fn), how
             row["fused_speedup"] = round(row["cuda_2launch_ms"] / row["cuda_fused_ms"], 3)
             res["decode_wide_table"].append(row)
             print(f"decode wide table B={B:2d} ctx={ctx:5d}: fused {row['cuda_fused_ms'] * 1e3:7.1f} us  "
@@ -372,15 +337,15 @@ def _sections(res, args, cuda_attention, cuda_elementwise):
             del kc, vc
             torch.cuda.empty_cache()
 
-    _elementwise_section(res, args, cuda_elementwise)
+    _elementwise_section(res, args, cuda_elementwise, rec)
 
 
-def _elementwise_section(res, args, cuda_elementwise):
+def _elementwise_section(res, args, cuda_elementwise, rec):
     """RMSNorm, RoPE and the KV-cache write, csrc vs Triton (1.5B shapes: hidden 1536, 12 q / 2 kv heads,
     D 128), per token count: forward in a CUDA graph (decode-sized T is launch-bound), and forward +
     backward of RMSNorm and RoPE at training T. The registry default per op follows these cells."""
-    from areal_tik import ops
-    from areal_tik.backend.registry import implementations
+    from areal_tik.dispatch import ops
+    from areal_tik.dispatch.registry import implementations
     from areal_tik.kernels import kv_cache as tkv, rms_norm as trn, rope as trp
     dev = "cuda"
     res["elementwise"] = []
@@ -413,7 +378,7 @@ def _elementwise_section(res, args, cuda_elementwise):
             with torch.no_grad():
                 for name, f in arms:
                     fn, how = _graphed(f)
-                    row[f"{name}_fwd_us"], row[f"{name}_timing"] = round(_median_ms(fn) * 1e3, 2), how
+                    row[f"{name}_fwd_us"], row[f"{name}_timing"] = round(rec.time(f"{op} T={T} fwd", name, fn) * 1e3, 2), how
             row["cuda_speedup_fwd"] = round(row["triton_fwd_us"] / row["cuda_fwd_us"], 3)
             extra = ""
             if "cuda_export_fwd_us" in row:
@@ -433,8 +398,8 @@ def _elementwise_section(res, args, cuda_elementwise):
             for op, (cf, tf, inputs, g) in train.items():
                 row = {"op": op, "tokens": T, "mode": "forward+backward"}
                 for name, f in (("cuda", cf), ("triton", tf)):
-                    row[f"{name}_fwd_bwd_us"] = round(
-                        _median_ms(lambda: torch.autograd.grad(f(), inputs, g), iters=10) * 1e3, 2)
+                    row[f"{name}_fwd_bwd_us"] = round(rec.time(
+                        f"{op} T={T} fwd+bwd", name, lambda: torch.autograd.grad(f(), inputs, g), iters=10) * 1e3, 2)
                 row["cuda_speedup_fwd_bwd"] = round(row["triton_fwd_bwd_us"] / row["cuda_fwd_bwd_us"], 3)
                 res["elementwise"].append(row)
                 print(f"{op:14s} T={T:6d}: fwd+bwd cuda {row['cuda_fwd_bwd_us']:8.2f} us  triton "

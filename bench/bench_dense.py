@@ -1,14 +1,14 @@
 """Dense-kernel benchmark (H200): our linear vs cuBLAS F.linear side by side, fused
 token_logprobs vs the unfused path, rms_norm / rope / silu_mul vs torch.
 
-    python bench/bench_dense.py --out DIR [--quick]     -> DIR/bench_dense.json + a table
+    python bench/bench_dense.py --out DIR [--quick]     -> DIR/bench_dense.json, DIR/rows.csv + a table
 
-Timing: triton.testing.do_bench (median of its repetitions after warm-up); inputs rotate
+Timing (bench/harness.py): triton.testing.do_bench (median of its repetitions after warm-up); inputs rotate
 over several buffers for small shapes so weights/activations do not stay in L2 when the
 working set is small (decode). Reports TFLOP/s, HBM GB/s for M <= 64 (vs a 4.1 TB/s copy
 rate) and the ratio to cuBLAS. For M <= 256, or cuBLAS under 0.1 ms, the reported time is the kernel time inside a
 CUDA graph (one replay calls every rotating buffer once), because eager timings of such
-small launches are dominated by host overhead that varied 4x between two H200 sessions;
+small launches are dominated by host overhead that varied 4x between two H200 machines;
 the eager numbers stay in the row (``*_eager_ms``, ``eager_ratio``).
 """
 from __future__ import annotations
@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness
 
 from areal_tik.kernels import linear as L, logprobs as LP, rms_norm as R, rope as P, swiglu as S  # noqa: E402
+from harness import Recorder, graphed, time_ms  # noqa: E402
 
 COPY_TBS = 4.1
 SHAPES = {  # name: (N, K)
@@ -40,40 +42,18 @@ L2_BYTES = 60 << 20
 
 
 def bench(fn, reps=None):
-    import triton.testing as tt
-    return tt.do_bench(fn, warmup=10, rep=reps or 40, return_mode="median")  # ms
+    """Median ms of ``fn`` by triton's do_bench (L2 flushed per repetition; harness.time_ms)."""
+    return time_ms(fn, "do_bench", warmup_ms=10, rep_ms=reps or 40).p50
 
 
 def bench_graphed(call, args_list, reps=50):
     """Kernel time without host launch overhead: one CUDA graph calls ``call`` once per
     argument set; median over replays of (replay time / calls). None if capture fails."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for a in args_list:
-                call(*a)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for a in args_list:
-                call(*a)
-        g.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / len(args_list))
-        times.sort()
-        return times[len(times) // 2]
-    except Exception as e:  # report, never hide: the row says the graphed timing is missing
-        print(f"graph timing failed: {type(e).__name__}: {e}", flush=True)
+    replay, how = graphed(lambda: [call(*a) for a in args_list])
+    if how != "graph":  # report, never hide: the row says the graphed timing is missing
+        print(f"graph timing failed: {how}", flush=True)
         return None
+    return time_ms(replay, "events", iters=1, reps=reps, warmup=1).p50 / len(args_list)
 
 
 def rotating(make, bytes_each):
@@ -211,8 +191,22 @@ def main() -> int:
     res["small_ops"] = bench_small(a.quick)
     res["seconds"] = time.time() - t0
     os.makedirs(a.out, exist_ok=True)
+    rec = Recorder("bench_dense", a.out)
+    res.update(commit=rec.env["commit"], command=rec.env["command"])
     with open(os.path.join(a.out, "bench_dense.json"), "w") as f:
         json.dump(res, f, indent=1)
+    for r in res["linear"]:  # medians (the JSON's figures) as harness rows
+        case = f"linear {r['shape']} M={r['M']} ({r['timing']})"
+        rec.add(case, f"tik {r['config']}", "time", r["ours_ms"], "ms")
+        rec.add(case, "cublas", "time", r["cublas_ms"], "ms")
+    for r in res["token_logprobs"]:
+        for nm in ("fused", "unfused"):
+            rec.add(f"token_logprobs T={r['T']}", nm, "time", r[f"{nm}_ms"], "ms")
+            rec.add(f"token_logprobs T={r['T']}", nm, "peak extra memory", r[f"{nm}_peak_extra_mib"], "MiB")
+    for r in res["small_ops"]:
+        rec.add(f"{r['op']} T={r['T']} N={r['N']}", "tik", "time", r["ours_ms"], "ms")
+        rec.add(f"{r['op']} T={r['T']} N={r['N']}", "torch", "time", r["torch_ms"], "ms")
+    rec.write()
     print("\n== linear vs cuBLAS (ratio = cuBLAS time / ours; >1 means faster)")
     shapes = sorted({r["shape"] for r in res["linear"]}, key=list(SHAPES).index)
     ms = sorted({r["M"] for r in res["linear"]})

@@ -5,7 +5,7 @@ Qwen2.5-1.5B-shaped random weights; only the kernels differ (``patch_model(kerne
 For each batch size B: prefill tokens/s (B prompts of ``--prompt-len`` tokens in one
 step; median of 5 fresh batches) and decode tokens/s (B sequences, ``--steps`` decode steps
 after a warm-up that captures the CUDA graph). Each point runs once unmeasured first (JIT, graph capture).
-Writes ``engine_throughput.json`` with ratio tik/default per point.
+Writes ``engine_throughput.json`` with ratio tik/default per point, and ``rows.csv`` (bench/harness.py).
 
     python bench/bench_engine.py --out DIR [--quick] [--model qwen2.5-1.5b] [--arms default tik ...]
 
@@ -27,9 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from areal_tik.backend.patch import patch_model  # noqa: E402
+from areal_tik.layers.patch import patch_model  # noqa: E402
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from areal_tik.models import build_model  # noqa: E402
+from areal_tik.layers.models import build_model  # noqa: E402
+from harness import Recorder  # noqa: E402
 from kernel_arms import parse_arms  # noqa: E402
 
 
@@ -149,8 +150,17 @@ def main() -> int:
         res["ratio_tik_over_default"] = _ratios(res["kernels"]["tik"]["rows"], res["kernels"]["default"]["rows"])
         for r in res["ratio_tik_over_default"]:
             print(f"tik/default B={r['batch']:3d}: prefill {r['prefill']:.2f}x  decode {r['decode']:.2f}x")
+    rec = Recorder("bench_engine", a.out)
+    res.update(commit=rec.env["commit"], command=rec.env["command"])
     with open(os.path.join(a.out, "engine_throughput.json"), "w") as f:
         json.dump(res, f, indent=2)
+    for label, arm_res in res["kernels"].items():  # wall-clock medians (host time included) as harness rows
+        for r in arm_res["rows"]:
+            case = f"{a.model} B={r['batch']} prompt={a.prompt_len} page={a.page_size}"
+            rec.add(case, label, "prefill step", r["prefill_ms"] / 1e3, "s")
+            rec.add(case, label, "decode step", r["decode_ms_per_step"], "ms")
+            rec.add(case, label, "decode throughput", r["decode_tokens_per_s"], "tokens/s")
+    rec.write()
     return 0
 
 

@@ -1,11 +1,11 @@
 """Full-model parity on the GPU: Qwen2.5-1.5B shape (random weights), continuous batching.
 
-Runs the regime harness (areal_tik/engine/parity.py) once with tik kernels and once with
+Runs the regime harness (areal_tik/verify/parity.py) once with tik kernels and once with
 HF-default kernels (cuBLAS, SDPA, HF RoPE) on the same weights: 64 prompts x 256 new
 tokens, R2 prefill batch mix, R3 chunked prefill, R4 continuous batching (16-48 slots,
 requests arriving over time), R5 abort/resume + weight update + preemption, R1 training
-packings with autograd. Writes ``parity.json``; exit 1 unless tik has zero mismatching
-tokens in every regime AND default shows mismatches (the negative control).
+packings with autograd. Writes ``parity.json`` and ``rows.csv`` (bench/harness.py); exit 1 unless
+tik has zero mismatching tokens in every regime AND default shows mismatches (the negative control).
 
     python bench/bench_parity.py --out DIR [--quick] [--model qwen2.5-1.5b]
 """
@@ -19,12 +19,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness
 
 import torch  # noqa: E402
 
-from areal_tik.backend.patch import patch_model  # noqa: E402
-from areal_tik.engine.parity import ParityConfig, run_parity  # noqa: E402
-from areal_tik.models import build_model  # noqa: E402
+from areal_tik.layers.patch import patch_model  # noqa: E402
+from areal_tik.verify.parity import ParityConfig, run_parity  # noqa: E402
+from areal_tik.layers.models import build_model  # noqa: E402
+from harness import Recorder  # noqa: E402
 
 
 def main() -> int:
@@ -68,8 +70,14 @@ def main() -> int:
     control_ok = res["runs"]["default"]["n_mismatch_total"] > 0
     res["tik_zero_mismatch"] = tik_ok
     res["default_shows_mismatch"] = control_ok
+    rec = Recorder("bench_parity", a.out)
+    res.update(commit=rec.env["commit"], command=rec.env["command"])
     with open(os.path.join(a.out, "parity.json"), "w") as f:
         json.dump(res, f, indent=2, default=str)
+    for kernels, rep in res["runs"].items():  # mismatching tokens per regime as harness rows
+        for r, v in rep["regimes"].items():
+            rec.add(f"{a.model} {r} ({v['n_tokens']} tokens)", kernels, "mismatching tokens", v["n_mismatch"], "tokens")
+    rec.write()
     print(f"tik zero mismatches: {tik_ok}; default kernels mismatch (control): {control_ok}")
     return 0 if (tik_ok and control_ok) else 1
 

@@ -3,19 +3,22 @@
 #   bash bench/gpu_check.sh [PART ...]   parts: env tests negctl <bench name without bench_/.py> ...; default: all
 #   GPU_TESTS='tests/kernels/test_x.py ...' limits the tests part; part "isolate" runs the decode-path
 #   isolation tests (tests/engine/test_gpu_decode_isolation.py + the tiny GPU parity) into gpu_isolate.log;
-#   part "profile" splits an engine decode step into host phases + top device ops (bench/profile_engine.py,
+#   part "profile" splits an engine decode step into host phases + top device ops (bench/probes/profile_engine.py,
 #   PROFILE_ARGS e.g. "--batches 64 128 --prompt-len 136": contexts 136..235 stay in one 16-page table-width
 #   bucket, so no graph capture lands inside the timed steps); part "profile_train" times a training micro-batch
-#   (forward, forward+backward) per kernels mode with its top device ops (bench/profile_train.py);
+#   (forward, forward+backward) per kernels mode with its top device ops (bench/probes/profile_train.py);
 #   part "backend_ab" runs bench_engine / profile_engine / profile_train with the attention pair on the default
 #   backend vs forced Triton (bench/kernel_arms.py; compare device-busy times, the engine step is host-bound);
-#   part "ablations" times copies of the csrc attention kernels with one part removed (bench/csrc_ablations.py);
-#   part "host" measures the host cost per op call and cProfiles an eager engine prefill (bench/host_overhead.py);
+#   part "ablations" times copies of the csrc attention kernels with one part removed (bench/probes/csrc_ablations.py);
+#   part "host" measures the host cost per op call and cProfiles an eager engine prefill (bench/probes/host_overhead.py);
 #   part "prefill_graphs" times engine prefill steps eager vs graph-replayed (bench_engine arms pg0 / pg4096);
-#   part "load_paths" times the decode copy paths alone (bench/probe_load_paths.py: cp.async, bulk, TMA boxes);
+#   part "load_paths" times the decode copy paths alone (bench/probes/probe_load_paths.py: cp.async, bulk, TMA boxes);
+#   parts "tune_linear" / "tune_attention" run the tile tuners (bench/tune_linear.py, bench/tune_attention.py; BENCH_ARGS
+#   e.g. "--budget-s 110"); bench/device_round.sh tunes, applies and re-tests in one call;
 #   PART_TIMEOUT (s, default 900) bounds each bench/profile part, so one slow part cannot cost the archive; BENCH_ARGS is passed to every bench script (e.g. --quick)
-# Locally, copy $OUT into bench/results/<date>_<gpu>_<commit>/ (bench/collect_results.py; it also draws the
-# bench_cuda / bisect figures with bench/plot_results.py).
+# Every bench_*.py writes its JSON and appends harness rows to $OUT/rows.csv (bench/harness.py).
+# Locally, file $OUT with bench/collect_results.py: bench/results/<date>_<gpu>_<commit>_<label>/ (summaries, JSON and
+# figures only), the rows into bench/data/<gpu>.csv, the figures drawn by bench/plot_results.py (bench/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -27,6 +30,7 @@ trap pack EXIT
 PARTS=("$@"); [ ${#PARTS[@]} -eq 0 ] && PARTS=(env tests negctl $(ls bench/bench_*.py 2>/dev/null | sed 's#bench/bench_##; s#\.py##'))
 status=0
 commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export GIT_COMMIT="$commit"  # the device's copy of the tree has no .git: the harness rows take the commit from here
 echo "{\"commit\": \"$commit\", \"date\": \"$(date -u +%FT%TZ)\", \"parts\": \"${PARTS[*]}\"}" > "$OUT/run_meta.json"
 for part in "${PARTS[@]}"; do
   t0=$(date +%s)
@@ -37,24 +41,25 @@ for part in "${PARTS[@]}"; do
     tests) python -m pytest -q -rfE -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     isolate) python -m pytest -q -rfE -m gpu tests/engine/test_gpu_decode_isolation.py tests/engine/test_parity.py -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_isolate.xml" 2>&1 | tee "$OUT/gpu_isolate.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     negctl) python bench/negative_controls.py --out "$OUT" || status=1 ;;
-    profile) timeout "${PART_TIMEOUT:-900}" python bench/profile_engine.py --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_engine.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    profile) timeout "${PART_TIMEOUT:-900}" python bench/probes/profile_engine.py --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_engine.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     backend_ab) # the attention pair on the architecture's default backend (csrc on sm90) vs Triton, one process per script
          T="tik@attention_varlen=triton,attention_paged=triton"
          timeout "${PART_TIMEOUT:-900}" python bench/bench_engine.py --out "$OUT/backend_ab" --arms tik "$T" 2>&1 | tee "$OUT/backend_ab_engine.log" | tail -16; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-         timeout "${PART_TIMEOUT:-900}" python bench/profile_engine.py --out "$OUT/backend_ab" --batches 1 64 --prefill --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_profile.log" | grep -v "^      " | tail -6; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-         timeout "${PART_TIMEOUT:-900}" python bench/profile_train.py --out "$OUT/backend_ab" --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_train.log" | grep -v "^    " | tail -4; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    ablations) # where the csrc attention kernels' time goes (bench/csrc_ablations.py variants, built here from csrc/)
-         python bench/csrc_ablations.py --out "$OUT/ablation_trees" > /dev/null || status=1
-         B="timeout ${PART_TIMEOUT:-900} python bench/bisect_csrc.py --dir $OUT/ablation_trees"
+         timeout "${PART_TIMEOUT:-900}" python bench/probes/profile_engine.py --out "$OUT/backend_ab" --batches 1 64 --prefill --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_profile.log" | grep -v "^      " | tail -6; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+         timeout "${PART_TIMEOUT:-900}" python bench/probes/profile_train.py --out "$OUT/backend_ab" --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_train.log" | grep -v "^    " | tail -4; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    ablations) # where the csrc attention kernels' time goes (bench/probes/csrc_ablations.py variants, built here from csrc/)
+         python bench/probes/csrc_ablations.py --out "$OUT/ablation_trees" > /dev/null || status=1
+         B="timeout ${PART_TIMEOUT:-900} python bench/probes/bisect_csrc.py --dir $OUT/ablation_trees"
          $B --variants H NOSM NOPV NOS SKEL --heads 12/2 --prefill-paged 64 --prefill-batch 64 --lens 512 --out "$OUT/ablations/p64" 2>&1 | tail -1
          $B --variants H NOSM NOPV NOS SKEL --lens 4096 16384 --out "$OUT/ablations/varlen" 2>&1 | tail -2
          $B --decode --variants H DECLOAD --cells 16x8192,8x4096,64x1024 --out "$OUT/ablations/dec" 2>&1 | tail -3
          $B --decode --variants H DECLOAD --heads 12/2 --page-size 64 --table-pages 16 --cells 1x550,64x550 --out "$OUT/ablations/dec_engine" 2>&1 | tail -2
          rm -rf "$OUT/ablation_trees" ;;  # (the variants' bits differ by design: bisect's exit status is not a failure here)
     prefill_graphs) timeout "${PART_TIMEOUT:-900}" python bench/bench_engine.py --arms tik --prefill-graph-max-tokens 0 4096 --batches 1 2 4 8 --out "$OUT/prefill_graphs" 2>&1 | tee "$OUT/prefill_graphs.log" | tail -6; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    load_paths) timeout "${PART_TIMEOUT:-900}" python bench/probe_load_paths.py --out "$OUT/load_paths" 2>&1 | tee "$OUT/load_paths.log" | tail -4; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    host) timeout "${PART_TIMEOUT:-900}" python bench/host_overhead.py --out "$OUT/host" 2>&1 | tee "$OUT/host_overhead.log" | grep -v "^  self" | tail -14; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    profile_train) timeout "${PART_TIMEOUT:-900}" python bench/profile_train.py --out "$OUT" 2>&1 | tee "$OUT/profile_train.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    load_paths) timeout "${PART_TIMEOUT:-900}" python bench/probes/probe_load_paths.py --out "$OUT/load_paths" 2>&1 | tee "$OUT/load_paths.log" | tail -4; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    host) timeout "${PART_TIMEOUT:-900}" python bench/probes/host_overhead.py --out "$OUT/host" 2>&1 | tee "$OUT/host_overhead.log" | grep -v "^  self" | tail -14; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    tune_linear|tune_attention) timeout "${PART_TIMEOUT:-900}" python "bench/${part}.py" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/${part}.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    profile_train) timeout "${PART_TIMEOUT:-900}" python bench/probes/profile_train.py --out "$OUT" 2>&1 | tee "$OUT/profile_train.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     *) timeout "${PART_TIMEOUT:-900}" python "bench/bench_${part}.py" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_${part}.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
   esac
   echo "== part $part done in $(( $(date +%s) - t0 )) s (status so far $status)"

@@ -3,7 +3,7 @@
 ``default`` / ``tik`` pick ``patch_model(kernels=...)``; an optional ``@spec`` is the
 ``AREAL_TIK_BACKEND`` value set while that arm is built and measured (the registry reads
 it at every op call, so an arm's CUDA graphs capture its own backends), e.g.
-``tik@attention_varlen=cuda,attention_paged=cuda``. Used by bench_engine and profile_train.
+``tik@attention_varlen=cuda,attention_paged=cuda``. Used by bench_engine and probes/profile_train.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import os
 
-from areal_tik.backend.registry import ENV_VAR, parse_backend_spec
+from areal_tik.dispatch.registry import ENV_VAR, parse_backend_spec
 
 KERNELS = ("default", "tik")
 

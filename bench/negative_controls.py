@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from areal_tik import contract
+from areal_tik.verify import contract
 
 
 def mm_control(dev: str) -> dict:

@@ -6,9 +6,9 @@
     python bench/plot_results.py bench/results/<run>/bench_ceiling.json      -> bench_ceiling.png beside it
 
 bench_cuda.json (bench/bench_cuda.py): two panels, each kernel's speed relative to PyTorch SDPA measured in the
-same run (>1 = faster than SDPA), with issue 9's goal lines: prefill per L, decode per (batch, context) cell;
+same run (>1 = faster than SDPA), with the goal lines (decode 1.2x, prefill 1.05x SDPA): prefill per L, decode per (batch, context) cell;
 a third, training attention forward + backward, where the JSON has it.
-bisect.json / bisect_decode.json (bench/bisect_csrc.py): one bar per variant and cell, relative to the first
+bisect.json / bisect_decode.json (bench/probes/bisect_csrc.py): one bar per variant and cell, relative to the first
 variant (the reference tree), each repetition drawn as a dot, SDPA as a bar of its own; a variant whose bits
 differed from the reference is hatched (ablations and probes differ by design).
 bench_ceiling.json (bench/bench_ceiling.py): per decode cell, the csrc and Triton decode's speed relative to SDPA

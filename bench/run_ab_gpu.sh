@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# End-to-end A/B (issue 7): AReaL 1.0.4's PPOTrainer, recompute baseline vs tik, 1.5B recipes,
-# through `areal-tik ab` (one `python -m areal_tik.train` process per arm, SPMD world of one,
+# End-to-end A/B: AReaL 1.0.4's PPOTrainer, recompute baseline vs tik, 1.5B recipes,
+# through `areal-tik ab` (one `python -m areal_tik.areal.train` process per arm, SPMD world of one,
 # `areal-tik serve` as the rollout server of both arms: the GPU image has no SGLang).
 #
 # Device (no areal/hydra/ray there, no network): carry the wheels first (bench/fetch_gpu_wheels.sh
@@ -10,37 +10,31 @@
 # takes ~40 s at 1.5B, so 10 steps of both arms do not fit one 600 s call: run one arm per call
 # (ARMS=baseline, then ARMS=tik; the report is written by the call that completes the pair; the
 # arms meet in AB_OUT, default /tmp/areal_tik_ab_reports, which survives while the machine is warm).
-# Session-4 last round on one nvidia-h200-x2 (trainer on GPU 0, server on GPU 1, weights by xccl as in
-# AReaL's default), calls back to back with timeout_s=600 (a machine that went cold loses /tmp/w,
-# /tmp/site and AB_OUT: start again at 1). Check each command's own exit status before the next
-# one (`a | tail && b` runs b whatever a did):
-#   1. carry [.whl/p1]: mkdir -p /tmp/w && cp .whl/p1/* /tmp/w/ && GIT_COMMIT=<sha> STAGE=s5 bash bench/device_round.sh
-#        (GPU tests: fused Gumbel sampler, precompiled linears, graphs on cuda:1, R1-R5 parity with
-#        graphs; engine profile at B=64/128 with the new sampler; ~3 min)
+# On one nvidia-h200-x2 (trainer on GPU 0, server on GPU 1, weights by xccl as in AReaL's default), calls back to
+# back with timeout_s=600 (a machine that went cold loses /tmp/w, /tmp/site and AB_OUT: start again at 1). Check each
+# command's own exit status before the next one (`a | tail && b` runs b whatever a did):
+#   1. carry [.whl/p1]: mkdir -p /tmp/w && cp .whl/p1/* /tmp/w/
 #   2. carry [.whl/p2]: cp .whl/p2/* /tmp/w/
 #   3. carry [.whl/p3]: cp .whl/p3/* /tmp/w/ && bash bench/install_gpu_wheels.sh /tmp/w && \
-#        AREAL_TIK_PROFILE_STEP=10 BUDGET_S=500 STEPS=11 GEN_TOKENS=256 \
+#        PROFILE_STEP=10 BUDGET_S=500 STEPS=11 GEN_TOKENS=256 \
 #        EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=grpo ARMS=both bash bench/run_ab_gpu.sh
 #        (step 10 of each arm under torch.profiler -> <arm>/profile_step10.txt, left out of the ratios;
 #        every step logs the Triton compiles of the trainer and the server)
-#   measured: 1.129x (bench/results/*_e2ef8f7_ab-grpo-final) in session 4; session 5 ran the same three
-#   calls (step 1 with STAGE=s6) and then, on the same warm machine:
-#     AREAL_TIK_PROFILE_STEP=10 BUDGET_S=420 STEPS=11 GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=ppo ARMS=both
-#   -> GRPO 1.210x, PPO 1.002x at 16 prompts (*_4e22786_ab-grpo-s5, *_ab-ppo-s5); after the machine went cold,
-#   carrying p1..p3 again: PPO at the recipe's 128 prompts, 1.069x (*_4e22786_ab-ppo-b128-s5):
-#     AREAL_TIK_PROFILE_STEP=10 BUDGET_S=520 STEPS=11 GEN_TOKENS=256 RECIPES=ppo ARMS=both   (541 s: the
-#     whole call budget; both arms at 128 prompts spend ~125-145 s outside the logged steps)
-#   Next: the PPO critic on tik kernels at 128 prompts (EXTRA_OVERRIDES=critic.kernel_backend=tik).
-# Session 4's first round ran: s4 profiles, PPO (0.899x), the warm-started reward A/B (ratio 1.002):
-#   BUDGET_S=480 STEPS=10 GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=ppo ARMS=both
-#   BUDGET_S=520 STEPS=10 WARMSTART_STEPS=300 GEN_TOKENS=32 RECIPES=grpo ARMS=both
-#        (a warm-started 1.5B answers in a few tokens: cheap steps; the summary gives the reward ratio's 95% CI)
-# (Session 2, one nvidia-h200, disk mode: ~85 s start-up + ~42 s step 0 per arm, ~15 s per later step
-# at 16 prompts x 8 samples x 256 tokens, 8 s of it AReaL's save-to-disk weight update.)
+#   then, on the same warm machine, PPO at 16 prompts or at the recipe's 128:
+#     PROFILE_STEP=10 BUDGET_S=420 STEPS=11 GEN_TOKENS=256 EXTRA_OVERRIDES=train_dataset.batch_size=16 RECIPES=ppo ARMS=both
+#     PROFILE_STEP=10 BUDGET_S=520 STEPS=11 GEN_TOKENS=256 RECIPES=ppo ARMS=both   (541 s: a whole call;
+#       both arms at 128 prompts spend ~125-145 s outside the logged steps)
+#   and the reward comparison from a warm-started model (a warm-started 1.5B answers in a few tokens: cheap steps;
+#   the summary gives the reward ratio's 95% CI):
+#     BUDGET_S=520 STEPS=10 WARMSTART_STEPS=300 GEN_TOKENS=32 RECIPES=grpo ARMS=both
+#   The figures these gave: docs/results.md, "AReaL A/B".
+# (One nvidia-h200, disk mode: ~85 s start-up + ~42 s step 0 per arm, ~15 s per later step at 16 prompts x 8
+# samples x 256 tokens, 8 s of it AReaL's save-to-disk weight update.)
 # Every call packs what AB_OUT holds for the recipe ($OUT/ab_<recipe>.tgz), so a lost machine
 # still leaves the finished arm here; `areal-tik ab --config ... --out DIR --arms none` rebuilds
 # the report from two unpacked arms.
-# then here: tar xzf <files_at>/ab_<recipe>.tgz into bench/results/<date>_h200_ab/ and commit.
+# then here: python bench/collect_results.py <files_at> --command "..." --label ab-<recipe> (keeps summary.md,
+# report.json, steps.csv and the figures; bench/README.md), and commit.
 # CPU dry run of this whole path: SMOKE=1 bash bench/run_ab_gpu.sh (tests/areal/test_run_ab_gpu_smoke.py).
 # A device call is killed at 600 s: BUDGET_S (default 540) is split over the arms as per-arm
 # timeouts; an arm that runs out keeps the steps it logged (--partial-ok; the tik arm then runs
@@ -66,7 +60,8 @@
 # ?/= like "train_dataset.path='builtin:arith/mix?n=64'"), SMOKE=1 (CPU-size dry run of this
 # very path: preset tiny-qwen2, 16 new tokens, batch 2, 2 steps; ~45 s per recipe on a CPU).
 # Layout: trainer on GPU 0; rollout server on GPU 1 when >= 2 GPUs are visible
-# (AREAL_TIK_SERVER_DEVICE; set it yourself to override), weights sent by xccl (AReaL's default)
+# (SERVER_DEVICE, passed as actor.tik.server_device; set it yourself to override), weights sent by xccl
+# (AReaL's default)
 # there, by disk on one GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -88,13 +83,13 @@ read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"
 mkdir -p "$AB_OUT"
 
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-if [ -z "${AREAL_TIK_SERVER_DEVICE:-}" ] && [ "$NGPU" -ge 2 ]; then export AREAL_TIK_SERVER_DEVICE=cuda:1; fi
+if [ -z "${SERVER_DEVICE:-}" ] && [ "$NGPU" -ge 2 ]; then SERVER_DEVICE=cuda:1; fi
 # AReaL's default weight transfer is xccl (NCCL broadcast trainer -> server), which needs the server on
 # its own GPU; on one GPU (trainer and server colocated) AReaL itself requires disk.
-case "${AREAL_TIK_SERVER_DEVICE:-cuda}" in cuda|cuda:0) WU_DEFAULT=disk ;; *) WU_DEFAULT=xccl ;; esac
+case "${SERVER_DEVICE:-cuda}" in cuda|cuda:0) WU_DEFAULT=disk ;; *) WU_DEFAULT=xccl ;; esac
 [ "$NGPU" -ge 1 ] || WU_DEFAULT=disk
 WEIGHT_UPDATE=${WEIGHT_UPDATE:-$WU_DEFAULT}
-echo "run_ab_gpu: recipes=[$RECIPES] arms=$ARMS steps=$STEPS smoke=$SMOKE gpus=$NGPU server_device=${AREAL_TIK_SERVER_DEVICE:-default} weight_update=$WEIGHT_UPDATE" \
+echo "run_ab_gpu: recipes=[$RECIPES] arms=$ARMS steps=$STEPS smoke=$SMOKE gpus=$NGPU server_device=${SERVER_DEVICE:-default} weight_update=$WEIGHT_UPDATE" \
      "arm_timeout=${ARM_TIMEOUT}s out=$AB_OUT runs=$RUNS_DIR"
 
 if [ "${WARMSTART_STEPS:-0}" -gt 0 ]; then  # a preset that earns reward: the A/B's reward comparison
@@ -110,6 +105,9 @@ else
 fi
 SIZE=(gconfig.max_new_tokens="$GEN_TOKENS" gconfig.max_tokens=$(( GEN_TOKENS + 512 )) rollout.setup_timeout=900
       actor.tik.audit_interval=5 actor.weight_update_mode="$WEIGHT_UPDATE")
+SETTINGS=()   # Settings for both arms (actor.tik.*): the server's device, the profiled step
+[ -n "${SERVER_DEVICE:-}" ] && SETTINGS+=(actor.tik.server_device="$SERVER_DEVICE")
+[ -n "${PROFILE_STEP:-}" ] && SETTINGS+=(actor.tik.profile_step="$PROFILE_STEP")
 if [ "$SMOKE" = 1 ]; then
   DATA=(actor.path=preset:tiny-qwen2 tokenizer_path=builtin:tiny-char "train_dataset.path='builtin:arith/mix?n=64'")
   SIZE=(gconfig.max_new_tokens=16 gconfig.max_tokens=64 gconfig.n_samples=2 train_dataset.batch_size=2
@@ -145,7 +143,7 @@ for RECIPE in "${RECIPE_LIST[@]}"; do
   set +e
   python3 -m areal_tik.cli ab --config "$CFG" --steps "$STEPS" --out "$AB_OUT/$RECIPE" --runs-dir "$RUNS_DIR" \
       --timeout "$ARM_TIMEOUT" --partial-ok --no-progress --arms "$ARMS" \
-      "${DATA[@]}" "${SIZE[@]}" "${PER[@]+"${PER[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}" 2>&1 | tee -a "$AB_OUT/$RECIPE/ab_stdout.txt"
+      "${DATA[@]}" "${SIZE[@]}" "${SETTINGS[@]+"${SETTINGS[@]}"}" "${PER[@]+"${PER[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}" 2>&1 | tee -a "$AB_OUT/$RECIPE/ab_stdout.txt"
   rc=${PIPESTATUS[0]}
   set -e
   echo "== $RECIPE A/B exit $rc"

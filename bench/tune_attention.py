@@ -31,7 +31,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("AREAL_TIK_ATTN_TUNED", "0")   # start from the defaults; we configure() explicitly
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -63,11 +63,11 @@ PAGE = 16
 
 
 def _bench(fn, graph=False):
-    import triton.testing as tt
+    """Median ms (bench/harness.py): do_bench_cudagraph for decode cells, else do_bench."""
+    from harness import time_ms
     if graph:
-        with torch.cuda.stream(torch.cuda.Stream()):
-            return float(tt.do_bench_cudagraph(fn, rep=20, return_mode="median"))
-    return float(tt.do_bench(fn, warmup=5, rep=25, return_mode="median"))
+        return time_ms(fn, "cudagraph", rep_ms=20).p50
+    return time_ms(fn, "do_bench", warmup_ms=5, rep_ms=25).p50
 
 
 def geomean(xs):
@@ -329,6 +329,7 @@ def main(argv=None):
     deadline = t0 + a.budget_s
     from areal_tik.kernels import attention as A
     start_cfg = A.current_config()
+    A.configure(None)   # search from the defaults, not from the committed table (restored at the end)
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm{major}{minor}"
     torch.manual_seed(0)

@@ -64,8 +64,9 @@ def candidates_for(M: int, arch_tma: bool) -> list[str]:
 
 
 def bench_ms(fn, rep):
-    import triton.testing as tt
-    return tt.do_bench(fn, warmup=max(2, rep // 5), rep=rep, return_mode="median")
+    """Median ms by triton's do_bench (bench/harness.py)."""
+    from bench.harness import time_ms
+    return time_ms(fn, "do_bench", warmup_ms=max(2, rep // 5), rep_ms=rep).p50
 
 
 def bits_equal(a, b) -> bool:

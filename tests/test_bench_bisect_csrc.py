@@ -1,4 +1,4 @@
-"""bench/bisect_csrc.py's decode-mode bookkeeping on the CPU: which (variant, chunks per CTA, ring depth)
+"""bench/probes/bisect_csrc.py's decode-mode bookkeeping on the CPU: which (variant, chunks per CTA, ring depth)
 calls it makes, and under which labels, depending on what each build's binding accepts; so a GPU session
 does not find out on the device that a knob was silently dropped or mislabelled."""
 import os
@@ -6,7 +6,7 @@ import sys
 import types
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "probes"))
 
 import bisect_csrc  # noqa: E402
 
@@ -32,7 +32,7 @@ def test_decode_calls_follow_each_builds_knobs():
 
 
 def test_csrc_ablations_apply_to_the_current_kernels(tmp_path):
-    """bench/csrc_ablations.py finds each of its anchors exactly once in csrc (a kernel edit that moves one
+    """bench/probes/csrc_ablations.py finds each of its anchors exactly once in csrc (a kernel edit that moves one
     fails here, not on the device), H is an unmodified copy, and each variant removes exactly its parts."""
     import re
 

@@ -1,4 +1,4 @@
-"""bench/probe_load_paths.py's CUDA source compiles for sm_90a (nvcc -c, torch's types stubbed: the CPU wheel has no
+"""bench/probes/probe_load_paths.py's CUDA source compiles for sm_90a (nvcc -c, torch's types stubbed: the CPU wheel has no
 CUDA headers), so a device call is not spent finding a typo in a probe; its CLI refuses a machine without sm_90."""
 import os
 import shutil
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "probes"))
 
 _STUB = """#include <cstdint>
 #include <cuda_runtime.h>
@@ -37,6 +37,6 @@ def test_probe_refuses_without_sm90(tmp_path):
     import torch
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
         pytest.skip("an sm_90 GPU is present")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "probe_load_paths.py"), "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "probes", "probe_load_paths.py"), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "needs an sm_90 GPU" in r.stderr

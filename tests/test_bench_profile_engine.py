@@ -1,4 +1,4 @@
-"""bench/profile_engine.py on the CPU with a tiny model: the script the next GPU session runs
+"""bench/probes/profile_engine.py on the CPU with a tiny model: the script a GPU run uses
 produces its JSON (phases per step, top ops) for both kernel modes, so device time is not spent
 finding a broken script."""
 import json
@@ -12,8 +12,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
 def _run_bench(script: str, out, *args) -> None:
-    """bench/<script> --out OUT ARGS in a subprocess, as on the device; it must exit 0."""
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--out", str(out), *args],
+    """bench/probes/<script> --out OUT ARGS in a subprocess, as on the device; it must exit 0."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "probes", script), "--out", str(out), *args],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
 
@@ -46,7 +46,7 @@ def test_profile_engine_cpu(tmp_path, graphs):
 
 
 def test_profile_train_cpu(tmp_path):
-    """bench/profile_train.py (the train-step gap tool) produces its JSON for both kernel modes."""
+    """bench/probes/profile_train.py (the train-step gap tool) produces its JSON for both kernel modes."""
     _run_bench("profile_train.py", tmp_path, "--model", "tiny-qwen2", "--seqs", "2", "--seq-len", "12", "--reps", "1")
     res = json.load(open(tmp_path / "train_profile.json"))
     assert set(res["runs"]) == {"tik", "default"}
@@ -56,7 +56,7 @@ def test_profile_train_cpu(tmp_path):
 
 
 def test_host_overhead_cpu(tmp_path):
-    """bench/host_overhead.py (host cost per op call + cProfile of eager engine steps) writes its JSON."""
+    """bench/probes/host_overhead.py (host cost per op call + cProfile of eager engine steps) writes its JSON."""
     _run_bench("host_overhead.py", tmp_path, "--model", "tiny-qwen2", "--tokens", "16", "--calls", "1", "--reps", "1")
     res = json.load(open(tmp_path / "host_overhead.json"))
     assert {r["op"] for r in res["ops"]} >= {"linear 1536x1536", "attention_varlen", "rms_norm"}

@@ -3,7 +3,7 @@
 Each arm is one ``python -m areal_tik.areal.train`` process (AReaL's real trainer):
 
 - ``baseline``: ``actor.kernel_backend=default`` (recompute runs every step);
-- ``tik``: ``actor.kernel_backend=tik`` (recompute skipped when docs/design.md, "The skip rule"
+- ``tik``: ``actor.kernel_backend=tik`` (recompute skipped when docs/design.md section 6
   allows, audits on step 0 and every ``actor.tik.audit_interval`` steps).
 
 The trainer appends one JSON line per step (``--step-log``): AReaL's committed stats

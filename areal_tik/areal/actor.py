@@ -9,7 +9,7 @@
   ``logprobs_from_logits`` (the function the rollout sampler uses), not AReaL's
   ``gather_logprobs``;
 - ``compute_logp`` (called by the trainer under the ``recompute_logp`` timer when
-  ``should_compute_prox_logp()``) decides per batch (docs/design.md, "The skip rule"):
+  ``should_compute_prox_logp()``) decides per batch (docs/design.md section 6):
     1. ``kernel_backend=tik``, no earlier audit mismatch, and every rollout server
        reports ``kernels == "tik"`` with our kernel fingerprint;
     2. every generated token's ``versions`` entry equals the actor's current version;

@@ -1,6 +1,6 @@
 """Kernel fingerprint: identifies the numerics of one backend on one stack.
 
-The contract (docs/design.md, "The contract") holds within one backend, on one GPU architecture
+The contract (docs/design.md section 2) holds within one backend, on one GPU architecture
 and software stack. The fingerprint hashes exactly what can change the bits: the source
 text and meta-parameters of the implementation selected for every op, the torch,
 triton and CUDA versions, and the GPU architecture. The trainer reuses rollout

@@ -1,6 +1,6 @@
 """A digest of a weight snapshot's *compute* bits, equal on trainer and rollout server.
 
-docs/design.md, "The skip rule", condition 4: the trainer skips the old-policy forward only if its
+docs/design.md section 6, condition 4: the trainer skips the old-policy forward only if its
 weights are bitwise the snapshot the rollout used. Both sides call :func:`digest` on
 ``(name, tensor)`` pairs after casting to the compute dtype (bf16 usually): the trainer
 on its FSDP parameters (gathered full tensors), the server on the model it loaded.

@@ -1,4 +1,4 @@
-"""Checkers for the numerical contract (docs/design.md, "The contract").
+"""Checkers for the numerical contract (docs/design.md section 2).
 
 Everyone who must judge a kernel uses these: the tests, the trainer's audit and the
 agent's evaluator. Each checker returns a :class:`Report` (counts, max |diff|, first

@@ -22,7 +22,7 @@ def test_run_ab_gpu_script_smoke(tmp_path):
     out.mkdir()
     env = {**os.environ, "SMOKE": "1", "RECIPES": "grpo", "OUT": str(out), "AB_OUT": str(ab_out),
            "RUNS_DIR": str(runs), "EXTRA_OVERRIDES": "experiment_name=tiktest-abgpu"}
-    for k in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT", "AREAL_TIK_SERVER_DEVICE"):
+    for k in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT", "SERVER_DEVICE", "PROFILE_STEP"):
         env.pop(k, None)
     def call(arms):
         p = subprocess.run(["bash", os.path.join(ROOT, "bench", "run_ab_gpu.sh")], env={**env, "ARMS": arms},

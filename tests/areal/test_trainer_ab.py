@@ -38,7 +38,7 @@ def test_tik_arm_skips_and_audits_equal(ab_dir):
     assert [s["global_step"] for s in steps] == [0, 1]
     s0, s1 = steps[0]["tik"][0], steps[1]["tik"][0]
     assert s0["audit"] and s0["audit_passed"] and s0["audit_tokens"] > 0 and s0["audit_mismatch_tokens"] == 0
-    assert s0["reasons"] == []  # every docs/design.md, "The skip rule" condition held (fingerprint, versions, digest)
+    assert s0["reasons"] == []  # every docs/design.md section 6 condition held (fingerprint, versions, digest)
     assert s1["skipped"] and s1["recompute_forward_s"] == 0.0 and s1["reasons"] == [] and not s1["audit"]
     assert steps[1]["stats"]["tik/recompute_skipped"] == 1.0  # through AReaL's stats tracker
     assert "tik/audit_mismatch_tokens" in steps[0]["stats"]

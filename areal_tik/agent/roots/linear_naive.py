@@ -4,7 +4,7 @@ Maths: ``C[M, N] = A[M, K] @ W[N, K]^T (+ bias[N])``; A, W bf16 (or fp32), fp32
 accumulate, the result rounded once to ``out``'s dtype. Bias is added in fp32 after
 the K loop, before the single rounding.
 
-Contract (docs/design.md, "The contract"): every output element is ``acc = tl.dot(a, b, acc)``
+Contract (docs/design.md section 2): every output element is ``acc = tl.dot(a, b, acc)``
 over K blocks walked in ascending order from 0, with no split-K and no shape-dependent
 change of the per-element reduction. Rows are computed independently (masked rows
 read zeros and are never stored), so row m of C depends only on row m of A: any

@@ -1,6 +1,6 @@
 """The one log-prob function: ``logp = log_softmax(logits.float() / T)[token]`` (+ entropy).
 
-Used by both the rollout sampler and the trainer loss (docs/design.md, "The contract").
+Used by both the rollout sampler and the trainer loss (docs/design.md section 2).
 
 Maths, per row i with ``z = logits[i].float() / T`` (correctly rounded division):
 ``lse = m + log(s)`` where the vocab is walked in fixed blocks of ``V_BLOCK`` columns at

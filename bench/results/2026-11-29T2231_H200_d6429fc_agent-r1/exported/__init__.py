@@ -1,1 +1,0 @@
-"""Kernels exported by the optimization agent (`areal-tik agent export`)."""
