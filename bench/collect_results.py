@@ -37,6 +37,21 @@ def keep(name: str) -> bool:
     return name.endswith(KEEP_SUFFIXES) or name in KEEP_NAMES
 
 
+def _scrub(path: str) -> None:
+    """Absolute machine paths out of a text file: the repository root becomes relative, a home folder
+    ``~``. Records stay readable and name no machine (figures and binaries are left alone)."""
+    if not path.endswith((".json", ".csv", ".md")):
+        return
+    repo = os.path.dirname(HERE)
+    text = open(path, errors="replace").read()
+    new = text.replace(repo + os.sep, "").replace(repo, ".")
+    for home in {os.path.expanduser("~"), "/root"}:
+        new = new.replace(home + "/", "~/")
+    if new != text:
+        with open(path, "w") as f:
+            f.write(new)
+
+
 def _stage(src: str) -> str:
     """A temporary copy of ``src`` with its archives unpacked in place."""
     tmp = tempfile.mkdtemp()
@@ -90,6 +105,7 @@ def main(argv=None) -> int:
             os.makedirs(os.path.dirname(os.path.join(dst, rel)) or dst, exist_ok=True)
             shutil.copy2(os.path.join(root, f), os.path.join(dst, rel))
             os.chmod(os.path.join(dst, rel), 0o644)
+            _scrub(os.path.join(dst, rel))
             kept += 1
     os.makedirs(dst, exist_ok=True)
     with open(os.path.join(dst, "COMMAND.md"), "w") as f:

@@ -34,16 +34,11 @@ __all__ = [
 
 DEFAULT_ORDER = ("triton", "cuda", "torch_ref")
 # Per GPU architecture (``gpu_arch_name()``), ops whose default is another backend than DEFAULT_ORDER's first,
-# because it measured faster there. sm90 (H100/H200), the csrc attention pair (H200, same-run ratios):
-#   * bench cells (32/8 heads, pages of 64): wgmma prefill 1.23-1.31x Triton at L 4K-16K, decode faster in
-#     14 of 16 cells (bench/results/*_fce4b88_cuda-decode-final); training forward + Triton backward
-#     1.02-1.04x (*_2ee03d5_cuda-lse-backward);
-#   * the engine's shapes (Qwen2.5-1.5B, 12/2 heads, pages of 16): decode 0.90-1.03x Triton per
-#     kernel (*_f68fc3b_decode-working-ctas), in a profiled B=64 engine decode step 0.514 vs 0.521 ms of
-#     attention per step, device busy 3.80 vs 3.81 ms (*_f127a84_engine-profile-ab); 64 x 512-token paged
-#     prefill 0.97x (*_a9ce38d_engine-shape-bisect). A wash there, a gain on long prefill and training.
-# Not sm80: its csrc prefill is the mma.sync kernel. The two ops move together (their bits must agree
-# between rollout and training) and fall back together (cuda availability is one extension).
+# because it measured faster there (docs/results.md). sm90 (H100/H200), the csrc attention pair: the wgmma
+# prefill 1.23-1.31x Triton at L 4K-16K, decode faster in 14 of 16 bench cells, training forward 1.02-1.04x;
+# at the engine's shapes (12/2 heads) a wash (decode 0.90-1.03x per kernel, 0.514 vs 0.521 ms of attention
+# per B=64 decode step). Not sm80: its csrc prefill is the mma.sync kernel. The two ops move together (their
+# bits must agree between rollout and training) and fall back together (cuda availability is one extension).
 ARCH_PREFERRED: dict[str, dict[str, str]] = {
     "sm90": {"attention_varlen": "cuda", "attention_paged": "cuda"},
 }

@@ -13,7 +13,7 @@ class EngineConfig:
     - ``page_size``: tokens per KV page (power of two, 16..256 for the tik kernels). 64 by default: on the
       H200 at the 1.5B shape, the csrc paged prefill is 1.45x faster at 64 than at 16 (one TMA box per
       64-row half instead of four) and the decode equal or 1-6% faster, for both attention backends
-      (bench/results/*_s10-first-check); a page holds at most 63 unused slots per sequence.
+      (docs/results.md); a page holds at most 63 unused slots per sequence.
     - ``num_pages``: KV pages; ``None`` sizes the cache from free GPU memory times
       ``gpu_memory_utilization`` (GPU) or from ``max_num_seqs * max_model_len`` (CPU).
     - ``max_num_seqs``: sequences in flight (decode batch size bound).
@@ -27,7 +27,7 @@ class EngineConfig:
       ``cuda_graph_max_bs`` chunks) replay a CUDA graph captured per (token bucket, chunk bucket); 0 = every
       prefill step eager. Only with the tik kernels (the default kernels' prefill needs host lengths). Eager
       prefill is host-bound: one 512-token prompt at the 1.5B shape took 31-57 ms of wall time for 6.3 ms of
-      device work on the H200. Measured step wall time eager -> graph at that shape (bench/results/*_prefill-graphs*):
+      device work on the H200. Measured step wall time eager -> graph at that shape (docs/results.md):
       512 tokens 56.5 -> 8.0 ms, 2048 tokens 46.2 -> 13.5, 4096 tokens 34.3 -> 23.7, 8192 tokens 44.8 -> 44.1
       (device-bound: no gain), hence 4096. Each graph keeps its logits buffer ([chunk bucket, vocab]; 78 MB at 256
       chunks and Qwen2.5's 151,936-token vocabulary) for the engine's lifetime; captures are lazy, one per

@@ -8,7 +8,7 @@ by ``sm_scale * log2(e)``). From those, two backward kernels compute dq, dk, dv:
 - ``"flash"``: PyTorch's flash-attention-2 backward kernel (``aten._flash_attention_backward``, varlen, GQA)
   on the same output and ``lse2 * ln 2`` laid out ``[Hq, T]``. Its dq is accumulated with atomics, so its
   bits may differ from run to run (as SDPA's flash backward does). H200, same run
-  (``bench/results/*_s14-flash-backward-probe``): 1.16-1.79x faster than the Triton backward on 12/2 and
+  (docs/results.md): 1.16-1.79x faster than the Triton backward on 12/2 and
   32/8 heads at D 128; relative error against float64 autograd 0.0025-0.0030 (Triton 0.0023-0.0025).
 
 ``Settings.attention_backward`` (set once by the entry point through :func:`configure`) picks: ``auto`` (default) takes ``flash`` where PyTorch
