@@ -1,9 +1,8 @@
 """Isolate the parts of the decode path one by one (GPU; the helpers also run at tiny
 shapes on a CPU with torch_ref so their logic is checked here).
 
-Motivation: H200 run 2026-11-29 (bench/results/2026-11-29T2254_H200_bf92316-tuned_system-r1):
-engine prefill == training bit for bit, but decode tokens diverged from ~the 4th token of
-every sequence (R2 16124/16384). Root cause found on the CPU (graph emulation,
+Motivation: once, on the H200, engine prefill == training bit for bit, but decode tokens diverged
+from ~the 4th token of every sequence (R2 16124/16384). Root cause found on the CPU (graph emulation,
 tests/engine/test_graph_capture.py): the warm-up before capturing a new graph wrote K/V
 at stale slots. These tests pin every other suspect so a GPU run says which part (if any)
 still breaks the contract:
