@@ -26,7 +26,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from areal_tik.engine.sequence import SamplingParams
-from areal_tik.engine.server import EngineWorker, ServerConfig, TikServer, _Pending, build, run_server
+from areal_tik.engine.server import EngineWorker, ServerConfig, TikServer, build, run_server
+from areal_tik.engine.server.worker import _Pending
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hostile  # noqa: E402  (tests/engine/hostile.py: hypothesis strategies)
