@@ -86,9 +86,9 @@ def measure(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int, see
 
 def run_arm(kernels: str, label: str, model_name: str, dev: str, batches: list[int], prompt_len: int,
             steps: int, page_size: int = EngineConfig.page_size,
-            prefill_graph_max_tokens: int = EngineConfig.prefill_graph_max_tokens) -> dict:
-    """One engine with ``kernels``; a warm-up and a measured pass per batch size."""
-    model = patch_model(build_model(model_name, device=dev), kernels=kernels)
+            prefill_graph_max_tokens: int = EngineConfig.prefill_graph_max_tokens, backend: str | None = None) -> dict:
+    """One engine with ``kernels`` (ops bound under ``backend``); a warm-up and a measured pass per batch size."""
+    model = patch_model(build_model(model_name, device=dev), kernels=kernels, backend=backend)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=max(batches), max_model_len=prompt_len + steps + 64,
                                         max_num_batched_tokens=max(batches) * prompt_len,
                                         chunked_prefill=False, gpu_memory_utilization=0.3, page_size=page_size,
@@ -136,10 +136,9 @@ def main() -> int:
            "torch": torch.__version__, "prompt_len": a.prompt_len, "decode_steps": steps,
            "page_size": a.page_size, "kernels": {}}
     for arm, pg, label in arms:
-        with arm.active():
-            res["kernels"][label] = dict(run_arm(arm.kernels, label, a.model, dev, batches, a.prompt_len,
-                                                 steps, a.page_size, pg), backend_spec=arm.spec,
-                                         prefill_graph_max_tokens=pg)
+        res["kernels"][label] = dict(run_arm(arm.kernels, label, a.model, dev, batches, a.prompt_len,
+                                             steps, a.page_size, pg, backend=arm.spec), backend_spec=arm.spec,
+                                     prefill_graph_max_tokens=pg)
     first = arms[0][2]
     res["ratio_over_first_arm"] = {
         label: _ratios(res["kernels"][label]["rows"], res["kernels"][first]["rows"]) for _, _, label in arms[1:]}

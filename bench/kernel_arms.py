@@ -1,17 +1,15 @@
 """Arms of a kernels A/B inside one process: ``KERNELS[@BACKEND_SPEC]``.
 
-``default`` / ``tik`` pick ``patch_model(kernels=...)``; an optional ``@spec`` is the
-``AREAL_TIK_BACKEND`` value set while that arm is built and measured (the registry reads
-it at every op call, so an arm's CUDA graphs capture its own backends), e.g.
-``tik@attention_varlen=cuda,attention_paged=cuda``. Used by bench_engine and probes/profile_train.
+``default`` / ``tik`` pick ``patch_model(kernels=...)``; an optional ``@spec`` is the backend spec
+(``Settings.backend``) the arm's model is patched with (``patch_model(..., backend=arm.spec)``: the ops
+are bound then, so an arm's CUDA graphs capture its own backends), e.g.
+``tik@attention_varlen=cuda,attention_paged=cuda``. Used by bench_engine and the profile probes.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 
-from areal_tik.dispatch.registry import ENV_VAR, parse_backend_spec
+from areal_tik.dispatch.registry import parse_backend_spec
 
 KERNELS = ("default", "tik")
 
@@ -21,22 +19,6 @@ class Arm:
     label: str
     kernels: str
     spec: str | None
-
-    @contextlib.contextmanager
-    def active(self):
-        """``AREAL_TIK_BACKEND`` = this arm's spec (unset without one) for the block; restored after."""
-        old = os.environ.get(ENV_VAR)
-        if self.spec is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = self.spec
-        try:
-            yield self
-        finally:
-            if old is None:
-                os.environ.pop(ENV_VAR, None)
-            else:
-                os.environ[ENV_VAR] = old
 
 
 def parse_arm(text: str) -> Arm:

@@ -125,8 +125,8 @@ def profile_prefill(eng: LLMEngine, B: int, prompt_len: int, vocab: int, reps: i
             **summarize_profile(prof, 1)}
 
 
-def profile_arm(kernels: str, label: str, a, dev: str) -> list[dict]:
-    model = patch_model(build_model(a.model, device=dev), kernels=kernels)
+def profile_arm(kernels: str, label: str, a, dev: str, backend: str | None = None) -> list[dict]:
+    model = patch_model(build_model(a.model, device=dev), kernels=kernels, backend=backend)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.prompt_len + 4 * a.steps + 64,
                                         max_num_batched_tokens=max(a.batches) * a.prompt_len,
                                         chunked_prefill=False, gpu_memory_utilization=0.3,
@@ -164,7 +164,7 @@ def main() -> int:
     ap.add_argument("--model", default="qwen2.5-1.5b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--kernels", nargs="+", default=["tik", "default"],
-                    help="arms KERNELS[@AREAL_TIK_BACKEND spec] (bench/kernel_arms.py)")
+                    help="arms KERNELS[@backend spec] (bench/kernel_arms.py)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="KV page size of every arm's engine")
@@ -182,8 +182,7 @@ def main() -> int:
            "torch": torch.__version__, "prompt_len": a.prompt_len, "steps": a.steps,
            "page_size": a.page_size, "runs": {}}
     for arm in parse_arms(a.kernels):
-        with arm.active():
-            res["runs"][arm.label] = profile_arm(arm.kernels, arm.label, a, dev)
+        res["runs"][arm.label] = profile_arm(arm.kernels, arm.label, a, dev, backend=arm.spec)
     with open(os.path.join(a.out, "engine_profile.json"), "w") as f:
         json.dump(res, f, indent=2)
     return 0

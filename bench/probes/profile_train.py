@@ -50,10 +50,11 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def profile(kernels: str, model_name: str, seqs: int, seq_len: int, reps: int, device: str) -> dict:
+def profile(kernels: str, model_name: str, seqs: int, seq_len: int, reps: int, device: str,
+            backend: str | None = None) -> dict:
     torch.manual_seed(0)
     model = build_model(model_name, dtype=torch.bfloat16, device=device)
-    model = patch_model(model, kernels=kernels) or model
+    model = patch_model(model, kernels=kernels, backend=backend)
     model.train()
     vocab = int(model.config.vocab_size)
     g = torch.Generator().manual_seed(1)
@@ -97,9 +98,8 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runs = {}
     for arm in parse_arms(a.kernels):
-        with arm.active():
-            runs[arm.label] = dict(profile(arm.kernels, a.model, a.seqs, a.seq_len, a.reps, device),
-                                   backend_spec=arm.spec)
+        runs[arm.label] = dict(profile(arm.kernels, a.model, a.seqs, a.seq_len, a.reps, device, backend=arm.spec),
+                               backend_spec=arm.spec)
     out = {"model": a.model, "seqs": a.seqs, "seq_len": a.seq_len, "device": device,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "runs": runs}
     os.makedirs(a.out, exist_ok=True)

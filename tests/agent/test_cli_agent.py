@@ -16,7 +16,8 @@ def _args(*argv):
 
 def test_llm_proposer_needs_model_flag(monkeypatch):
     monkeypatch.setenv("AREAL_TIK_AGENT_MODEL", "from-env")  # not read
-    with pytest.raises(SystemExit, match="--model"):
+    from areal_tik.cli.errors import UsageError
+    with pytest.raises(UsageError, match="--model"):
         cli_agent._proposer(_args("--proposer", "llm"))
 
 
