@@ -121,6 +121,23 @@ __device__ __forceinline__ void thread_rows(const TikAttnParams& p, int r0, int 
   }
 }
 
+// The Q fragments of a thread's two rows (A operand of m16n8k16, row-major 16 x D, KC = D / 16 k-chunks),
+// read from q [Tq * Hq, D] bf16 at rowid; zero for invalid rows. The decode and the prefill kernels load Q
+// this one way.
+template <int D, int KC>
+__device__ __forceinline__ void load_q_frags(uint32_t (&qa)[KC][4], const void* q, const int64_t (&rowid)[2],
+                                             const bool (&rvalid)[2], int t) {
+  const uint32_t* qp0 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(q) + (rvalid[0] ? rowid[0] : 0) * D);
+  const uint32_t* qp1 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(q) + (rvalid[1] ? rowid[1] : 0) * D);
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) {
+    qa[kc][0] = rvalid[0] ? qp0[kc * 8 + t] : 0u;
+    qa[kc][1] = rvalid[1] ? qp1[kc * 8 + t] : 0u;
+    qa[kc][2] = rvalid[0] ? qp0[kc * 8 + 4 + t] : 0u;
+    qa[kc][3] = rvalid[1] ? qp1[kc * 8 + 4 + t] : 0u;
+  }
+}
+
 // v[0] = op-tree of v[0 .. 2W): v[nt] = op(v[nt], v[nt + W]) for W, W / 2, .., 1, as a compile-time recursion
 // (fully unrolled, so the values stay in registers; a rolled loop would put a 16-value tree in local memory).
 template <int W, typename Op>

@@ -184,17 +184,7 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
   }
 
   uint32_t qa[KC][4];
-  {
-    const uint32_t* qp0 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(p.q) + (rvalid[0] ? rowid[0] : 0) * D);
-    const uint32_t* qp1 = reinterpret_cast<const uint32_t*>(static_cast<const bf16*>(p.q) + (rvalid[1] ? rowid[1] : 0) * D);
-#pragma unroll
-    for (int kc = 0; kc < KC; ++kc) {
-      qa[kc][0] = rvalid[0] ? qp0[kc * 8 + t] : 0u;
-      qa[kc][1] = rvalid[1] ? qp1[kc * 8 + t] : 0u;
-      qa[kc][2] = rvalid[0] ? qp0[kc * 8 + 4 + t] : 0u;
-      qa[kc][3] = rvalid[1] ? qp1[kc * 8 + 4 + t] : 0u;
-    }
-  }
+  load_q_frags<D, KC>(qa, p.q, rowid, rvalid, t);
 
   float acc[DTW][4];
   float m[2], l[2];
