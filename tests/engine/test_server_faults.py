@@ -560,7 +560,7 @@ def test_refused_xccl_buckets_change_nothing_and_the_group_stays_usable(S, tmp_p
         i = info(S.addr)
         assert (i["weight_version"], i["weights_digest"]) == (S.version, S.digest), "a refused bucket changed weights"
         # the server is paused (no step runs): read the weights themselves, not the digest the server cached
-        from areal_tik.backend.weights_digest import model_digest
+        from areal_tik.layers.weights_digest import model_digest
         assert model_digest(S.server.worker.engine.model, dtype=torch.bfloat16) == S.digest, \
             "a refused bucket changed the weights under the old version and digest"
         q_in.put("go")
