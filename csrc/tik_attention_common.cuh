@@ -138,6 +138,30 @@ __device__ __forceinline__ void load_q_frags(uint32_t (&qa)[KC][4], const void* 
   }
 }
 
+// The state a thread starts its KV walk with: the chunk state (acc = 0, m = -inf, l = 0) and, when the
+// kernel merges chunks in registers (ZERO_O), the merged state (O = 0, M = -inf, L = 0). NDT n-tiles of 8.
+template <int NDT, bool ZERO_O, int NO>
+__device__ __forceinline__ void init_walk_state(float (&acc)[NDT][4], float (&m)[2], float (&l)[2],
+                                                float (&O)[NO][4], float (&M)[2], float (&L)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    m[i] = -CUDART_INF_F;
+    l[i] = 0.f;
+    M[i] = -CUDART_INF_F;
+    L[i] = 0.f;
+  }
+#pragma unroll
+  for (int dt = 0; dt < NDT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
+  if constexpr (ZERO_O) {
+#pragma unroll
+    for (int dt = 0; dt < NO; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) O[dt][e] = 0.f;
+  }
+}
+
 // v[0] = op-tree of v[0 .. 2W): v[nt] = op(v[nt], v[nt + W]) for W, W / 2, .., 1, as a compile-time recursion
 // (fully unrolled, so the values stay in registers; a rolled loop would put a 16-value tree in local memory).
 template <int W, typename Op>

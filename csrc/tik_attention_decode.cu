@@ -190,23 +190,7 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
   float m[2], l[2];
   float O[SPLITM ? 1 : DTW][4];
   float M[2], L[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    m[i] = -CUDART_INF_F;
-    l[i] = 0.f;
-    M[i] = -CUDART_INF_F;
-    L[i] = 0.f;
-  }
-#pragma unroll
-  for (int dt = 0; dt < DTW; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
-  if constexpr (!SPLITM) {
-#pragma unroll
-    for (int dt = 0; dt < DTW; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) O[dt][e] = 0.f;
-  }
+  init_walk_state<DTW, !SPLITM>(acc, m, l, O, M, L);
 
   const bf16* kg0 = static_cast<const bf16*>(p.k);
   const bf16* vg0 = static_cast<const bf16*>(p.v);
@@ -485,6 +469,9 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
   }
   cp_async_wait<0>();  // drain (trailing groups are empty; keeps the exit clean)
 
+  // Epilogue: out = O / L rounded once to bf16, and the row's lse. Written in each kernel on its own accumulator
+  // layout (mma.sync fragments here; the decode's column split; wgmma's accumulators), with the same per-element
+  // arithmetic (pack_bf16(__fdiv_rn(.)) and row_lse from tik_attention_common.cuh).
   if constexpr (!SPLITM) {
     bf16* out = static_cast<bf16*>(p.out);
 #pragma unroll

@@ -415,6 +415,9 @@ __global__ void __launch_bounds__(WG_CTA_THREADS, 1)
     }
   }
 
+  // Epilogue: out = O / L rounded once to bf16, and the row's lse. Written in each kernel on its own accumulator
+  // layout (mma.sync fragments here; the decode's column split; wgmma's accumulators), with the same per-element
+  // arithmetic (pack_bf16(__fdiv_rn(.)) and row_lse from tik_attention_common.cuh).
   bf16* out = static_cast<bf16*>(p.out);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {

@@ -106,6 +106,8 @@ def linear_exported(x, weight, bias=None):
 OPS = {{OP: {{"triton": linear_exported}}}}
 '''
 
+# Every export of rms_norm repeats this adapter text by construction (kernels/exported/rms_norm_sm90.py is its
+# output): the exported module must import nothing from the agent, so it carries its own copy.
 _RMS_NORM_CUDA = _ADAPTER_HEADER + '''BINDING = {binding!r}
 _ENTRY = None
 

@@ -106,6 +106,8 @@ if (rg) {
   }
 }"""),
 }
+# The vector-loads and row-registers texts below share their per-element scale loop on purpose: each is a
+# whole replacement of one marked csrc region that the agent applies on its own, so each must stand alone.
 _TRANSFORM_EXTRA = {"persistent": ("grid", "return (max(1, min(tiles, _num_sms(device) * cfg.get(\"PROGS_PER_SM\", 1))),)"),
                     "vector-loads": ("rms-scale", """\
 const bool vec_o = sizeof(T) == 2 &&
