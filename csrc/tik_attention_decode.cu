@@ -183,6 +183,8 @@ __global__ void __launch_bounds__(DEC_WARPS * 32, 3) attn_decode_kernel(const Ti
     rlast[1] = -1;
   }
 
+  // The thread's Q fragments and walk state: declared here at this kernel's sizes, filled by the shared helpers
+  // of tik_attention_common.cuh (so the decode and the prefill start from the same values the same way).
   uint32_t qa[KC][4];
   load_q_frags<D, KC>(qa, p.q, rowid, rvalid, t);
 

@@ -80,6 +80,8 @@ __global__ void __launch_bounds__(WARPS * 32) attn_kernel(const TikAttnParams p)
   int64_t rowid[2];
   thread_rows(p, wrow0, g, G, rows_total, pos_off, q0, hk, rpos, rlast, rvalid, rowid);
 
+  // The thread's Q fragments and walk state: declared here at this kernel's sizes, filled by the shared helpers
+  // of tik_attention_common.cuh (so the decode and the prefill start from the same values the same way).
   // Q fragments (A operand, row-major 16 x D), zero for invalid rows.
   uint32_t qa[KC][4];
   load_q_frags<D, KC>(qa, p.q, rowid, rvalid, t);

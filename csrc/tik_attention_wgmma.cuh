@@ -201,6 +201,8 @@ __global__ void __launch_bounds__(WG_CTA_THREADS, 1)
   const uint32_t qwg = qbase + (uint32_t)(wgi * WG_TILE_BYTES);
   const int rpos_min = min(rpos[0], rpos[1]);  // blocks ending at or before it need no causal mask
 
+  // The walk state in wgmma's flat accumulator layout (init_walk_state's values for the mma.sync layout), plus
+  // the state the producer/consumer handoff keeps (mo, lo).
   float acc[DT * 4], O[DT * 4];
   float m[2], l[2], M[2], L[2], mo[2], lo[2];
 #pragma unroll
