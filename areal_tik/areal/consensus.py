@@ -76,7 +76,7 @@ def query_servers(addrs: list[str], timeout: float) -> list[dict]:
             out.append({"addr": a, "error": f"answered HTTP {e.code}", "dead": False})
         except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, OSError) as e:
             why = getattr(e, "reason", None) or e
-            out.append({"addr": a, "error": f"no answer within {timeout:g} s ({type(why).__name__}: {why})",
+            out.append({"addr": a, "error": f"no answer ({type(why).__name__}: {why}; timeout {timeout:g} s)",
                         "dead": True})
     return out
 
