@@ -21,10 +21,16 @@
   If all hold, the rolled rollout log-probs are returned as ``prox_logp`` (exactly the
   shape and shift AReaL's forward returns) and no forward runs. Otherwise, AReaL's
   recompute runs.
+- several ranks (``fsdp:dN``) take ONE decision (:mod:`areal_tik.areal.consensus`): the first
+  rank asks every server and broadcasts the answers, each rank checks its own shard, the reasons
+  are exchanged and their union decides for all (the recompute forward is collective: a split
+  decision would hang); a server that does not answer raises :class:`TikServerError` naming it,
+  on every rank; audit counts are summed over the ranks. Each rank appends its records to
+  ``actor.tik.decision_log_dir/rank<R>.jsonl`` (docs/scale-out.md).
 - audit: on step 0 and every ``tik.audit_interval`` steps the forward runs anyway and is
   compared bit for bit (``areal_tik.verify.contract.compare_bits``) on the generated tokens;
-  a mismatch either switches to recompute for the rest of the run (``fallback``) or
-  raises :class:`TikAuditError` (``raise``). The recomputed values are what training
+  a mismatch (counted over every rank's shard) either switches to recompute for the rest of
+  the run (``fallback``) or raises :class:`TikAuditError` (``raise``). The recomputed values are what training
   uses on audit steps.
 
 Every decision is logged through AReaL's ``stats_tracker`` (keys ``tik/...``) and kept
@@ -32,7 +38,8 @@ in ``self.tik_records`` (one dict per batch).
 
 Timing semantics (known, left as is): AReaL's ``timeperf/recompute_logp`` timer wraps the
 whole ``compute_logp`` call, so on a skipped step it still counts the skip decision: one
-``/get_server_info`` round trip per rollout server and the bf16 digest of the trainer's
+``/get_server_info`` round trip per rollout server (from the first rank), the exchange of reasons
+between the ranks, and the bf16 digest of the trainer's
 parameters (``own_digest``: cached per weight version, and the version advances every step,
 so in practice one full pass over the parameters per step; on CUDA one Triton pass over the bf16
 bits, overlapped with the servers' query, which digest their copy at the same time). On 2x H200
