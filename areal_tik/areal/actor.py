@@ -326,6 +326,8 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
                                "n_seqs": len(data),
                                "reward_mean": float(sum(float(t["rewards"].float().sum()) for t in data)
                                                     / max(1, sum(int(t["rewards"].numel()) for t in data)))}
+        group = self.decision_group()
+        rec.update(rank=group_rank(group), ranks=group_size(group))
         if self.kernels != "tik":
             t0 = time.perf_counter()
             out = super().compute_logp(data, *args, **kwargs)
@@ -334,13 +336,12 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
             from areal_tik.layers.default_varlen import status as default_attention_status
             rec["default_attention"] = default_attention_status()["path"]  # which baseline attention ran
             # The baseline recomputes anyway: how far are its rollout log-probs from it? (no extra forward)
-            res = global_audit(audit_compare(data, out), self.decision_group())
+            res = global_audit(audit_compare(data, out), group)
             rec.update(compare_tokens=res["tokens"], compare_mismatch_tokens=res["mismatch_tokens"],
                        compare_max_abs_diff=res["max_abs_diff"])
             self._record(rec)
             return out
 
-        group = self.decision_group()
         check = self.tik_cfg is None or self.tik_cfg.server_check
         if check:
             # the group's first rank asks the servers (they digest their weights meanwhile) while every
@@ -362,8 +363,7 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
                                       check_digest=check)
         reasons, details, per_rank = agree(mine, details, group, REASONS)
         audit = self._is_audit_step(version) and not self.fallback
-        rec.update(reasons=reasons, reason_details=details, audit=audit, rank=group_rank(group),
-                   ranks=group_size(group), local_reasons=mine)
+        rec.update(reasons=reasons, reason_details=details, audit=audit, local_reasons=mine)
         if group_size(group) > 1:
             rec["reasons_per_rank"] = per_rank
         if details:
