@@ -71,11 +71,11 @@ class TikPPOTrainer(PPOTrainer):
         self._server_watch: ServerWatch | None = None
         install_main_handler()
         super().__init__(config, train_dataset=train_dataset, valid_dataset=valid_dataset)
-        self._start_server_watch()
+        self._start_server_watch(config)
 
     # ---- a dead rollout server ends the run (AReaL would wait for its rollouts forever) --------
-    def _start_server_watch(self):
-        tik = getattr(getattr(self.config, "actor", None), "tik", None)
+    def _start_server_watch(self, config):
+        tik = getattr(getattr(config, "actor", None), "tik", None)
         interval = float(getattr(tik, "server_watch_interval", 5.0)) if tik is not None else 5.0
         timeout = float(getattr(tik, "server_timeout", 30.0)) if tik is not None else 30.0
         if not self._tik_server_addrs or interval <= 0:
