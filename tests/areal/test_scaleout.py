@@ -14,7 +14,9 @@ workers, each of whose ``launch_server`` starts one ``areal-tik serve``. One run
   the failed-run diagnosis, whichever meets it first).
 
 The same 2 x 2 layout through AReaL's Ray scheduler (``scheduler.type=ray``), on a one-node Ray
-head this test starts and stops itself: step 0 audited equal, step 1 skipped, on both ranks.
+head this test starts and stops itself, with ``xccl`` weight updates (one group: both trainer ranks
+and both servers): step 0 audited equal, step 1 skipped (so both servers' digests equal the
+trainer's after the broadcast), on both ranks.
 """
 import json
 import os
@@ -167,7 +169,7 @@ def test_two_ranks_two_servers_through_ray(tmp_path):
         cmd = [sys.executable, "-m", "areal_tik.areal.train", "--config", RECIPE, "scheduler.type=ray",
                "actor.kernel_backend=tik", "actor.backend=fsdp:d2", "rollout.backend=sglang:d2",
                "total_train_steps=2", "actor.tik.audit_interval=2", f"actor.tik.decision_log_dir={decisions}",
-               "experiment_name=tiktest-ray", f"seed={SEED_RAY}", f"cluster.fileroot={tmp_path}/exp",
+               "actor.weight_update_mode=xccl", "experiment_name=tiktest-ray", f"seed={SEED_RAY}", f"cluster.fileroot={tmp_path}/exp",
                f"cluster.name_resolve.nfs_record_root={tmp_path}/nr", "--step-log", str(steps)]
         with open(log, "wb") as f:
             run = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
@@ -184,6 +186,7 @@ def test_two_ranks_two_servers_through_ray(tmp_path):
     text = log.read_text(errors="replace")
     assert rc == 0, text[-4000:]
     assert "RayScheduler" in text and text.count("areal-tik server (tik kernels") >= 2
+    assert "Initializing weight update group: type=xccl" in text
     by0 = _check_decisions(decisions, [0, 1])
     assert by0[0]["audit"] and by0[0]["reasons"] == [] and by0[1]["skipped"] and by0[1]["reasons"] == []
     assert [r["global_step"] for r in _lines(steps)] == [0, 1]
