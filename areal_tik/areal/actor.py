@@ -21,10 +21,16 @@
   If all hold, the rolled rollout log-probs are returned as ``prox_logp`` (exactly the
   shape and shift AReaL's forward returns) and no forward runs. Otherwise, AReaL's
   recompute runs.
+- several ranks (``fsdp:dN``) take ONE decision (:mod:`areal_tik.areal.consensus`): the first
+  rank asks every server and broadcasts the answers, each rank checks its own shard, the reasons
+  are exchanged and their union decides for all (the recompute forward is collective: a split
+  decision would hang); a server that does not answer raises :class:`TikServerError` naming it,
+  on every rank; audit counts are summed over the ranks. Each rank appends its records to
+  ``actor.tik.decision_log_dir/rank<R>.jsonl`` (docs/scale-out.md).
 - audit: on step 0 and every ``tik.audit_interval`` steps the forward runs anyway and is
   compared bit for bit (``areal_tik.verify.contract.compare_bits``) on the generated tokens;
-  a mismatch either switches to recompute for the rest of the run (``fallback``) or
-  raises :class:`TikAuditError` (``raise``). The recomputed values are what training
+  a mismatch (counted over every rank's shard) either switches to recompute for the rest of
+  the run (``fallback``) or raises :class:`TikAuditError` (``raise``). The recomputed values are what training
   uses on audit steps.
 
 Every decision is logged through AReaL's ``stats_tracker`` (keys ``tik/...``) and kept
@@ -32,7 +38,8 @@ in ``self.tik_records`` (one dict per batch).
 
 Timing semantics (known, left as is): AReaL's ``timeperf/recompute_logp`` timer wraps the
 whole ``compute_logp`` call, so on a skipped step it still counts the skip decision: one
-``/get_server_info`` round trip per rollout server and the bf16 digest of the trainer's
+``/get_server_info`` round trip per rollout server (from the first rank), the exchange of reasons
+between the ranks, and the bf16 digest of the trainer's
 parameters (``own_digest``: cached per weight version, and the version advances every step,
 so in practice one full pass over the parameters per step; on CUDA one Triton pass over the bf16
 bits, overlapped with the servers' query, which digest their copy at the same time). On 2x H200
@@ -54,12 +61,16 @@ import torch
 from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.utils import logging, stats_tracker
 
+from areal_tik.areal.consensus import (LOGPROB_DEFINITION, TikServerError, agree, broadcast_from_first,
+                                       global_audit, group_rank, group_size, query_servers, raise_if_dead,
+                                       server_disagreements)
 from areal_tik.areal.device_model import TikModelMixin, settings_of
 from areal_tik.verify.contract import compare_bits
 
 logger = logging.getLogger("TikActor")
 
-__all__ = ["TikFSDPPPOActor", "TikAuditError", "skip_reasons", "rolled_rollout_logprobs", "audit_compare"]
+__all__ = ["TikFSDPPPOActor", "TikAuditError", "TikServerError", "skip_reasons", "local_reasons",
+           "rolled_rollout_logprobs", "audit_compare"]
 
 REASONS = ("kernels_default", "fallback_after_mismatch", "no_server_info", "server_kernels", "fingerprint",
            "stale_versions", "server_version", "weights_digest", "logprob_definition")
@@ -78,36 +89,37 @@ def _gen_mask_rolled(traj: dict[str, Any]) -> torch.Tensor:
     return torch.roll(traj["loss_mask"].bool(), shifts=-1, dims=-1)
 
 
-def skip_reasons(batch: list[dict[str, Any]], version: int, *, kernels: str, fallback: bool,
-                 own_fingerprint: str | None, servers: list[dict] | None, own_digest: str | None) -> list[str]:
-    """Every reason (from :data:`REASONS`) why the recompute may NOT be skipped; [] = skip."""
-    why = []
+def local_reasons(batch: list[dict[str, Any]], version: int, *, kernels: str, fallback: bool,
+                  own_fingerprint: str | None, answers: list[dict] | None, own_digest: str | None,
+                  check_digest: bool = True) -> tuple[list[str], list[str]]:
+    """This rank's reasons (codes from :data:`REASONS`, each once, in that order) why the recompute may
+    NOT be skipped, and a detail for each that names the server or the tokens behind it; ([], []) = skip.
+    ``answers``: :func:`areal_tik.areal.consensus.query_servers`'s, one per rollout server."""
     if kernels != "tik":
-        return ["kernels_default"]
+        return ["kernels_default"], ["actor.kernel_backend=default"]
+    found: list[tuple[str, str]] = []
     if fallback:
-        why.append("fallback_after_mismatch")
-    if not servers:
-        why.append("no_server_info")
-    else:
-        for s in servers:
-            if s.get("kernels") != "tik" and "server_kernels" not in why:
-                why.append("server_kernels")
-            if s.get("kernel_fingerprint") != own_fingerprint and "fingerprint" not in why:
-                why.append("fingerprint")
-            if int(s.get("weight_version", -1)) != int(version) and "server_version" not in why:
-                why.append("server_version")
-            if s.get("weights_digest") != own_digest and "weights_digest" not in why:
-                why.append("weights_digest")
-            if not str(s.get("logprobs", "")).startswith("log_softmax(logits.float()/T)[token], unfiltered") \
-                    and "logprob_definition" not in why:
-                why.append("logprob_definition")
-    for traj in batch:
+        found.append(("fallback_after_mismatch", "an earlier audit found a mismatch"))
+    found += server_disagreements(answers or [], version=version, own_fingerprint=own_fingerprint,
+                                  own_digest=own_digest, check_digest=check_digest)
+    for i, traj in enumerate(batch):
         gen = traj["loss_mask"].bool()
         v = traj["versions"][gen]
         if v.numel() and not bool((v == int(version)).all()):
-            why.append("stale_versions")
+            found.append(("stale_versions", f"sequence {i} of this shard has generated tokens of versions "
+                                            f"{sorted(set(int(x) for x in v.unique()))}, trainer {int(version)}"))
             break
-    return why
+    codes = [r for r in REASONS if any(c == r for c, _ in found)]
+    return codes, [d for _, d in found]
+
+
+def skip_reasons(batch: list[dict[str, Any]], version: int, *, kernels: str, fallback: bool,
+                 own_fingerprint: str | None, servers: list[dict] | None, own_digest: str | None) -> list[str]:
+    """Every reason (from :data:`REASONS`) why the recompute may NOT be skipped; [] = skip. ``servers``:
+    the ``/get_server_info`` answers (plain dicts, one per server)."""
+    answers = None if servers is None else [{"addr": f"#{i}", "info": s} for i, s in enumerate(servers)]
+    return local_reasons(batch, version, kernels=kernels, fallback=fallback, own_fingerprint=own_fingerprint,
+                         answers=answers, own_digest=own_digest)[0]
 
 
 def audit_compare(batch: list[dict[str, Any]], recomputed: list[torch.Tensor]) -> dict:
@@ -121,7 +133,8 @@ def audit_compare(batch: list[dict[str, Any]], recomputed: list[torch.Tensor]) -
         m = m[:n].cpu()
         rolled.append(r[:n].cpu()[m])
         fresh.append(f[:n][m])
-    a, b = torch.cat(rolled), torch.cat(fresh)
+    a = torch.cat(rolled) if rolled else torch.zeros(0)
+    b = torch.cat(fresh) if fresh else torch.zeros(0)
     rep = compare_bits(b, a, name="audit recompute==rollout")
     return {"passed": rep.passed, "tokens": rep.n_compared, "mismatch_tokens": rep.n_mismatch,
             "max_abs_diff": float(rep.max_abs_diff), "first_mismatch": rep.first_mismatch}
@@ -287,16 +300,18 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         the servers ``launch_server`` started (``TikPPOTrainer._init_rollout``)."""
         self._server_addrs_override = [str(a) for a in addrs]
 
-    def query_servers(self) -> list[dict] | None:
-        out = []
-        for a in self.server_addresses():
-            try:
-                with urllib.request.urlopen(f"http://{a}/get_server_info", timeout=30) as r:
-                    out.append(json.loads(r.read()))
-            except Exception as e:  # noqa: BLE001 - an unreachable/foreign server means "recompute"
-                logger.warning("get_server_info from %s failed: %s", a, e)
-                return None
-        return out or None
+    def query_servers(self) -> list[dict]:
+        """Every rollout server's ``/get_server_info`` answer (or why there is none), in address order."""
+        timeout = float(self.tik_cfg.server_timeout) if self.tik_cfg is not None else 30.0
+        return query_servers(self.server_addresses(), timeout)
+
+    def decision_group(self):
+        """The process group every rank of this engine is in (AReaL's gloo ``cpu_group``), or None in a
+        world of one: the skip decision and the audit are agreed over it."""
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return getattr(self, "_cpu_group", None) or dist.group.WORLD
 
     def _is_audit_step(self, version: int) -> bool:
         n = self.tik_cfg.audit_interval if self.tik_cfg is not None else 0
@@ -311,6 +326,8 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
                                "n_seqs": len(data),
                                "reward_mean": float(sum(float(t["rewards"].float().sum()) for t in data)
                                                     / max(1, sum(int(t["rewards"].numel()) for t in data)))}
+        group = self.decision_group()
+        rec.update(rank=group_rank(group), ranks=group_size(group))
         if self.kernels != "tik":
             t0 = time.perf_counter()
             out = super().compute_logp(data, *args, **kwargs)
@@ -319,30 +336,38 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
             from areal_tik.layers.default_varlen import status as default_attention_status
             rec["default_attention"] = default_attention_status()["path"]  # which baseline attention ran
             # The baseline recomputes anyway: how far are its rollout log-probs from it? (no extra forward)
-            res = audit_compare(data, out)
+            res = global_audit(audit_compare(data, out), group)
             rec.update(compare_tokens=res["tokens"], compare_mismatch_tokens=res["mismatch_tokens"],
                        compare_max_abs_diff=res["max_abs_diff"])
             self._record(rec)
             return out
 
-        if self.tik_cfg is None or self.tik_cfg.server_check:
-            # the servers digest their weights while this rank digests its own (both ~one read of the weights)
+        check = self.tik_cfg is None or self.tik_cfg.server_check
+        if check:
+            # the group's first rank asks the servers (they digest their weights meanwhile) while every
+            # rank takes part in digesting the trainer's (collective under FSDP); then it shares the answers
             from concurrent.futures import ThreadPoolExecutor
             with ThreadPoolExecutor(1) as pool:
-                asked = pool.submit(self.query_servers)
+                asked = pool.submit(self.query_servers) if group_rank(group) == 0 else None
                 own_digest = self.own_digest()
-                servers = asked.result()
+                answers = broadcast_from_first(lambda: asked.result(), group)
+            rec["servers"] = [a["addr"] for a in answers]
+            raise_if_dead(answers)
         else:
-            servers = [{"kernels": "tik", "kernel_fingerprint": self.own_fingerprint(), "weight_version": version,
-                        "weights_digest": None, "logprobs": "log_softmax(logits.float()/T)[token], unfiltered"}]
+            answers = [{"addr": "(actor.tik.server_check=false)",
+                        "info": {"kernels": "tik", "kernel_fingerprint": self.own_fingerprint(), "weight_version": version,
+                                 "weights_digest": None, "logprobs": LOGPROB_DEFINITION}}]
             own_digest = self.own_digest()
-        reasons = skip_reasons(data, version, kernels=self.kernels, fallback=self.fallback,
-                               own_fingerprint=self.own_fingerprint(), servers=servers,
-                               own_digest=own_digest if servers else None)
-        if servers is not None and self.tik_cfg is not None and not self.tik_cfg.server_check:
-            reasons = [r for r in reasons if r != "weights_digest"]
+        mine, details = local_reasons(data, version, kernels=self.kernels, fallback=self.fallback,
+                                      own_fingerprint=self.own_fingerprint(), answers=answers, own_digest=own_digest,
+                                      check_digest=check)
+        reasons, details, per_rank = agree(mine, details, group, REASONS)
         audit = self._is_audit_step(version) and not self.fallback
-        rec.update(reasons=reasons, audit=audit)
+        rec.update(reasons=reasons, reason_details=details, audit=audit, local_reasons=mine)
+        if group_size(group) > 1:
+            rec["reasons_per_rank"] = per_rank
+        if details:
+            logger.info("tik: version %d, recompute needed: %s", version, "; ".join(details))
         if not reasons and not audit:
             rec.update(skipped=True, recompute_forward_s=0.0)
             self._record(rec)
@@ -352,9 +377,10 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         out = super().compute_logp(data, *args, **kwargs)
         rec.update(skipped=False, recompute_forward_s=time.perf_counter() - t0)
         if audit:
-            res = audit_compare(data, out)
+            res = global_audit(audit_compare(data, out), group)
             rec.update(audit_passed=res["passed"], audit_tokens=res["tokens"],
-                       audit_mismatch_tokens=res["mismatch_tokens"], audit_max_abs_diff=res["max_abs_diff"])
+                       audit_mismatch_tokens=res["mismatch_tokens"], audit_max_abs_diff=res["max_abs_diff"],
+                       audit_per_rank=res["per_rank"])
             if not res["passed"]:
                 msg = (f"tik audit at version {version}: {res['mismatch_tokens']}/{res['tokens']} generated-token "
                        f"log-probs differ between rollout and trainer (max |diff| {res['max_abs_diff']:.3g}, first "
@@ -387,9 +413,23 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         for r in REASONS:
             stats[f"tik/no_skip/{r}"] = float(r in rec.get("reasons", ()))
         stats_tracker.scalar(**stats)
-        logger.info("tik: version %d %s%s%s", rec["version"],
+        self._write_decision(rec)
+        logger.info("tik: %sversion %d %s%s%s", f"rank {rec['rank']}/{rec['ranks']} " if rec.get("ranks", 1) > 1 else "",
+                    rec["version"],
                     "recompute SKIPPED" if rec.get("skipped") else "recompute ran",
                     f" (reasons: {','.join(rec['reasons'])})" if rec.get("reasons") else "",
                     (f"; audit {'EQUAL' if rec.get('audit_passed') else 'MISMATCH'} "
                      f"{rec.get('audit_mismatch_tokens')}/{rec.get('audit_tokens')} max|diff|="
                      f"{rec.get('audit_max_abs_diff')}") if "audit_tokens" in rec else "")
+
+    def _write_decision(self, rec: dict) -> None:
+        """One JSON line per batch in ``actor.tik.decision_log_dir``/rank<R>.jsonl (each rank its own
+        file: in single-controller mode the ranks are RPC workers whose records the controller never sees)."""
+        d = getattr(self.tik_cfg, "decision_log_dir", None) if self.tik_cfg is not None else None
+        if not d:
+            return
+        import torch.distributed as dist
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")

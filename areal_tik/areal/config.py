@@ -63,6 +63,22 @@ class TikConfig:
         metadata={"help": "Ask the rollout servers (/get_server_info) for their kernel fingerprint, "
                           "weight version and digest before skipping."},
     )
+    server_timeout: float = field(
+        default=30.0,
+        metadata={"help": "Seconds each rollout server has to answer /get_server_info before the skip check; "
+                          "a server that does not answer stops the run with an error naming it."},
+    )
+    server_watch_interval: float = field(
+        default=5.0,
+        metadata={"help": "Seconds between the trainer's GET /health polls of every rollout server; one silent "
+                          "for server_timeout seconds ends the run with an error naming it (0: no watch)."},
+    )
+    decision_log_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Directory for one JSON line per batch and trainer rank (rank<R>.jsonl): the skip "
+                          "decision, its reasons per rank, the audit counts. null: <fileroot>/<experiment>/<trial>/"
+                          "tik_decisions when run through areal_tik.areal.train, else none."},
+    )
     backend: Optional[str] = field(
         default=None,
         metadata={"help": "Kernel implementation per op: null (measured defaults), 'triton', or "
@@ -91,6 +107,13 @@ class TikConfig:
         if not isinstance(self.audit_interval, int) or isinstance(self.audit_interval, bool) \
                 or self.audit_interval < 0:
             raise ConfigError(f"actor.tik.audit_interval must be an integer >= 0, got {self.audit_interval!r}")
+        if isinstance(self.server_timeout, bool) or not isinstance(self.server_timeout, (int, float)) \
+                or not self.server_timeout > 0:
+            raise ConfigError(f"actor.tik.server_timeout must be a number of seconds > 0, got {self.server_timeout!r}")
+        if isinstance(self.server_watch_interval, bool) or not isinstance(self.server_watch_interval, (int, float)) \
+                or self.server_watch_interval < 0:
+            raise ConfigError(f"actor.tik.server_watch_interval must be a number of seconds >= 0, "
+                              f"got {self.server_watch_interval!r}")
         if self.mismatch_policy not in MISMATCH_POLICIES:
             raise ConfigError(f"actor.tik.mismatch_policy must be one of {MISMATCH_POLICIES}, "
                               f"got {self.mismatch_policy!r}")

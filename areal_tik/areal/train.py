@@ -104,6 +104,20 @@ def materialize_model(config) -> str:
     return root
 
 
+def decision_log_dir(config, clear: bool = False) -> str:
+    """``actor.tik.decision_log_dir`` (default ``<fileroot>/<experiment>/<trial>/tik_decisions``), where
+    every trainer rank writes its skip decisions; ``clear`` removes an earlier run's files there."""
+    tik = config.actor.tik
+    if not tik.decision_log_dir:
+        tik.decision_log_dir = os.path.join(config.cluster.fileroot, config.experiment_name, config.trial_name,
+                                            "tik_decisions")
+    if clear and os.path.isdir(tik.decision_log_dir):
+        for f in os.listdir(tik.decision_log_dir):
+            if f.startswith("rank") and f.endswith(".jsonl"):
+                os.remove(os.path.join(tik.decision_log_dir, f))
+    return tik.decision_log_dir
+
+
 def load_dataset(config, tokenizer):
     path = config.train_dataset.path
     if path.startswith("builtin:arith"):
@@ -162,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     def stamp(what):  # where an arm's start-up time goes (read from train.log)
         print(f"areal-tik startup: {what} at +{time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
 
+    decision_log_dir(config, clear=int(os.getenv("RANK", "0")) == 0)
     model_dir = materialize_model(config)
     stamp("model dir ready")
     config.actor.path = model_dir

@@ -12,6 +12,11 @@
 - after every step the stats AReaL commits (timings ``timeperf/*``, rewards, ``tik/*``)
   are also appended as one JSON line to ``step_log`` (the A/B harness reads it), with the
   Triton JIT compiles of this process during the step (``jit``);
+- every rollout server the run uses is watched (:class:`~areal_tik.areal.watch.ServerWatch`, ``GET /health``
+  every ``actor.tik.server_watch_interval`` s): one silent for ``actor.tik.server_timeout`` s ends the run
+  with a :class:`~areal_tik.areal.consensus.TikServerError` naming it (AReaL itself would wait forever for
+  the rollouts that server can no longer produce); a teardown that then hangs is cut after
+  ``TEARDOWN_GRACE_S``;
 - ``actor.tik.profile_step=N`` records step N of this process under ``torch.profiler`` and
   writes its top device and host ops next to the step log (``profile_step<N>.txt``); that
   step's record says ``profiled`` (the A/B leaves it out of its ratios: profiling slows it).
@@ -32,13 +37,17 @@ from areal.utils.environ import is_single_controller
 
 from areal_tik.areal.actor import TikFSDPPPOActor
 from areal_tik.areal.config import TikPPOActorConfig, TikPPOCriticConfig
+from areal_tik.areal.consensus import TikServerError
 from areal_tik.areal.critic import TikFSDPPPOCritic
 from areal_tik.areal.rollout import TikRemoteSGLangEngine, server_args, server_settings
+from areal_tik.areal.watch import Deadline, ServerWatch, dead_servers, install_main_handler, interrupt_main_with
 from areal_tik.kernels import jit_watch
 
 logger = logging.getLogger("TikTrainer")
 
-__all__ = ["TikPPOTrainer", "use_tik_server"]
+__all__ = ["TikPPOTrainer", "use_tik_server", "TEARDOWN_GRACE_S"]
+
+TEARDOWN_GRACE_S = 30.0  # after a dead server is reported (or a failed run), the process exits hard if still alive this much later
 
 
 def use_tik_server(config) -> bool:
@@ -58,7 +67,61 @@ class TikPPOTrainer(PPOTrainer):
         step = tik.profile_step if tik is not None else None
         self._profile_step = step if step is not None and step_log and int(os.getenv("RANK", "0")) == 0 else None
         self._profiler = None
+        self._tik_server_addrs: list[str] = []
+        self._server_watch: ServerWatch | None = None
+        install_main_handler()
         super().__init__(config, train_dataset=train_dataset, valid_dataset=valid_dataset)
+        self._start_server_watch(config)
+
+    # ---- a dead rollout server ends the run (AReaL would wait for its rollouts forever) --------
+    def _start_server_watch(self, config):
+        tik = getattr(getattr(config, "actor", None), "tik", None)
+        interval = float(getattr(tik, "server_watch_interval", 5.0)) if tik is not None else 5.0
+        timeout = float(getattr(tik, "server_timeout", 30.0)) if tik is not None else 30.0
+        if not self._tik_server_addrs or interval <= 0:
+            return
+        self._server_watch = ServerWatch(self._tik_server_addrs, self._server_died, interval=interval,
+                                         timeout=timeout).start()
+        logger.info("watching rollout servers %s (GET /health every %g s, dead after %g s)",
+                    self._tik_server_addrs, interval, timeout)
+
+    @staticmethod
+    def _kill_children():
+        from areal.infra.utils.proc import kill_process_tree
+        kill_process_tree(None, include_parent=False, graceful=False)
+
+    def _server_died(self, addr: str, msg: str):
+        interrupt_main_with(TikServerError(msg), grace=TEARDOWN_GRACE_S, cleanup=self._kill_children)
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        """A failed run: name a rollout server that no longer answers (AReaL's own error, e.g. a weight
+        update's pause request failing through its callback server, does not), and bound the teardown:
+        after a failure it can wait forever in a collective that a rank stuck elsewhere never joins
+        (seen: TrainController destroy after a failed update_weights)."""
+        if exc_type is None:
+            return super().__exit__(exc_type, exc_value, traceback)
+        if self._server_watch is not None:
+            self._server_watch.stop()
+            self._server_watch = None
+        dead = dead_servers(self._tik_server_addrs, timeout=5.0) if not isinstance(exc_value, TikServerError) else {}
+        lost = None
+        if dead:
+            lost = TikServerError(
+                f"rollout server(s) {', '.join(f'{a} ({e})' for a, e in dead.items())} no longer answer GET /health; "
+                f"this run's servers are {', '.join(self._tik_server_addrs)}. The run failed with: "
+                f"{exc_type.__name__}: {str(exc_value)[:300]}")
+            logger.error("%s: %s", type(lost).__name__, lost)
+        with Deadline(TEARDOWN_GRACE_S, "the teardown after a failed run", self._kill_children):
+            super().__exit__(exc_type, exc_value, traceback)
+        if lost is not None:
+            raise lost from exc_value
+        return False
+
+    def close(self):
+        if self._server_watch is not None:  # the teardown stops the servers: not a death
+            self._server_watch.stop()
+            self._server_watch = None
+        return super().close()
 
     def train(self, *args, **kwargs):
         self._t_last_commit = time.perf_counter()
@@ -129,6 +192,8 @@ class TikPPOTrainer(PPOTrainer):
         if not is_single_controller():
             engine = TikRemoteSGLangEngine(config)
             engine.initialize(train_data_parallel_size=self.actor_alloc.parallel.dp_size)
+            if not is_eval:
+                self._tik_server_addrs = list(getattr(engine._engine, "addresses", None) or [])
             return engine
         controller = TikRemoteSGLangEngine.as_controller(config, self.scheduler)
         init_kwargs: dict[str, Any] = dict(role="rollout", server_args=args)
@@ -139,6 +204,7 @@ class TikPPOTrainer(PPOTrainer):
         if not is_eval and isinstance(self.config.actor, TikPPOActorConfig) and hasattr(self, "actor"):
             # the actor lives in an RPC worker: tell it which servers to ask before skipping the recompute
             addrs = [f"{i.host}:{i.port}" for i in controller.server_infos]
+            self._tik_server_addrs = addrs
             self.actor._custom_function_call("set_server_addresses", addrs, rpc_meta={"broadcast": True})
             logger.info("tik actor workers told the rollout server addresses %s", addrs)
         return controller
