@@ -22,7 +22,7 @@ if [ "${STAGE:-A}" = A ]; then
   mkdir -p $D
   printf 'Metadata-Version: 2.1\nName: areal-tik\nVersion: 0.1.0\n' > $D/METADATA
   printf '[vllm.general_plugins]\nareal_tik = areal_tik.vllm_plugin.register:register\n' > $D/entry_points.txt
-  (timeout 400 python -c "from areal_tik.dispatch import cuda_ext; print('csrc', cuda_ext.status())" > $W/csrc.log 2>&1 &)
+  (timeout 400 python -c "from areal_tik.kernels.cuda import loader as cuda_ext; print('csrc', cuda_ext.status())" > $W/csrc.log 2>&1 &)
   timeout 120 python -c "
 import vllm, importlib.metadata as md
 from areal_tik import vllm_plugin
