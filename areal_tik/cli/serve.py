@@ -48,7 +48,6 @@ def check_args(args) -> None:
     need_float("--mem-fraction", args.mem_fraction, lo=0, hi=1, lo_open=True)
     need_int("--cuda-graph-max-bs", args.cuda_graph_max_bs, lo=1, optional=True)
     need_int("--prefill-graph-max-tokens", args.prefill_graph_max_tokens, lo=0, optional=True)
-    need_int("--seed", args.seed, lo=0)
     need_device("--device", args.device)
     need_port_free(args.host, args.port)
 

@@ -42,7 +42,6 @@ def check_args(args) -> tuple:
          f"--max-prompt-len {args.max_prompt_len} is below --min-prompt-len {args.min_prompt_len}")
     need_int("--max-new-tokens", args.max_new_tokens, lo=1)
     need_int("--pad-to", args.pad_to, lo=1)
-    need_int("--seed", args.seed, lo=0)
     regimes = tuple(r.strip() for r in args.regimes.split(",") if r.strip())
     need_choices("--regimes", list(regimes), REGIMES)
     max_pos = PRESETS.get(args.model, {}).get("max_position_embeddings")

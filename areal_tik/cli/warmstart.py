@@ -31,7 +31,6 @@ def check_args(args) -> None:
     need_int("--steps", args.steps, lo=1)
     need_int("--batch", args.batch, lo=1)
     need_float("--lr", args.lr, lo=0, lo_open=True)
-    need_int("--seed", args.seed, lo=0)
     need_device("--device", args.device)
 
 
