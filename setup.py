@@ -52,7 +52,7 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["areal_tik", "areal_tik.*"]),
-    package_data={"areal_tik": ["data/*", "data/**/*", "recipes/*.yaml"]},
+    package_data={"areal_tik": ["data/*", "data/**/*", "recipes/*.yaml", "kernels/**/*.json"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
