@@ -164,6 +164,11 @@ class TikPPOCriticConfig(PPOCriticConfig):
         metadata={"help": "'auto' (= actor.kernel_backend), 'default' or 'tik'.",
                   "choices": ["auto", *KERNEL_BACKENDS]},
     )
+    tik: Optional[TikConfig] = field(
+        default=None,
+        metadata={"help": "The process settings (backend, attention backward, precompile); null: the actor's "
+                          "actor.tik, so a critic sharing the trainer process never overrides them."},
+    )
 
     def __post_init__(self):
         if self.kernel_backend not in ("auto", *KERNEL_BACKENDS):
@@ -188,6 +193,8 @@ class TikPPOConfig(PPOConfig):
                 raise ConfigError(f"critic must be a TikPPOCriticConfig, got {type(c).__name__}")
             if c.kernel_backend == "auto":
                 c.kernel_backend = self.actor.kernel_backend
+            if c.tik is None:
+                c.tik = self.actor.tik
             if not c.is_critic:
                 raise ConfigError("critic.is_critic must be true (the critic is a value model)")
         a = self.actor

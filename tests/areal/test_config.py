@@ -117,3 +117,14 @@ def test_xccl_layout_check(monkeypatch):
         check_xccl_layout("xccl", "cuda:2")
     with pytest.raises(SystemExit, match="must be on a GPU"):
         check_xccl_layout("xccl", "cpu")
+
+
+def test_critic_takes_the_actors_settings():
+    """A critic without its own ``tik`` section gets the actor's, so the critic, built in the same
+    trainer process after the actor, applies the same process settings (attention backward)."""
+    from areal_tik.areal.device_model import settings_of
+    ppo = os.path.join(os.path.dirname(RECIPE), "tiny_ppo.yaml")
+    c = load_config(["--config", ppo, "actor.kernel_backend=tik", "actor.tik.attention_backward=triton"])
+    assert c.critic.tik is c.actor.tik
+    assert settings_of(c.critic, c.critic.kernel_backend) == settings_of(c.actor, "tik")
+    assert settings_of(c.critic, "tik").attention_backward == "triton"
