@@ -32,6 +32,10 @@ class EngineConfig:
       (device-bound: no gain), hence 4096. Each graph keeps its logits buffer ([chunk bucket, vocab]; 78 MB at 256
       chunks and Qwen2.5's 151,936-token vocabulary) for the engine's lifetime; captures are lazy, one per
       (token bucket, chunk bucket) the workload reaches.
+    - ``stack_projections``: run each tik layer's q/k/v and gate/up as one GEMM each (``layers/stacking.py``:
+      the same bits; 4 GEMM launches per layer instead of 7). The model's q/k/v and gate/up parameters become
+      views of the stacked tensors (names, state dict and in-place weight updates unchanged). Models on HF's
+      kernels are never stacked.
     - ``eos_token_id``: ``None`` = the model config's (first) eos id.
     - ``seed``: draws per-request seeds for requests that give none.
     - ``page_order_seed``: shuffle physical page order (tests: placement must not matter).
@@ -47,6 +51,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_max_bs: int | None = None
     prefill_graph_max_tokens: int = 4096
+    stack_projections: bool = True
     eos_token_id: int | None = None
     seed: int = 0
     page_order_seed: int | None = None

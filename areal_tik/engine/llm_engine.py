@@ -28,6 +28,7 @@ import random
 import torch
 
 from areal_tik.layers.logprob_head import packed_logprobs
+from areal_tik.layers.stacking import stack_projections
 from areal_tik.engine import weight_staging
 from areal_tik.engine.config import EngineConfig
 from areal_tik.engine.kv_cache import BlockManager
@@ -49,6 +50,8 @@ class LLMEngine:
         eos = cfg.eos_token_id if cfg.eos_token_id is not None else getattr(hf, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
         self.model = model
+        if cfg.stack_projections:
+            stack_projections(model)        # tik layers only; same bits, fewer GEMM launches
         self.runner = ModelRunner(model, cfg, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_pages, cfg.page_size, seed=cfg.page_order_seed)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,

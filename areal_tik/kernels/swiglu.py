@@ -13,6 +13,11 @@ Invariance: elementwise; an element's bits depend only on (gate, up) at that ele
 any batch, order, packing. (Triton uses its fp32 exp; torch_ref uses the deterministic
 ``_torch_math.silu``; each backend is consistent with itself.)
 
+``silu_mul_packed(gu)``: the same element maths on a packed ``[..., 2I]`` input whose first half is
+``gate`` and second half ``up`` (the output of one GEMM over the stacked gate/up weights): bit for
+bit ``silu_mul(gu[..., :I], gu[..., I:])``, output ``[..., I]`` contiguous. Forward only (the
+rollout side: inference engines that stack the two projections).
+
 Backward (HF autograd's rounding points): ``ds = round(dy * up)``,
 ``dgate = round(ds * sig * (1 + g * (1 - sig)))``, ``dup = round(dy * round(silu(g)))``.
 """
@@ -24,10 +29,12 @@ import triton.language as tl
 
 from areal_tik.kernels import _torch_math as tm
 from areal_tik.kernels._dense_common import (
-    check_contiguous, check_dtype, check_same_device, check_same_dtype, check_triton_device, div16_attrs,
+    check_contiguous, check_dtype, check_last_dim_contiguous, check_same_device, check_same_dtype, check_triton_device,
+    div16_attrs,
 )
 
-__all__ = ["silu_mul_triton", "silu_mul_torch", "silu_mul_reference"]
+__all__ = ["silu_mul_triton", "silu_mul_torch", "silu_mul_reference", "silu_mul_packed_triton",
+           "silu_mul_packed_torch"]
 
 BLOCK = 2048
 
@@ -55,6 +62,52 @@ def _silu_mul_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, n, BLOCK: tl.cons
     dg = ds * (sig * (1.0 + g * (1.0 - sig)))
     tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + offs, (dy * s).to(du_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_packed_kernel(gu_ptr, y_ptr, I, stride_t, BLOCK: tl.constexpr):
+    # one row per program along axis 0, BLOCK columns per program along axis 1; the element maths of
+    # _silu_mul_fwd_kernel (same ops, same rounding points)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    row = gu_ptr + t * stride_t
+    g = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(row + I + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + t * I + cols, (s * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+PACKED_BLOCK = 1024
+
+
+def _validate_packed(gu, triton_path):
+    check_dtype("gu", gu)
+    if gu.dim() < 1 or gu.shape[-1] % 2:
+        raise ValueError(f"silu_mul_packed: the last dim must hold gate then up (even size), got {tuple(gu.shape)}")
+    check_last_dim_contiguous("gu", gu)
+    (check_triton_device if triton_path else check_same_device)(("gu", gu))
+
+
+def silu_mul_packed_triton(gu: torch.Tensor) -> torch.Tensor:
+    """``silu_mul(gu[..., :I], gu[..., I:])`` from one packed tensor (rows may be strided)."""
+    _validate_packed(gu, True)
+    I = gu.shape[-1] // 2
+    g2 = gu.reshape(-1, 2 * I) if gu.dim() != 2 else gu
+    T = g2.shape[0]
+    y = torch.empty((T, I), dtype=gu.dtype, device=gu.device)
+    if T and I:
+        _silu_mul_packed_kernel[(T, triton.cdiv(I, PACKED_BLOCK))](g2, y, I, g2.stride(0), BLOCK=PACKED_BLOCK,
+                                                                    num_warps=4)
+    return y.reshape(*gu.shape[:-1], I)
+
+
+def silu_mul_packed_torch(gu: torch.Tensor) -> torch.Tensor:
+    """The torch_ref backend's ``silu_mul`` on the two halves."""
+    _validate_packed(gu, False)
+    I = gu.shape[-1] // 2
+    with torch.no_grad():
+        return silu_mul_torch(gu[..., :I].contiguous(), gu[..., I:].contiguous())
 
 
 def silu_mul_fwd(gate, up, out=None):
@@ -133,7 +186,8 @@ def silu_mul_reference(gate, up):
     return g * torch.sigmoid(g) * up.double()
 
 
-OPS = {"silu_mul": {"triton": silu_mul_triton, "torch_ref": silu_mul_torch}}
+OPS = {"silu_mul": {"triton": silu_mul_triton, "torch_ref": silu_mul_torch},
+       "silu_mul_packed": {"triton": silu_mul_packed_triton, "torch_ref": silu_mul_packed_torch}}
 META = {"silu_mul.rounding": "silu->dtype, product->dtype"}
 
 COMPILE_SPECS = [
@@ -144,4 +198,7 @@ COMPILE_SPECS = [
                                              "du_ptr": "*bf16", "n": "i32"},
          constexprs={"BLOCK": BLOCK}, num_warps=8,
          attrs=div16_attrs(_silu_mul_bwd_kernel, ["g_ptr", "u_ptr", "dy_ptr", "dg_ptr", "du_ptr", "n"])),
+    dict(fn=_silu_mul_packed_kernel, signature={"gu_ptr": "*bf16", "y_ptr": "*bf16", "I": "i32", "stride_t": "i32"},
+         constexprs={"BLOCK": PACKED_BLOCK}, num_warps=4,
+         attrs=div16_attrs(_silu_mul_packed_kernel, ["gu_ptr", "y_ptr", "I", "stride_t"])),
 ]

@@ -32,6 +32,7 @@ from torch import nn
 
 from areal_tik.layers.attn_context import AttentionContext, get_context
 from areal_tik.layers.default_varlen import packed_causal_attention, sdpa_causal
+from areal_tik.layers.stacking import stacked_projection
 
 __all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "PagedAttention", "TikAttention", "DefaultAttention", "ForwardMeta",
            "RopeCache", "decoder_layer_forward", "base_model_forward", "tik_rope_inputs", "default_rope_inputs"]
@@ -58,6 +59,9 @@ class TikMLP(nn.Module):
     """HF gated MLP (``gate_proj``/``up_proj``/``down_proj``) with ``ops.silu_mul``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        st = getattr(self, "_tik_gate_up", None)
+        if st is not None and not torch.is_grad_enabled() and st.intact():    # stacking.py: same bits
+            return self.down_proj(self._tik_ops.silu_mul_packed(self._tik_ops.linear(x, st.weight, st.bias)))
         return self.down_proj(self._tik_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -110,12 +114,13 @@ class PagedAttention(nn.Module):
         B, L = hidden_states.shape[:2]
         T = B * L
         hq, hkv, D = self._tik_heads, self._tik_kv_heads, self.head_dim
-        q = self.q_proj(hidden_states).view(T, hq, D)
-        k = self.k_proj(hidden_states).view(T, hkv, D)
-        v = self.v_proj(hidden_states).view(T, hkv, D)
+        qkv = stacked_projection(self, "_tik_qkv", hidden_states)     # stacking.py: same bits, one GEMM
+        if qkv is None:
+            qkv = [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)]
+        q, k, v = qkv[0].reshape(T, hq, D), qkv[1].reshape(T, hkv, D), qkv[2].reshape(T, hkv, D)
         if hasattr(self, "q_norm"):
-            q = self.q_norm(q)
-            k = self.k_norm(k)
+            q = self.q_norm(q.contiguous())
+            k = self.k_norm(k.contiguous())
         out = self._attend(q, k, v, meta)
         return self.o_proj(out.reshape(B, L, hq * D))
 
@@ -133,7 +138,8 @@ class TikAttention(PagedAttention):
             ops.kv_cache_write(k, v, k_cache, v_cache, ctx.slot_mapping)
             return ops.attention_paged(q, k_cache, v_cache, ctx.block_table, ctx.cu_seqlens_q, ctx.seqlens_k,
                                        ctx.max_seqlen_q, scale=self.scaling)
-        return ops.attention_varlen(q, k, v, meta.cu_seqlens, meta.max_seqlen, scale=self.scaling)
+        # v may be a row-strided view of a stacked q/k/v GEMM output (stacking.py)
+        return ops.attention_varlen(q, k, v.contiguous(), meta.cu_seqlens, meta.max_seqlen, scale=self.scaling)
 
 
 class DefaultAttention(PagedAttention):

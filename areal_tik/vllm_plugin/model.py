@@ -18,7 +18,7 @@ from areal_tik.layers.modules import TikLinear
 from areal_tik.vllm_plugin import logprobs as tik_logprobs
 from areal_tik.vllm_plugin import process_ops
 from areal_tik.vllm_plugin.attention import TikAttentionBackend
-from areal_tik.vllm_plugin.stack import TikDecoder
+from areal_tik.vllm_plugin.stack import TikDecoder, load_hf_tensors
 
 __all__ = ["TikForCausalLM", "TikQwen2ForCausalLM", "TikQwen3ForCausalLM", "TikLlamaForCausalLM"]
 
@@ -71,25 +71,17 @@ class TikForCausalLM(nn.Module):
         return self.lm_head(hidden_states)       # ops.linear: bf16 logits, rows batch-invariant
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unknown = []
-        with torch.no_grad():
-            for name, w in weights:
-                if "rotary_emb.inv_freq" in name or (self.tied and name.startswith("lm_head.")):
-                    continue
-                p = params.get(name)
-                if p is None:
-                    unknown.append(name)
-                    continue
-                if p.shape != w.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model {tuple(p.shape)}")
-                p.copy_(w)
-                loaded.add(name)
-        if unknown:
-            raise ValueError(f"checkpoint tensors the tik model does not have: {unknown[:8]}"
-                             f"{' ...' if len(unknown) > 8 else ''}")
-        return loaded
+        """Copy HF-named tensors in place (``stack.load_hf_tensors``: q/k/v and gate/up into their row
+        blocks of the stacked parameters)."""
+        return load_hf_tensors(self, weights, self.tied)
+
+    def hf_named_parameters(self):
+        """``(HF name, tensor)`` pairs of the weights as the trainer names them (stacked projections split
+        into views; the tied ``lm_head`` once, as ``model.embed_tokens.weight``): what a weights digest
+        of this model must hash to equal the trainer's."""
+        yield from self.model.hf_named_parameters("model")
+        if not self.tied:
+            yield "lm_head.weight", self.lm_head.weight
 
 
 class TikQwen2ForCausalLM(TikForCausalLM):

@@ -241,6 +241,27 @@ def test_gpu_all_configs_bit_identical(shape, seed_rng):
         assert contract.compare_bits(big, outs["dec16_n16"], name=f"picked {L.pick_config(M, N, K, _arch())}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["1.5b", "7b"])
+def test_gpu_stacked_projections_equal_separate(model, seed_rng):
+    """One GEMM over stacked q/k/v (and gate/up) weights gives, column block by column block, the bits of
+    the separate GEMMs at every batch size (the vLLM plugin's stacked projections rely on it), with bias."""
+    H, kv, inter = {"1.5b": (1536, 256, 8960), "7b": (3584, 512, 18944)}[model]
+    groups = {"qkv": [(H, True), (kv, True), (kv, True)], "gate_up": [(inter, False), (inter, False)]}
+    for name, parts in groups.items():
+        ws = [_rand((n, H), scale=H ** -0.5) for n, _ in parts]
+        bs = [_rand((n,)) if has_b else None for n, has_b in parts]
+        w_cat = torch.cat(ws)
+        b_cat = torch.cat(bs) if all(b is not None for b in bs) else None
+        for M in (1, 8, 64, 128, 256, 1000, 2048):
+            x = _rand((M, H))
+            stacked = L.linear_triton(x, w_cat, b_cat).split([n for n, _ in parts], dim=-1)
+            for i, (w, b) in enumerate(zip(ws, bs)):
+                sep = L.linear_triton(x, w, b)
+                assert contract.compare_bits(stacked[i], sep, name=f"{model} {name}[{i}] M={M}"), \
+                    (L.pick_config(M, w_cat.shape[0], H, _arch()), L.pick_config(M, w.shape[0], H, _arch()))
+
+
 def _arch():
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"

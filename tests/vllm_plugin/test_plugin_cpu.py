@@ -11,6 +11,7 @@ import torch
 from areal_tik.dispatch import ops
 from areal_tik.dispatch.bound import bind
 from areal_tik.layers.logprob_head import logprobs_of, packed_logprobs
+from areal_tik.layers import weights_digest
 from areal_tik.layers.patch import patch_model
 from areal_tik.layers.models import build_model
 from areal_tik.vllm_plugin import glue, logprobs as vlp, stack
@@ -179,8 +180,19 @@ def test_stack_rollout_equals_trainer_logprobs(name):
     hf = patch_model(build_model(name, device="cpu"), kernels="tik")
     cfg = hf.config
     m = _Holder(cfg).to(torch.bfloat16)
-    missing = m.load_state_dict(hf.state_dict(), strict=False)
-    assert not missing.unexpected_keys and not missing.missing_keys, missing
+    for p in m.parameters():                            # poison: every parameter must be written by the load
+        p.data.fill_(float("nan"))
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    loaded = stack.load_hf_tensors(m, hf.state_dict().items(), tied)
+    assert loaded == {n for n, _ in m.named_parameters()} - ({"lm_head.weight"} if tied else set())
+    if tied:
+        m.lm_head.weight = m.model.embed_tokens.weight
+    # the HF-named views are the trainer's tensors, so the weights digests agree
+    ours = dict(m.model.hf_named_parameters("model"))
+    theirs = {n: t for n, t in hf.named_parameters() if n.startswith("model.")}
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    assert weights_digest.digest(ours.items()) == weights_digest.digest(theirs.items())
     lens = [(9, 6), (14, 4), (5, 7)]                   # (prompt, generated) per sequence
     seqs = [torch.randint(3, cfg.vocab_size, (a + b,)).tolist() for a, b in lens]
     sim = _PagedSim(cfg, len(seqs))
@@ -244,3 +256,19 @@ def test_host_temperatures_cached_per_tensor_and_greedy_is_one():
     assert c.get(t, 2) == [1.0, 0.5]
     assert c.get(torch.tensor([2.0]), 1) == [2.0]
     assert c.get(None, 2) == [1.0, 1.0]
+
+
+def test_stacked_names_map_both_ways():
+    assert stack.stacked_target("model.layers.3.mlp.up_proj.weight") == ("model.layers.3.mlp.gate_up_proj.weight", 1)
+    assert stack.stacked_target("model.layers.0.self_attn.v_proj.bias") == ("model.layers.0.self_attn.qkv_proj.bias", 2)
+    assert stack.stacked_target("model.layers.0.self_attn.o_proj.weight") is None
+    assert stack.stacked_target("model.norm.weight") is None
+
+
+def test_load_refuses_unknown_names_and_shapes():
+    cfg = build_model("tiny-qwen2", device="cpu").config
+    m = _Holder(cfg)
+    with pytest.raises(ValueError, match="does not have"):
+        stack.load_hf_tensors(m, [("model.layers.0.self_attn.x_proj.weight", torch.zeros(1))], False)
+    with pytest.raises(ValueError, match="checkpoint shape"):
+        stack.load_hf_tensors(m, [("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 3))], False)
