@@ -4,13 +4,15 @@
 #            stock vLLM, vLLM + tik and the parity check (all four workloads).
 #   STAGE=B: (same warm machine, right after A) vLLM batch-invariant and our engine (the three short
 #            workloads) and our engine's parity; rollout.json/png gather every arm of the work folder.
+#   STAGE=T: (first, right after the wheel copies) install as in A, then the GPU tests of the rollout-side
+#            stacked projections and `areal-tik verify` at the 1.5B shape (bits of the engine path).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PYTHONPATH=$PWD:/tmp/vsite
 W=/tmp/brw
 mkdir -p $W
-if [ "${STAGE:-A}" = A ]; then
+if [ "${STAGE:-A}" = A ] || [ "${STAGE:-A}" = T ]; then
   if [ ! -d /tmp/vsite/vllm ]; then
     ls /tmp/vw/vllm-*.part.* >/dev/null || { echo "no vllm parts in /tmp/vw"; exit 1; }
     cat /tmp/vw/vllm-*.part.* > /tmp/vw/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl && rm /tmp/vw/vllm-*.part.*
@@ -32,6 +34,20 @@ from areal_tik.vllm_plugin.register import register; register()
 from vllm import ModelRegistry; print(sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith('Tik')))
 from areal_tik.vllm_plugin import attention, model; print('plugin modules import')
 " || echo "plugin import check failed"
+  if [ "$STAGE" = T ]; then
+    for _ in $(seq 150); do grep -q csrc $W/csrc.log 2>/dev/null && break; sleep 2; done
+    timeout 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py::test_gpu_stacked_projections_equal_separate \
+      tests/kernels/test_silu_mul_packed.py tests/engine/test_stacking.py tests/engine/test_graph_capture.py 2>&1 | tail -5
+    timeout 200 python -m areal_tik.cli verify --model qwen2.5-1.5b --json > $OUT/verify.json 2> $W/verify.err \
+      || tail -5 $W/verify.err
+    python -c "import json; r = json.load(open('$OUT/verify.json')); print({k: v for k, v in r.items() if 'mismatch' in k or k in ('ok', 'passed')})" 2>&1 | tail -2
+    for e in vllm vllm-stock; do   # vLLM's scheduler regimes (batching, chunked prefill, preemption, graphs, abort)
+      timeout 200 python -m areal_tik.cli verify --engine $e --model qwen2.5-1.5b --prompts 48 --max-prompt-len 600 \
+        --max-new-tokens 64 --json > $OUT/verify_$e.json 2> $W/verify_$e.err || tail -3 $W/verify_$e.err
+      python -c "import json; r = json.load(open('$OUT/verify_$e.json')); print('$e', r['passed'], r['regimes'])" 2>&1 | tail -1
+    done
+    exit 0
+  fi
   timeout ${BENCH_S:-470} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model --arms stock tik parity \
     --budget ${BENCH_S:-470} --arm-timeout 200 --long-reserve 150
 else

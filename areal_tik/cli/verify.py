@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--regimes", default="R1,R2,R3,R4,R5")
     p.add_argument("--no-backward", action="store_true", help="R1 forward with autograd but no backward pass")
+    p.add_argument("--engine", choices=("tik", "vllm", "vllm-stock"), default="tik",
+                   help="the rollout engine: ours (R1-R5), vLLM with the tik plugin (its scheduler's regimes: "
+                        "batching, chunked prefill, preemption, CUDA graphs, abort), or stock vLLM (negative control)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -51,6 +54,8 @@ def check_args(args) -> tuple:
 
 
 def run(args) -> int:
+    if getattr(args, "engine", "tik") != "tik":
+        return _run_vllm(args)
     regimes = check_args(args)
     import torch
 
@@ -83,6 +88,53 @@ def run(args) -> int:
         print_json(rep)
     else:
         _print(rep)
+    return 0 if rep["passed"] else 1
+
+
+def _run_vllm(args) -> int:
+    """``--engine vllm|vllm-stock``: one vLLM run through its scheduler's regimes, vs the trainer's forward."""
+    from areal_tik.cli.errors import UsageError, need, need_model
+    need_model("--model", args.model)
+    need(args.kernels == "tik", "--engine vllm compares with the tik trainer: leave --kernels at tik")
+    from areal_tik import vllm_plugin
+    ok, why = vllm_plugin.available()
+    if not ok:
+        raise UsageError(f"--engine {args.engine}: {why}")
+    import os
+    import tempfile
+
+    import torch
+
+    from areal_tik.layers.models import build_model
+    from areal_tik.layers.patch import patch_model
+    from areal_tik.settings import Settings
+    from areal_tik.verify.vllm_parity import run_vllm_parity
+    settings = Settings.from_env(kernels="tik")
+    with tempfile.TemporaryDirectory(prefix="areal_tik_verify_vllm_") as tmp:
+        src = args.model
+        if not os.path.isdir(src):                      # a preset: save it as an HF checkpoint vLLM can load
+            build_model(args.model, device="cpu", seed=args.seed).save_pretrained(tmp)
+            src = tmp
+        model = patch_model(build_model(src, dtype=getattr(torch, args.dtype), device=args.device),
+                            kernels="tik", backend=settings.backend)
+        max_prompt = max(args.max_prompt_len, args.min_prompt_len)
+        rep = run_vllm_parity(src, model, n_prompts=args.prompts, min_prompt_len=args.min_prompt_len,
+                              max_prompt_len=max_prompt, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                              stock=args.engine == "vllm-stock")
+    rep.update(model=args.model, kernels="tik")
+    if args.json:
+        from areal_tik.cli.output import print_json
+        print_json(rep)
+    else:
+        from rich.console import Console
+        from rich.table import Table
+        t = Table(title=f"areal-tik verify --engine {args.engine}: {args.model}")
+        for col in ("regime", "sequences", "tokens", "mismatching", "max |diff|", "preemptions/aborted", "result"):
+            t.add_column(col)
+        for r, v in rep["regimes"].items():
+            t.add_row(r, str(v["n_sequences"]), str(v["n_tokens"]), str(v["n_mismatch"]), f"{v['max_abs_diff']:.3g}",
+                      str(v.get("preemptions", v.get("aborted", ""))), "[green]PASS" if v["passed"] else "[red]FAIL")
+        Console().print(t)
     return 0 if rep["passed"] else 1
 
 

@@ -272,3 +272,12 @@ def test_load_refuses_unknown_names_and_shapes():
         stack.load_hf_tensors(m, [("model.layers.0.self_attn.x_proj.weight", torch.zeros(1))], False)
     with pytest.raises(ValueError, match="checkpoint shape"):
         stack.load_hf_tensors(m, [("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 3))], False)
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="checks the message of a machine without vLLM")
+def test_verify_engine_vllm_without_vllm_is_a_one_line_usage_error():
+    r = subprocess.run([sys.executable, "-m", "areal_tik.cli", "verify", "--engine", "vllm", "--model", "tiny-qwen2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "vllm is not installed" in lines[0], r.stderr
