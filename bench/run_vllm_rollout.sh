@@ -42,8 +42,9 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
       || tail -5 $W/verify.err
     python -c "import json; r = json.load(open('$OUT/verify.json')); print({k: v for k, v in r.items() if 'mismatch' in k or k in ('ok', 'passed')})" 2>&1 | tail -2
     for e in vllm vllm-stock; do   # vLLM's scheduler regimes (batching, chunked prefill, preemption, graphs, abort)
-      timeout 200 python -m areal_tik.cli verify --engine $e --model qwen2.5-1.5b --prompts 48 --max-prompt-len 600 \
-        --max-new-tokens 64 --json > $OUT/verify_$e.json 2> $W/verify_$e.err || tail -3 $W/verify_$e.err
+      timeout ${VERIFY_S:-300} python -m areal_tik.cli verify --engine $e --model qwen2.5-1.5b --prompts 48 \
+        --max-prompt-len 600 --max-new-tokens 64 --json > $OUT/verify_$e.json 2> $W/verify_$e.err \
+        || grep -v "it/s\]\|^INFO\|^WARNING" $W/verify_$e.err | tail -5 > $OUT/verify_$e.err
       python -c "import json; r = json.load(open('$OUT/verify_$e.json')); print('$e', r['passed'], r['regimes'])" 2>&1 | tail -1
     done
     exit 0

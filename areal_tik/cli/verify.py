@@ -113,7 +113,9 @@ def _run_vllm(args) -> int:
     with tempfile.TemporaryDirectory(prefix="areal_tik_verify_vllm_") as tmp:
         src = args.model
         if not os.path.isdir(src):                      # a preset: save it as an HF checkpoint vLLM can load
-            build_model(args.model, device="cpu", seed=args.seed).save_pretrained(tmp)
+            preset = build_model(args.model, device=args.device, seed=args.seed)
+            preset.save_pretrained(tmp)
+            del preset
             src = tmp
         model = patch_model(build_model(src, dtype=getattr(torch, args.dtype), device=args.device),
                             kernels="tik", backend=settings.backend)

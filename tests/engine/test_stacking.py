@@ -10,6 +10,8 @@ from areal_tik.layers.models import build_model
 from areal_tik.layers.patch import patch_model
 from areal_tik.layers.stacking import stack_projections, stacked_projection
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _engine(model, stack):
     return LLMEngine(model, EngineConfig(max_num_seqs=8, max_model_len=96, page_size=16, enforce_eager=True,
@@ -25,14 +27,14 @@ def _gen(eng, prompts):
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3"])
 def test_stacked_engine_equals_separate(name):
     torch.manual_seed(0)
-    a = patch_model(build_model(name, device="cpu", seed=3), kernels="tik")
-    b = patch_model(build_model(name, device="cpu", seed=3), kernels="tik")
+    a = patch_model(build_model(name, device=DEV, seed=3), kernels="tik")
+    b = patch_model(build_model(name, device=DEV, seed=3), kernels="tik")
     d0 = weights_digest.model_digest(a)
     ea, eb = _engine(a, True), _engine(b, False)
     assert getattr(a.model.layers[0].self_attn, "_tik_qkv", None) is not None
     assert getattr(b.model.layers[0].self_attn, "_tik_qkv", None) is None
     assert weights_digest.model_digest(a) == d0                  # names and bits of the parameters unchanged
-    x = torch.randn(3, a.config.hidden_size).to(torch.bfloat16)
+    x = torch.randn(3, a.config.hidden_size, device=DEV).to(torch.bfloat16)
     with torch.no_grad():                                        # the stacked path is the one that runs
         assert stacked_projection(a.model.layers[0].self_attn, "_tik_qkv", x) is not None
     assert stacked_projection(a.model.layers[0].self_attn, "_tik_qkv", x) is None     # autograd on: separate
@@ -41,7 +43,7 @@ def test_stacked_engine_equals_separate(name):
     for (ta, la), (tb, lb) in zip(ra, rb):
         assert ta == tb and torch.equal(la, lb)
     # the trainer's forward (autograd off) on the stacked model gives the unstacked model's bits
-    ids = torch.tensor(sum(prompts, []))
+    ids = torch.tensor(sum(prompts, []), device=DEV)
     cu = torch.tensor([0, 5, 22, 31], dtype=torch.int32)
     with torch.no_grad():
         assert torch.equal(packed_logprobs(a, ids, cu, temperature=1.0), packed_logprobs(b, ids, cu, temperature=1.0))
@@ -49,8 +51,8 @@ def test_stacked_engine_equals_separate(name):
 
 def test_in_place_update_reaches_the_stack_and_replacement_falls_back():
     torch.manual_seed(1)
-    m = patch_model(build_model("tiny-qwen2", device="cpu", seed=1), kernels="tik")
-    ref = patch_model(build_model("tiny-qwen2", device="cpu", seed=1), kernels="tik")
+    m = patch_model(build_model("tiny-qwen2", device=DEV, seed=1), kernels="tik")
+    ref = patch_model(build_model("tiny-qwen2", device=DEV, seed=1), kernels="tik")
     assert stack_projections(m) == 2 * m.config.num_hidden_layers
     assert stack_projections(m) == 0                                 # idempotent
     attn = m.model.layers[0].self_attn
@@ -60,7 +62,7 @@ def test_in_place_update_reaches_the_stack_and_replacement_falls_back():
         attn.k_proj.weight.copy_(new_k)                              # how weight updates write
         ref.model.layers[0].self_attn.k_proj.weight.copy_(new_k)
     assert st.intact() and torch.equal(st.weight[st.sizes[0]:st.sizes[0] + st.sizes[1]], new_k)
-    ids = torch.randint(3, m.config.vocab_size, (12,))
+    ids = torch.randint(3, m.config.vocab_size, (12,), device=DEV)
     cu = torch.tensor([0, 12], dtype=torch.int32)
     with torch.no_grad():
         assert torch.equal(packed_logprobs(m, ids, cu, temperature=1.0), packed_logprobs(ref, ids, cu, temperature=1.0))
@@ -74,9 +76,9 @@ def test_in_place_update_reaches_the_stack_and_replacement_falls_back():
 
 
 def test_autograd_uses_separate_parameters():
-    m = patch_model(build_model("tiny-qwen2", device="cpu", seed=2), kernels="tik")
+    m = patch_model(build_model("tiny-qwen2", device=DEV, seed=2), kernels="tik")
     stack_projections(m)
-    ids = torch.randint(3, m.config.vocab_size, (10,))
+    ids = torch.randint(3, m.config.vocab_size, (10,), device=DEV)
     lp = packed_logprobs(m, ids, torch.tensor([0, 10], dtype=torch.int32), temperature=1.0)
     lp.sum().backward()
     attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
@@ -85,5 +87,5 @@ def test_autograd_uses_separate_parameters():
 
 
 def test_default_kernels_are_never_stacked():
-    m = patch_model(build_model("tiny-qwen2", device="cpu", seed=2), kernels="default")
+    m = patch_model(build_model("tiny-qwen2", device=DEV, seed=2), kernels="default")
     assert stack_projections(m) == 0
