@@ -185,3 +185,35 @@ def test_abort_releases_shared_pages(model, seed_rng):
         eng.add_request(rid, p, sp)
     eng.step()
     assert eng.abort_all() and bm.num_free == bm.num_pages
+
+
+def test_serve_flag_reaches_the_engine():
+    import argparse
+
+    from areal_tik.cli import serve
+    from areal_tik.engine.server import ServerConfig, build
+    ap = argparse.ArgumentParser()
+    serve.add_parser(ap.add_subparsers())
+    assert ap.parse_args(["serve", "--model", "tiny-qwen2", "--disable-radix-cache"]).disable_radix_cache
+    assert not ap.parse_args(["serve", "--model", "tiny-qwen2"]).disable_radix_cache
+    for off in (False, True):
+        server = build(ServerConfig(model="tiny-qwen2", disable_radix_cache=off, max_running_requests=4,
+                                    context_length=64, precompile=False), device="cpu")
+        assert server.worker.engine.block_manager.prefix_sharing is (not off)
+
+
+def test_bench_prefix_smoke(tmp_path):
+    """bench/bench_prefix.py --smoke, as the GPU run calls it: both arms run, bits equal, hits counted."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    p = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_prefix.py"), "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.load(open(tmp_path / "prefix.json"))
+    assert res["tokens_equal"] and res["logprobs_equal"]
+    assert res["arms"]["off"]["prefix_hit_rate"] == 0
+    assert res["arms"]["on"]["prefix_hit_rate"] == res["expected_hit_rate"] > 0
+    assert res["arms"]["on"]["prefill_tokens"] < res["arms"]["off"]["prefill_tokens"]
