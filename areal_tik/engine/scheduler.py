@@ -253,7 +253,8 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue
             self.bm.allocate(seq, seq.num_tokens)
-            indexed += self.bm.index_full_pages(seq, seq.num_tokens)
+            if seq.num_tokens % self.bm.page_size == 0:   # this token fills a page
+                indexed += self.bm.index_full_pages(seq, seq.num_tokens)
             chunks.append(Chunk(seq, seq.num_tokens - 1, seq.num_tokens))
         if not chunks:
             return None
