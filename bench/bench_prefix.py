@@ -11,7 +11,8 @@ every log-prob is bitwise equal between the arms (``torch.equal`` on the fp32 va
     python bench/bench_prefix.py --out $OUT          # GPU, about a minute on an H200
     python bench/bench_prefix.py --smoke --out DIR   # CPU, tiny model, a few seconds
 
-Writes ``prefix.json``; exits 1 when the arms' bits differ.
+Writes ``prefix.json`` and rows to ``rows.csv`` (bench/harness.py); exits 1 when the arms' bits differ.
+``bench/gpu_check.sh prefix`` runs it as a part (``--quick`` is accepted and changes nothing).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
 FULL = dict(model="qwen2.5-1.5b", prompts=64, n=8, prompt_len=136, new_tokens=256, page_size=64)
 SMOKE = dict(model="tiny-qwen2", prompts=4, n=3, prompt_len=40, new_tokens=6, page_size=16)
@@ -90,6 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int)
     ap.add_argument("--page-size", type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="per engine (two are alive at once)")
+    ap.add_argument("--quick", action="store_true", help="accepted for bench/gpu_check.sh; the workload is the same")
     a = ap.parse_args(argv)
     import torch
 
@@ -128,7 +131,15 @@ def main(argv=None) -> int:
     res["seconds_total"] = round(time.perf_counter() - t_start, 1)
     _log(f"on / off: {res['speedup']}x; tokens equal {res['tokens_equal']}, log-probs equal {res['logprobs_equal']}; "
          f"{res['seconds_total']} s in all")
+    from harness import Recorder
+    rec = Recorder("bench_prefix", a.out)
+    res.update(commit=rec.env["commit"], command=rec.env["command"])
     json.dump(res, open(os.path.join(a.out, "prefix.json"), "w"), indent=1)
+    case = f"{w['model']} {w['prompts']}x{w['n']} prompt={w['prompt_len']} new={w['new_tokens']} page={P}"
+    for arm, row in res["arms"].items():
+        rec.add(case, f"sharing {arm}", "rollout throughput", row["tokens_per_s"], "tokens/s")
+        rec.add(case, f"sharing {arm}", "prefix hit rate", row["prefix_hit_rate"], "fraction")
+    rec.write()
     return 0 if res["tokens_equal"] and res["logprobs_equal"] else 1
 
 
