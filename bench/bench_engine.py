@@ -92,7 +92,8 @@ def run_arm(kernels: str, label: str, model_name: str, dev: str, batches: list[i
     eng = LLMEngine(model, EngineConfig(max_num_seqs=max(batches), max_model_len=prompt_len + steps + 64,
                                         max_num_batched_tokens=max(batches) * prompt_len,
                                         chunked_prefill=False, gpu_memory_utilization=0.3, page_size=page_size,
-                                        prefill_graph_max_tokens=prefill_graph_max_tokens))
+                                        prefill_graph_max_tokens=prefill_graph_max_tokens,
+                                        enable_prefix_sharing=False))   # the prefill reps repeat their prompts
     rows = []
     for B in batches:
         measure(eng, B, prompt_len, steps, model.config.vocab_size, seed=1)   # warm-up pass

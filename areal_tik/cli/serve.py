@@ -33,6 +33,8 @@ def add_parser(sub):
     p.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                    help="prefill steps of at most this many tokens replay a CUDA graph (0: eager; default: the "
                         "engine's, EngineConfig.prefill_graph_max_tokens)")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="no prefix sharing in the KV cache: every prompt is prefilled in full (SGLang's flag)")
     p.set_defaults(func=run)
     return p
 
@@ -67,7 +69,8 @@ def run(args) -> int:
                        served_model_name=args.served_model_name, seed=args.seed,
                        max_running_requests=args.max_running_requests, context_length=args.context_length,
                        mem_fraction=args.mem_fraction, disable_cuda_graph=args.disable_cuda_graph,
-                       cuda_graph_max_bs=args.cuda_graph_max_bs, prefill_graph_max_tokens=args.prefill_graph_max_tokens)
+                       cuda_graph_max_bs=args.cuda_graph_max_bs, prefill_graph_max_tokens=args.prefill_graph_max_tokens,
+                       disable_radix_cache=args.disable_radix_cache)
     server = build(cfg, device=args.device, dtype=args.dtype)
     run_server(server)
     return 0

@@ -39,6 +39,10 @@ class EngineConfig:
     - ``eos_token_id``: ``None`` = the model config's (first) eos id.
     - ``seed``: draws per-request seeds for requests that give none.
     - ``page_order_seed``: shuffle physical page order (tests: placement must not matter).
+    - ``enable_prefix_sharing``: requests whose leading tokens fill pages already in the KV cache
+      (GRPO's n samples of a prompt, a multi-turn history sent again) read those pages instead of
+      recomputing them (``kv_cache``: full pages only, refcounted, LRU-evicted, all dropped on a
+      weight update). The bits are those without sharing (DESIGN section 9).
     """
 
     page_size: int = 64
@@ -55,6 +59,7 @@ class EngineConfig:
     eos_token_id: int | None = None
     seed: int = 0
     page_order_seed: int | None = None
+    enable_prefix_sharing: bool = True
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

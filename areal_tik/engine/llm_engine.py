@@ -16,7 +16,8 @@ API (docs/interfaces.md): ``add_request``, ``step``, ``generate``, ``abort``, ``
 - ``update_weights(src, version)`` copies a state dict or an HF checkpoint directory into
   the parameters in place (CUDA graphs stay valid); in-flight sequences are preempted and
   re-prefilled with the new weights on the next steps (per-token versions record it). It
-  is all or nothing: the whole update is checked before the first copy.
+  is all or nothing: the whole update is checked before the first copy. Every cached prefix
+  is dropped with the old weights (``EngineConfig.enable_prefix_sharing``).
 - A step that raises never stops the engine: its requests are isolated (run alone) until
   one fails alone; that one finishes with reason ``"error"``, the others keep their bits.
 """
@@ -53,7 +54,8 @@ class LLMEngine:
         if cfg.stack_projections:
             stack_projections(model)        # tik layers only; same bits, fewer GEMM launches
         self.runner = ModelRunner(model, cfg, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_pages, cfg.page_size, seed=cfg.page_order_seed)
+        self.block_manager = BlockManager(self.runner.num_pages, cfg.page_size, seed=cfg.page_order_seed,
+                                          prefix_sharing=cfg.enable_prefix_sharing)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.chunked_prefill)
         self._rng = random.Random(cfg.seed)
@@ -228,11 +230,21 @@ class LLMEngine:
         weight_staging.check_specs(self.model, names, dtypes, shapes)
 
     def commit_weights(self, staged: weight_staging.StagedWeights, version: int) -> None:
-        """Copy ``staged`` in, set ``version`` and preempt in-flight sequences."""
-        weight_staging.commit(staged)
-        self.scheduler.preempt_all()
+        """Copy ``staged`` in, set ``version``, preempt in-flight sequences and drop every cached
+        prefix (K/V computed under the old weights is never read again; also when a copy raised
+        half way)."""
+        try:
+            weight_staging.commit(staged)
+        finally:
+            self.invalidate_kv()
         self._version = int(version)
         self.weights_serial += 1
+
+    def invalidate_kv(self) -> None:
+        """Forget all K/V: in-flight sequences are preempted (they re-prefill) and no cached prefix
+        is shared again. Every change of the weights must call it."""
+        self.scheduler.preempt_all()
+        self.block_manager.clear_prefix_cache()
 
     # ---- extras ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -249,5 +261,12 @@ class LLMEngine:
                     graph_steps=self.runner.num_graph_steps, prefill_graph_steps=self.runner.num_prefill_graph_steps,
                     eager_steps=self.runner.num_eager_steps, graphs=len(self.runner._graphs),
                     graph_capture_s=round(self.runner.graph_capture_seconds, 3),
-                    num_pages=self.runner.num_pages, free_pages=self.block_manager.num_free)
+                    num_pages=self.runner.num_pages, free_pages=self.block_manager.num_free,
+                    prefix_sharing=self.block_manager.prefix_sharing,
+                    prompt_tokens=self.scheduler.num_prompt_tokens,
+                    prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+                    prefix_hit_rate=round(self.scheduler.num_prefix_hit_tokens
+                                          / max(1, self.scheduler.num_prompt_tokens), 4),
+                    cached_pages=self.block_manager.num_cached_pages,
+                    evicted_pages=self.block_manager.num_evictions)
 

@@ -11,6 +11,12 @@ Policy (nano-vllm style, plus chunked prefill):
   admitted running sequence is preempted: its pages are freed and it goes back to the
   head of the queue, to be re-prefilled over prompt + generated tokens (resume).
 Requests join (``add``) and leave (finish, ``abort``) between any two steps.
+- Prefix sharing (when the block manager has it): a sequence starting its prefill (fresh or
+  resumed) first takes the cached full pages matching its leading tokens and computes only the
+  rest, a chunk over a cached prefix (regime R3). Full pages are indexed when the step that
+  writes them is scheduled, so a later chunk of the same step may read them: every layer stores
+  the step's K/V before its attention reads the cache, as a chunk already reads its own keys.
+  If the step fails, those pages are forgotten (``unschedule``).
 - Fault isolation: after a step that raised, ``unschedule`` returns its sequences to the
   head of the queue with no KV (as a preemption does). Sequences marked ``isolated`` are
   then never batched with another sequence: every other step (or whenever nothing else
@@ -43,8 +49,12 @@ class Chunk:
 
 @dataclasses.dataclass
 class ScheduledBatch:
+    """One step's chunks. ``indexed_pages``: pages this step fills and that were indexed as cached
+    prefixes when it was scheduled (forgotten again if it fails)."""
+
     chunks: list[Chunk]
     is_prefill: bool
+    indexed_pages: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +74,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0       # tokens of every prefill started (prompt, or prompt + output on a resume)
+        self.num_prefix_hit_tokens = 0   # ... of which read from shared pages instead of computed
         self._solo_turn = False
         self.isolating = False  # some sequence may be isolated (set by whoever isolates one)
 
@@ -99,7 +111,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def preempt_all(self) -> None:
-        """Preempt every running sequence and drop cached prefixes of waiting ones (weight update)."""
+        """Preempt every running sequence and free the pages of waiting ones (weight update; the
+        caller also clears the block manager's prefix cache)."""
         for seq in reversed(list(self.running)):
             self.preempt(seq)
         for seq in self.waiting:
@@ -110,6 +123,7 @@ class Scheduler:
         """Undo ``batch`` after its forward raised: its sequences lose their KV and wait at the
         head of the queue, in their order, to be re-prefilled (their outputs so far are kept)."""
         seqs = list(dict.fromkeys(c.seq for c in batch.chunks))
+        self.bm.forget(batch.indexed_pages)
         for seq in reversed(seqs):
             if seq in self.running:
                 self.running.remove(seq)
@@ -143,33 +157,55 @@ class Scheduler:
                     self.preempt(seq)
                     return None
                 self.bm.allocate(seq, seq.num_tokens)
-                return ScheduledBatch([Chunk(seq, seq.num_tokens - 1, seq.num_tokens)], is_prefill=False)
+                return ScheduledBatch([Chunk(seq, seq.num_tokens - 1, seq.num_tokens)], is_prefill=False,
+                                      indexed_pages=self.bm.index_full_pages(seq, seq.num_tokens))
         for seq in self.waiting:
             if seq.isolated:
                 if len(self.running) >= self.max_num_seqs:
                     return None
+                fresh, hit = self._take_prefix(seq)
                 remaining = seq.num_tokens - seq.num_cached_tokens
                 take = min(remaining, self.max_num_batched_tokens) if self.chunked_prefill else remaining
                 end = seq.num_cached_tokens + take
                 if not self.bm.can_allocate(seq, end):
+                    if fresh:
+                        self.bm.free(seq)
                     return None
-                self.bm.allocate(seq, end)
+                self._grow(seq, end, fresh, hit)
                 if end == seq.num_tokens:
                     self.waiting.remove(seq)
                     seq.status = SequenceStatus.RUNNING
                     self.running.append(seq)
-                return ScheduledBatch([Chunk(seq, end - take, end)], is_prefill=True)
+                return ScheduledBatch([Chunk(seq, end - take, end)], is_prefill=True,
+                                      indexed_pages=self.bm.index_full_pages(seq, end))
         return None
+
+    def _take_prefix(self, seq: Sequence) -> tuple[bool, int]:
+        """Before a sequence's first chunk (it has no pages): take its cached prefix. Returns
+        (whether this is its first chunk, tokens taken). The caller frees the pages again if the
+        chunk is not scheduled after all."""
+        if seq.block_table:
+            return False, 0
+        return True, self.bm.acquire_prefix(seq)
+
+    def _grow(self, seq: Sequence, end: int, fresh: bool, hit: int) -> None:
+        """Allocate ``seq``'s pages up to ``end`` and count a prefill that starts now."""
+        self.bm.allocate(seq, end)
+        if fresh:
+            self.num_prompt_tokens += seq.num_tokens
+            self.num_prefix_hit_tokens += hit
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
         chunks: list[Chunk] = []
         admitted: list[Sequence] = []
+        indexed: list[int] = []
         for seq in list(self.waiting):
             if len(self.running) + len(chunks) >= self.max_num_seqs or budget <= 0:
                 break
             if seq.isolated:
                 continue
+            fresh, hit = self._take_prefix(seq)
             remaining = seq.num_tokens - seq.num_cached_tokens
             if remaining > budget:
                 if self.chunked_prefill:
@@ -177,13 +213,18 @@ class Scheduler:
                 elif not chunks:
                     take = remaining  # a prompt longer than the budget runs alone, unchunked
                 else:
+                    if fresh:
+                        self.bm.free(seq)
                     break
             else:
                 take = remaining
             end = seq.num_cached_tokens + take
             if not self.bm.can_allocate(seq, end):
+                if fresh:
+                    self.bm.free(seq)
                 break
-            self.bm.allocate(seq, end)
+            self._grow(seq, end, fresh, hit)
+            indexed += self.bm.index_full_pages(seq, end)
             chunks.append(Chunk(seq, seq.num_cached_tokens, end))
             budget -= take
             if end == seq.num_tokens:
@@ -196,10 +237,11 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return ScheduledBatch(chunks, is_prefill=True)
+        return ScheduledBatch(chunks, is_prefill=True, indexed_pages=indexed)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         chunks: list[Chunk] = []
+        indexed: list[int] = []
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or seq.isolated:
                 continue  # preempted earlier in this loop, or runs alone
@@ -211,10 +253,12 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue
             self.bm.allocate(seq, seq.num_tokens)
+            if seq.num_tokens % self.bm.page_size == 0:   # this token fills a page
+                indexed += self.bm.index_full_pages(seq, seq.num_tokens)
             chunks.append(Chunk(seq, seq.num_tokens - 1, seq.num_tokens))
         if not chunks:
             return None
-        return ScheduledBatch(chunks, is_prefill=False)
+        return ScheduledBatch(chunks, is_prefill=False, indexed_pages=indexed)
 
     # ---- after the forward -------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, tokens: list[int], logprobs: list[float], version: int,

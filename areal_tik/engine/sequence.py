@@ -2,7 +2,8 @@
 and the ``RequestOutput`` handed back. No torch here.
 
 A ``Sequence`` holds prompt + generated token ids, its KV pages (``block_table``) and
-how many of its tokens already have K/V in the cache (``num_cached_tokens``). Tokens
+how many of its tokens already have K/V in the cache (``num_cached_tokens``; a prefix taken from
+other sequences' shared pages counts). Tokens
 ``[num_cached_tokens, num_tokens)`` still need a forward pass; the last forward of a
 step samples the next token when it reaches ``num_tokens``.
 """
@@ -103,6 +104,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.page_keys: list[bytes] = []  # content keys of its first full pages (prefix_hash; token ids only grow)
         self.output_logprobs: list[float] = []
         self.output_versions: list[int] = []
         self.finish_reason: str | None = None

@@ -104,7 +104,8 @@ def profile_engine_steps(T: int, B: int, dev: str, model_name: str, reps: int) -
 
     model = patch_model(build_model(model_name, device=dev), kernels="tik")
     eng = LLMEngine(model, EngineConfig(max_num_seqs=B, max_model_len=T + 64, max_num_batched_tokens=B * T,
-                                        chunked_prefill=False, gpu_memory_utilization=0.3, enforce_eager=True))
+                                        chunked_prefill=False, gpu_memory_utilization=0.3, enforce_eager=True,
+                                        enable_prefix_sharing=False))   # passes repeat their prompts
     vocab = model.config.vocab_size
     sp = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=1)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)

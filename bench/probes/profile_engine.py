@@ -130,7 +130,8 @@ def profile_arm(kernels: str, label: str, a, dev: str, backend: str | None = Non
     eng = LLMEngine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.prompt_len + 4 * a.steps + 64,
                                         max_num_batched_tokens=max(a.batches) * a.prompt_len,
                                         chunked_prefill=False, gpu_memory_utilization=0.3,
-                                        page_size=a.page_size))
+                                        page_size=a.page_size,
+                                        enable_prefix_sharing=False))   # passes repeat their prompts
     runs = []
     for B in a.batches:
         r = profile(eng, B, a.prompt_len, a.steps, model.config.vocab_size)

@@ -15,7 +15,8 @@ class ServerConfig:
     GPU memory free at start-up the KV cache may take (the trainer shares the GPU in an SPMD
     world of one, so SGLang's ``mem_fraction_static`` = 0.9 is not taken over).
     ``disable_cuda_graph`` / ``cuda_graph_max_bs`` (SGLang's names): ``EngineConfig.enforce_eager`` /
-    ``cuda_graph_max_bs``; ``prefill_graph_max_tokens``: ``EngineConfig``'s (``None``: its default)."""
+    ``cuda_graph_max_bs``; ``prefill_graph_max_tokens``: ``EngineConfig``'s (``None``: its default).
+    ``disable_radix_cache`` (SGLang's name): ``EngineConfig.enable_prefix_sharing = False``."""
     model: str
     kernels: str = "tik"
     backend: str | None = None          # Settings.backend: the op implementations (bound at patch time)
@@ -30,3 +31,4 @@ class ServerConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     prefill_graph_max_tokens: int | None = None
+    disable_radix_cache: bool = False
