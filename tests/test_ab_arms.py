@@ -163,7 +163,7 @@ def test_profiled_step_left_out_and_compiles_reported():
                  **({"profiled": "/x/profile_step3.txt"} if i == profiled_at else {})} for i, w in enumerate(walls)]
     b = recs([20.0, 10.0, 10.0, 30.0], 3, [0, 0, 0, 0])
     t = recs([25.0, 8.0, 8.0, 24.0], 3, [9, 2, 0, 0])
-    rep = analysis.analyze(b, t)
+    rep = analysis.analyze({"baseline": b, "tik": t})
     assert rep["measured_steps"] == [1, 2]
     assert rep["throughput_ratio_total"] == pytest.approx(20.0 / 16.0)
     assert [r["jit_compiles"] for r in rep["rows"]["tik"]] == [9, 2, 0, 0]
@@ -182,10 +182,10 @@ def test_critic_phase_is_its_own_column():
         return [{"global_step": i, "wall_s": 10.0, "tik": [{"gen_tokens": 10}],
                  "stats": {"timeperf/rollout": 4.0, "timeperf/train_step": 2.0, "timeperf/critic_values": critic,
                            "timeperf/critic_train_step": 2 * critic}} for i in range(3)]
-    rep = analysis.analyze(recs(1.0), recs(0.5))
+    rep = analysis.analyze({"baseline": recs(1.0), "tik": recs(0.5)})
     assert [r["critic"] for r in rep["rows"]["baseline"]] == [3.0] * 3
     assert rep["rows"]["tik"][1]["other"] == pytest.approx(10.0 - 4.0 - 2.0 - 1.5)
     md = report.summary_markdown(rep, {"config": CFG})
     assert "| weight update | critic | other |" in md and "| 3.000 |" in md
-    no_critic = report.summary_markdown(analysis.analyze(recs(0.0), recs(0.0)), {"config": CFG})
+    no_critic = report.summary_markdown(analysis.analyze({"baseline": recs(0.0), "tik": recs(0.0)}), {"config": CFG})
     assert "critic" not in no_critic.split("## Per step")[0]
