@@ -14,8 +14,7 @@ module is that command with two additions, made before AReaL's server module run
 Then AReaL's server module runs as ``__main__`` (``runpy``), parsing the same argv. Its routes,
 its ``/v1/completions`` wrapper and its weight-update endpoints are AReaL's.
 """
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: FastAPI reads the endpoint's ``Request`` annotation as a class
 import importlib
 import runpy
 import sys
