@@ -56,6 +56,7 @@
 #
 # Env knobs: RECIPES ("grpo ppo"), SET (see above), ARMS (both | all | comma list of SET's arms), STEPS (10), BUDGET_S (540),
 # VLLM_MEM (vllm.gpu_memory_utilization when the vLLM server shares the trainer's GPU, default 0.35),
+# VLLM_SKIP_TOKENIZER (1 with the char tokenizer: vllm.skip_tokenizer_init=true),
 # WEIGHT_UPDATE (xccl when the server has its own GPU, else disk), WARMSTART_STEPS (0; N > 0: first
 # `areal-tik warmstart` the preset on the arithmetic task for N steps into WARM_DIR and run both arms
 # from it, so the reward is not 0: use with a small GEN_TOKENS, e.g. 32, the answers are short),
@@ -137,7 +138,15 @@ SETTINGS=()   # Settings for every arm (actor.tik.*): the server's device, the p
 [ -n "${PROFILE_STEP:-}" ] && SETTINGS+=(actor.tik.profile_step="$PROFILE_STEP")
 # a vLLM server on the trainer's GPU must leave it room: VLLM_MEM of the GPU (AReaL's default 0.9 on its own GPU)
 case "${SERVER_DEVICE:-cuda}" in cuda|cuda:0) VLLM_MEM=${VLLM_MEM:-0.35} ;; *) VLLM_MEM=${VLLM_MEM:-} ;; esac
-case ",$SET," in *,vllm,*|*,vllm_tik,*) [ -n "$VLLM_MEM" ] && SETTINGS+=(vllm.gpu_memory_utilization="$VLLM_MEM") ;; esac
+# The shipped char tokenizer covers a few dozen ids of the preset's 151,936: vLLM must not detokenize what a random
+# (or warm-started) preset samples. AReaL's vLLM client sends and reads token ids only, so VLLM_SKIP_TOKENIZER=1
+# (the default with the char tokenizer) passes vllm.skip_tokenizer_init=true to both vLLM arms.
+if [ -z "${QWEN_DIR:-}" ] || [ "${WARMSTART_STEPS:-0}" -gt 0 ]; then VLLM_SKIP_TOKENIZER=${VLLM_SKIP_TOKENIZER:-1}; fi
+case ",$SET," in
+  *,vllm,*|*,vllm_tik,*)
+    [ -n "$VLLM_MEM" ] && SETTINGS+=(vllm.gpu_memory_utilization="$VLLM_MEM")
+    [ "${VLLM_SKIP_TOKENIZER:-0}" = 1 ] && SETTINGS+=(vllm.skip_tokenizer_init=true) ;;
+esac
 if [ "$SMOKE" = 1 ]; then
   DATA=(actor.path=preset:tiny-qwen2 tokenizer_path=builtin:tiny-char "train_dataset.path='builtin:arith/mix?n=64'")
   SIZE=(gconfig.max_new_tokens=16 gconfig.max_tokens=64 gconfig.n_samples=2 train_dataset.batch_size=2

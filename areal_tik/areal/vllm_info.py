@@ -15,7 +15,7 @@ from typing import Any
 from areal_tik.areal.consensus import LOGPROB_DEFINITION
 
 __all__ = ["TIK_WORKER_EXTENSION", "INFO_RPC", "STOCK_LOGPROBS", "UPDATE_ROUTES", "WeightVersion", "worker_facts",
-           "weights_items", "server_info"]
+           "unwrap_model", "weights_items", "server_info"]
 
 TIK_WORKER_EXTENSION = "areal_tik.areal.vllm_worker.TikVLLMWorkerExtension"
 INFO_RPC = "areal_tik_server_info"   # the worker-extension method the API server calls (collective_rpc)
@@ -48,6 +48,24 @@ class WeightVersion:
         elif path == XCCL_UPDATE and self._open:
             self.version += 1
             self._open = False
+
+
+def unwrap_model(model, max_depth: int = 4):
+    """The model a vLLM runner holds, out of the wrappers vLLM puts around it (a full-CUDA-graph runner keeps
+    ``CUDAGraphWrapper(model)``, with ``unwrap()`` / ``runnable``): the first object that is an ``nn.Module`` of a
+    tik architecture, else the innermost one reached."""
+    import torch
+
+    from areal_tik.vllm_plugin import ARCHITECTURES
+    for _ in range(max_depth):
+        if isinstance(model, torch.nn.Module) and type(model).__name__ in ARCHITECTURES.values():
+            return model
+        unwrap = getattr(model, "unwrap", None)
+        inner = unwrap() if callable(unwrap) else getattr(model, "runnable", None)
+        if inner is None or inner is model:
+            break
+        model = inner
+    return model
 
 
 def weights_items(model) -> list[tuple[str, Any]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from areal.engine.vllm_ext.vllm_worker_extension import VLLMWorkerExtension
 
-from areal_tik.areal.vllm_info import worker_facts
+from areal_tik.areal.vllm_info import unwrap_model, worker_facts
 
 __all__ = ["TikVLLMWorkerExtension"]
 
@@ -34,7 +34,7 @@ class TikVLLMWorkerExtension(VLLMWorkerExtension):
         """:func:`~areal_tik.areal.vllm_info.worker_facts` of this worker's model (digest cached per load)."""
         from areal_tik.vllm_plugin import ARCHITECTURES, process_ops
         from areal_tik.vllm_plugin import logprobs as tik_logprobs
-        model = self.model_runner.model
+        model = unwrap_model(self.model_runner.model)
         ops = process_ops() if type(model).__name__ in ARCHITECTURES.values() else None
         cached = self._areal_tik_cache
         if cached is not None and cached[0] == self._areal_tik_serial:

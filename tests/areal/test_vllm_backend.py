@@ -492,8 +492,14 @@ def test_worker_extension_reports_facts_and_redigests_after_an_update(monkeypatc
     m, ops, hf = _tik_vllm_like_model()
     monkeypatch.setattr(vllm_plugin, "_OPS", ops)            # the ops the worker's model was built with
     monkeypatch.setitem(tik_logprobs._STATE, "installed", True)
+    class CUDAGraphWrapper:            # what a full-CUDA-graph vLLM runner holds instead of the model
+        def __init__(self, runnable):
+            self.runnable = runnable
+
+        def __getattr__(self, name):
+            return getattr(self.runnable, name)
     w = TikVLLMWorkerExtension()
-    w.model_runner = types.SimpleNamespace(model=m, model_config=types.SimpleNamespace(model="/old"),
+    w.model_runner = types.SimpleNamespace(model=CUDAGraphWrapper(m), model_config=types.SimpleNamespace(model="/old"),
                                            vllm_config=types.SimpleNamespace(load_config=None))
     w.sync = lambda: None
     from areal_tik.layers.weights_digest import model_digest
