@@ -22,7 +22,8 @@ import sys
 from areal_tik.areal.vllm_compat import install_aliases
 from areal_tik.areal.vllm_info import INFO_RPC, TIK_WORKER_EXTENSION, UPDATE_ROUTES, WeightVersion, server_info
 
-__all__ = ["AREAL_SERVER", "API_SERVER", "flag_value", "collect_info", "add_info_routes", "hook_build_app", "main"]
+__all__ = ["AREAL_SERVER", "API_SERVER", "flag_value", "collect_info", "add_info_routes", "CountWeightUpdates",
+           "hook_build_app", "main"]
 
 AREAL_SERVER = "areal.engine.vllm_ext.areal_vllm_server"
 API_SERVER = "vllm.entrypoints.openai.api_server"
@@ -67,14 +68,30 @@ def add_info_routes(app, *, ask_workers: bool, model_path: str, version: WeightV
                                   model_path=model_path, version=version, vllm_ver=ver)
         return JSONResponse(info)
 
-    async def count_weight_updates(request: Request, call_next):
-        response = await call_next(request)
-        if request.url.path in UPDATE_ROUTES:
-            version.observe(request.url.path, response.status_code)
-        return response
-
     app.add_api_route("/get_server_info", get_server_info, methods=["GET", "POST"])
-    app.middleware("http")(count_weight_updates)
+    app.add_middleware(CountWeightUpdates, version=version)
+
+
+class CountWeightUpdates:
+    """ASGI middleware: the status of AReaL's weight-update and pause routes goes to ``version``; every other
+    request passes straight through (nothing wraps the generation path)."""
+
+    def __init__(self, app, version: WeightVersion):
+        self.app, self.version = app, version
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path") if scope.get("type") == "http" else None
+        if path not in UPDATE_ROUTES:
+            return await self.app(scope, receive, send)
+        seen = {}
+
+        async def send_status(message):
+            if message.get("type") == "http.response.start":
+                seen["status"] = int(message.get("status", 0))
+            await send(message)
+
+        await self.app(scope, receive, send_status)
+        self.version.observe(path, seen.get("status", 0))
 
 
 def hook_build_app(api_server, add) -> None:

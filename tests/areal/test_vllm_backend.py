@@ -78,11 +78,8 @@ class FakeApp:
     def add_api_route(self, path, endpoint, methods):
         self.router.routes.append(FakeRoute(path, methods, endpoint))
 
-    def middleware(self, kind):
-        def deco(fn):
-            self.middlewares.append((kind, fn))
-            return fn
-        return deco
+    def add_middleware(self, cls, **options):
+        self.middlewares.append((cls, options))
 
 
 class FakeRequestCls:  # fastapi.Request
@@ -232,12 +229,18 @@ def _call(app, routes, path="/get_server_info", method="GET"):
 
 
 def _middleware(app, path, status):
-    kind, mw = app.middlewares[0]
-    assert kind == "http"
+    """One request through the app's middleware (an ASGI class) to an inner app answering ``status``."""
+    (cls, options), = app.middlewares
+    sent = []
 
-    async def call_next(_req):
-        return types.SimpleNamespace(status_code=status)
-    asyncio.run(mw(types.SimpleNamespace(url=types.SimpleNamespace(path=path)), call_next))
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": status})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def send(message):
+        sent.append(message)
+    asyncio.run(cls(inner, **options)({"type": "http", "path": path}, None, send))
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]   # passed on untouched
 
 
 TIK_FACTS = {"model_class": "TikQwen2ForCausalLM", "tik_model": True, "logprob_hook": True,
