@@ -69,9 +69,12 @@ def unwrap_model(model, max_depth: int = 4):
 
 
 def weights_items(model) -> list[tuple[str, Any]]:
-    """The parameters a checkpoint fills, by HF name: vLLM's ``Attention`` layers (``*.self_attn.attn.*``,
-    KV-cache scales when there are any) are not model weights and are left out."""
-    return [(n, p.data) for n, p in model.named_parameters() if ".self_attn.attn." not in n]
+    """The weights as the trainer names them: the model's ``hf_named_parameters()`` when it has one (a model
+    that stacks projections gives HF-named views of them), else its ``named_parameters()``; either way without
+    vLLM's ``Attention`` layers (``*.self_attn.attn.*``: KV-cache scales when there are any, not model weights)."""
+    hf_named = getattr(model, "hf_named_parameters", None)
+    items = hf_named() if callable(hf_named) else model.named_parameters()
+    return [(n, t.detach()) for n, t in items if ".self_attn.attn." not in n]
 
 
 def worker_facts(model, ops, hook_installed: bool, digest_fn=None) -> dict:

@@ -297,32 +297,53 @@ def test_weight_version_counts_updates_not_buckets():
 
 # ---- what a worker reports -----------------------------------------------------------------------
 def _tik_vllm_like_model(name="TikQwen2ForCausalLM", stray_ops=False):
+    """The plugin's model without vLLM: ``stack.TikDecoder`` with a stand-in for vLLM's ``Attention`` (it holds
+    a KV-cache scale parameter) and the lm_head, loaded from a tiny HF Qwen2 the way the plugin loads one."""
     from areal_tik.dispatch.bound import bind
     from areal_tik.layers.models import build_model
     from areal_tik.layers.modules import TikLinear
     from areal_tik.vllm_plugin import stack
     ops = bind(None)
     hf = build_model("tiny-qwen2", device="cpu", seed=3)
+    tied = bool(hf.config.tie_word_embeddings)
 
     class Model(torch.nn.Module):
         def __init__(self, cfg):
             super().__init__()
             self.model = stack.TikDecoder(cfg, ops)
-            for i, layer in enumerate(self.model.layers):     # vLLM's Attention layer, with a scale parameter
+            for layer in self.model.layers:     # vLLM's Attention layer, with a scale parameter
                 layer.self_attn.attn = torch.nn.Module()
                 layer.self_attn.attn.k_scale = torch.nn.Parameter(torch.ones(1))
             self.lm_head = TikLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
             self.lm_head._tik_ops = ops
-            if cfg.tie_word_embeddings:
+            self.tied = tied
+            if tied:
                 self.lm_head.weight = self.model.embed_tokens.weight
+    if hasattr(stack.TikDecoder, "hf_named_parameters"):   # a decoder that stacks projections names them back
+        def hf_named_parameters(self):
+            yield from self.model.hf_named_parameters("model")
+            if not self.tied:
+                yield "lm_head.weight", self.lm_head.weight
+        Model.hf_named_parameters = hf_named_parameters
     Model.__name__ = name
     m = Model(hf.config).to(torch.bfloat16)
-    sd = {k: v for k, v in hf.state_dict().items() if not (hf.config.tie_word_embeddings and k == "lm_head.weight")}
-    res = m.load_state_dict(sd, strict=False)
-    assert not res.unexpected_keys and all(".attn.k_scale" in k for k in res.missing_keys), res
+    weights = [(k, v) for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")]
+    if hasattr(stack, "load_hf_tensors"):
+        stack.load_hf_tensors(m, weights, tied)
+    else:
+        res = m.load_state_dict(dict(weights), strict=False)
+        assert not res.unexpected_keys and all(".attn.k_scale" in k for k in res.missing_keys), res
     if stray_ops:
-        m.model.layers[1].mlp.down_proj._tik_ops = bind(None)
+        [x for x in m.model.layers[1].modules() if isinstance(x, TikLinear)][-1]._tik_ops = bind(None)
     return m, ops, hf
+
+
+def _bump(m):
+    """Change one weight of the model (the first projection of layer 0's MLP)."""
+    from areal_tik.layers.modules import TikLinear
+    lin = next(x for x in m.model.layers[0].mlp.modules() if isinstance(x, TikLinear))
+    with torch.no_grad():
+        lin.weight[0, 0] += 1.0
 
 
 def test_worker_facts_digest_equals_the_trainers():
@@ -332,8 +353,7 @@ def test_worker_facts_digest_equals_the_trainers():
     facts = vllm_info.worker_facts(m, ops, hook_installed=True)
     assert facts["tik_model"] and facts["kernel_fingerprint"] == compute(None)["fingerprint"]
     assert facts["weights_digest"] == model_digest(hf)          # the trainer's digest of the same weights
-    with torch.no_grad():
-        m.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+    _bump(m)
     assert vllm_info.worker_facts(m, ops, True)["weights_digest"] != model_digest(hf)
 
 
@@ -479,8 +499,7 @@ def test_worker_extension_reports_facts_and_redigests_after_an_update(monkeypatc
     class Loader:
         def load_weights(self, model, model_config):
             loads.append(model_config.model)
-            with torch.no_grad():
-                model.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+            _bump(model)
     _mod(mods, "vllm.model_executor.model_loader", get_model_loader=lambda cfg: Loader())
     _mod(mods, "vllm.config", set_current_vllm_config=lambda *a, **k: __import__("contextlib").nullcontext())
     for k in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")]:
