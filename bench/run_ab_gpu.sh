@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# End-to-end A/B: AReaL 1.0.4's PPOTrainer, recompute baseline vs tik, 1.5B recipes,
-# through `areal-tik ab` (one `python -m areal_tik.areal.train` process per arm, SPMD world of one,
-# `areal-tik serve` as the rollout server of both arms: the GPU image has no SGLang).
+# End-to-end A/B: AReaL 1.0.4's PPOTrainer, 1.5B recipes, through `areal-tik ab` (one
+# `python -m areal_tik.areal.train` process per arm, SPMD world of one). Arms: vllm (stock vLLM through AReaL's
+# vLLM server, recompute: the reference), tik (`areal-tik serve`, tik kernels, skip), vllm_tik (vLLM + the tik
+# plugin, skip), baseline (`areal-tik serve` on default kernels, recompute: diagnostic; the reference without vLLM).
+# SET (default vllm,tik,vllm_tik when vLLM is importable, else baseline,tik) names the compared arms, ARMS the ones
+# this call runs (both/all, or a comma list, e.g. ARMS=vllm, then ARMS=tik, then ARMS=vllm_tik, one per call).
+# vLLM arms on one H200: install vLLM's wheels into /tmp/vsite (/work/shared/vllm/README.md: fetch.sh here,
+# install.sh there) besides AReaL's in /tmp/site; disk weight updates; the server gets VLLM_MEM (0.35) of the GPU.
 #
 # Device (no areal/hydra/ray there, no network): carry the wheels first (bench/fetch_gpu_wheels.sh
 # says how: .whl/p1..p3, three calls), install them with bench/install_gpu_wheels.sh /tmp/w (into
@@ -49,7 +54,9 @@
 # emits EOS, so every sample runs to gconfig.max_new_tokens (GEN_TOKENS, default 512).
 # QWEN_DIR=<local HF dir> uses real weights + tokenizer instead.
 #
-# Env knobs: RECIPES ("grpo ppo"), ARMS (both | baseline | tik), STEPS (10), BUDGET_S (540),
+# Env knobs: RECIPES ("grpo ppo"), SET (see above), ARMS (both | all | comma list of SET's arms), STEPS (10), BUDGET_S (540),
+# VLLM_MEM (vllm.gpu_memory_utilization when the vLLM server shares the trainer's GPU, default 0.35),
+# VLLM_SKIP_TOKENIZER (1 with the char tokenizer: vllm.skip_tokenizer_init=true),
 # WEIGHT_UPDATE (xccl when the server has its own GPU, else disk), WARMSTART_STEPS (0; N > 0: first
 # `areal-tik warmstart` the preset on the arithmetic task for N steps into WARM_DIR and run both arms
 # from it, so the reward is not 0: use with a small GEN_TOKENS, e.g. 32, the answers are short),
@@ -66,15 +73,40 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
-[ -d /tmp/site ] && export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}" || export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# PYTHONPATH: the repo, then vLLM's wheels (/tmp/vsite, when installed), then AReaL's (/tmp/site). Both sets hold
+# pydantic, openai and starlette; the vLLM kit's copies win because they are the set vLLM's OpenAI server was
+# resolved with (fastapi 0.136.3 + starlette 1.3.1, openai 2.44 whose types the server imports, pydantic 2.13.4 with
+# its own pydantic-core: each dir holds a matching pydantic/pydantic-core pair, so the pair stays consistent).
+# AReaL's trainer path imports none of openai/fastapi/starlette (only its agent workflows do) and runs on either
+# pydantic. vLLM's server process and its workers inherit this environment.
+PYPATH="$REPO"
+[ -d /tmp/vsite ] && PYPATH="$PYPATH:/tmp/vsite" && export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+[ -d /tmp/site ] && PYPATH="$PYPATH:/tmp/site"
+export PYTHONPATH="$PYPATH${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
 RECIPES=${RECIPES:-grpo ppo}
 SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then STEPS=${STEPS:-2}; else STEPS=${STEPS:-10}; fi
 BUDGET_S=${BUDGET_S:-540}
 read -r -a RECIPE_LIST <<< "$RECIPES"
+# the compared arms: stock vLLM as the reference when vLLM is importable, else our engine on default kernels
+if [ -z "${SET:-}" ]; then
+  if python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then SET=vllm,tik,vllm_tik
+  else SET=baseline,tik; fi
+fi
 ARMS=${ARMS:-both}
-case "$ARMS" in both) NARMS=2 ;; baseline|tik) NARMS=1 ;; *) echo "ARMS must be both, baseline or tik (got '$ARMS')"; exit 2 ;; esac
+case "$ARMS" in both|all) RUN_ARMS=$SET ;; *) RUN_ARMS=$ARMS ;; esac
+IFS=, read -r -a RUN_LIST <<< "$RUN_ARMS"
+IFS=, read -r -a SET_LIST <<< "$SET"
+for a in "${RUN_LIST[@]}"; do
+  case ",$SET," in *",$a,"*) ;; *) echo "ARMS: '$a' is not in SET=$SET (arms: vllm, baseline, tik, vllm_tik)"; exit 2 ;; esac
+done
+NARMS=${#RUN_LIST[@]}
+case ",$RUN_ARMS," in *,vllm_tik,*)  # vLLM finds the tik plugin only through its entry point (bench/install_vllm_wheels.sh)
+  python3 -c "import importlib.metadata as md, sys; sys.exit(not any(e.name == 'areal_tik' for e in md.entry_points(group='vllm.general_plugins')))" \
+    || { echo "the vllm_tik arm needs the tik plugin's vllm.general_plugins entry point: run bench/install_vllm_wheels.sh"; exit 2; } ;;
+esac
+REF=$(python3 -c "import sys; a='$SET'.split(','); print(next(x for x in ('vllm','baseline','tik','vllm_tik') if x in a))")
 ARM_TIMEOUT=${ARM_TIMEOUT:-$(( (BUDGET_S - 20) / (NARMS * ${#RECIPE_LIST[@]}) ))}
 AB_OUT=${AB_OUT:-/tmp/areal_tik_ab_reports}
 RUNS_DIR=${RUNS_DIR:-/tmp/areal_tik_ab_runs}
@@ -89,7 +121,7 @@ if [ -z "${SERVER_DEVICE:-}" ] && [ "$NGPU" -ge 2 ]; then SERVER_DEVICE=cuda:1; 
 case "${SERVER_DEVICE:-cuda}" in cuda|cuda:0) WU_DEFAULT=disk ;; *) WU_DEFAULT=xccl ;; esac
 [ "$NGPU" -ge 1 ] || WU_DEFAULT=disk
 WEIGHT_UPDATE=${WEIGHT_UPDATE:-$WU_DEFAULT}
-echo "run_ab_gpu: recipes=[$RECIPES] arms=$ARMS steps=$STEPS smoke=$SMOKE gpus=$NGPU server_device=${SERVER_DEVICE:-default} weight_update=$WEIGHT_UPDATE" \
+echo "run_ab_gpu: recipes=[$RECIPES] arms=$RUN_ARMS of set=$SET (reference $REF) steps=$STEPS smoke=$SMOKE gpus=$NGPU server_device=${SERVER_DEVICE:-default} weight_update=$WEIGHT_UPDATE" \
      "arm_timeout=${ARM_TIMEOUT}s out=$AB_OUT runs=$RUNS_DIR"
 
 if [ "${WARMSTART_STEPS:-0}" -gt 0 ]; then  # a preset that earns reward: the A/B's reward comparison
@@ -105,9 +137,20 @@ else
 fi
 SIZE=(gconfig.max_new_tokens="$GEN_TOKENS" gconfig.max_tokens=$(( GEN_TOKENS + 512 )) rollout.setup_timeout=900
       actor.tik.audit_interval=5 actor.weight_update_mode="$WEIGHT_UPDATE")
-SETTINGS=()   # Settings for both arms (actor.tik.*): the server's device, the profiled step
+SETTINGS=()   # Settings for every arm (actor.tik.*): the server's device, the profiled step
 [ -n "${SERVER_DEVICE:-}" ] && SETTINGS+=(actor.tik.server_device="$SERVER_DEVICE")
 [ -n "${PROFILE_STEP:-}" ] && SETTINGS+=(actor.tik.profile_step="$PROFILE_STEP")
+# a vLLM server on the trainer's GPU must leave it room: VLLM_MEM of the GPU (AReaL's default 0.9 on its own GPU)
+case "${SERVER_DEVICE:-cuda}" in cuda|cuda:0) VLLM_MEM=${VLLM_MEM:-0.35} ;; *) VLLM_MEM=${VLLM_MEM:-} ;; esac
+# The shipped char tokenizer covers a few dozen ids of the preset's 151,936: vLLM must not detokenize what a random
+# (or warm-started) preset samples. AReaL's vLLM client sends and reads token ids only, so VLLM_SKIP_TOKENIZER=1
+# (the default with the char tokenizer) passes vllm.skip_tokenizer_init=true to both vLLM arms.
+if [ -z "${QWEN_DIR:-}" ] || [ "${WARMSTART_STEPS:-0}" -gt 0 ]; then VLLM_SKIP_TOKENIZER=${VLLM_SKIP_TOKENIZER:-1}; fi
+case ",$SET," in
+  *,vllm,*|*,vllm_tik,*)
+    [ -n "$VLLM_MEM" ] && SETTINGS+=(vllm.gpu_memory_utilization="$VLLM_MEM")
+    [ "${VLLM_SKIP_TOKENIZER:-0}" = 1 ] && SETTINGS+=(vllm.skip_tokenizer_init=true) ;;
+esac
 if [ "$SMOKE" = 1 ]; then
   DATA=(actor.path=preset:tiny-qwen2 tokenizer_path=builtin:tiny-char "train_dataset.path='builtin:arith/mix?n=64'")
   SIZE=(gconfig.max_new_tokens=16 gconfig.max_tokens=64 gconfig.n_samples=2 train_dataset.batch_size=2
@@ -137,12 +180,15 @@ for RECIPE in "${RECIPE_LIST[@]}"; do
   if [ "$SMOKE" = 1 ] && [ "$RECIPE" = ppo ]; then
     PER=(critic.mb_spec.max_tokens_per_mb=4096 critic.ppo_n_minibatches=1)
   fi
-  # a baseline (or both) starts a new pair; a tik call replaces only the tik arm of the pair
-  if [ "$ARMS" = tik ]; then rm -rf "${AB_OUT:?}/$RECIPE/tik"; else rm -rf "${AB_OUT:?}/$RECIPE"; fi
+  # a call that runs the reference arm starts a new set; any other call replaces only the arms it runs
+  case ",$RUN_ARMS," in
+    *",$REF,"*) rm -rf "${AB_OUT:?}/$RECIPE" ;;
+    *) for a in "${RUN_LIST[@]}"; do rm -rf "${AB_OUT:?}/$RECIPE/$a"; done ;;
+  esac
   rm -rf "${RUNS_DIR:?}" && mkdir -p "$AB_OUT/$RECIPE"
   set +e
   python3 -m areal_tik.cli ab --config "$CFG" --steps "$STEPS" --out "$AB_OUT/$RECIPE" --runs-dir "$RUNS_DIR" \
-      --timeout "$ARM_TIMEOUT" --partial-ok --no-progress --arms "$ARMS" \
+      --timeout "$ARM_TIMEOUT" --partial-ok --no-progress --set "$SET" --arms "$RUN_ARMS" \
       "${DATA[@]}" "${SIZE[@]}" "${SETTINGS[@]+"${SETTINGS[@]}"}" "${PER[@]+"${PER[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}" 2>&1 | tee -a "$AB_OUT/$RECIPE/ab_stdout.txt"
   rc=${PIPESTATUS[0]}
   set -e

@@ -163,7 +163,7 @@ def test_profiled_step_left_out_and_compiles_reported():
                  **({"profiled": "/x/profile_step3.txt"} if i == profiled_at else {})} for i, w in enumerate(walls)]
     b = recs([20.0, 10.0, 10.0, 30.0], 3, [0, 0, 0, 0])
     t = recs([25.0, 8.0, 8.0, 24.0], 3, [9, 2, 0, 0])
-    rep = analysis.analyze(b, t)
+    rep = analysis.analyze({"baseline": b, "tik": t})
     assert rep["measured_steps"] == [1, 2]
     assert rep["throughput_ratio_total"] == pytest.approx(20.0 / 16.0)
     assert [r["jit_compiles"] for r in rep["rows"]["tik"]] == [9, 2, 0, 0]
@@ -182,10 +182,67 @@ def test_critic_phase_is_its_own_column():
         return [{"global_step": i, "wall_s": 10.0, "tik": [{"gen_tokens": 10}],
                  "stats": {"timeperf/rollout": 4.0, "timeperf/train_step": 2.0, "timeperf/critic_values": critic,
                            "timeperf/critic_train_step": 2 * critic}} for i in range(3)]
-    rep = analysis.analyze(recs(1.0), recs(0.5))
+    rep = analysis.analyze({"baseline": recs(1.0), "tik": recs(0.5)})
     assert [r["critic"] for r in rep["rows"]["baseline"]] == [3.0] * 3
     assert rep["rows"]["tik"][1]["other"] == pytest.approx(10.0 - 4.0 - 2.0 - 1.5)
     md = report.summary_markdown(rep, {"config": CFG})
     assert "| weight update | critic | other |" in md and "| 3.000 |" in md
-    no_critic = report.summary_markdown(analysis.analyze(recs(0.0), recs(0.0)), {"config": CFG})
+    no_critic = report.summary_markdown(analysis.analyze({"baseline": recs(0.0), "tik": recs(0.0)}), {"config": CFG})
     assert "critic" not in no_critic.split("## Per step")[0]
+
+
+def test_vllm_set_across_calls_ratios_against_vllm(tmp_path, monkeypatch):
+    """The set vllm, tik, vllm_tik run one arm per call: the report waits for all three, compares each with
+    stock vLLM, names every arm's rollout engine (vLLM's version from the package metadata) and keeps the
+    skip counts of the tik arms and the rollout-vs-recompute count of the vLLM arm."""
+    import importlib.metadata as md
+    real_version = md.version
+    monkeypatch.setattr(md, "version", lambda name: "0.24.0" if name == "vllm" else real_version(name))
+    walls = {"vllm": 12.0, "tik": 8.0, "vllm_tik": 10.0}
+    calls = []
+
+    def run_arm(config, arm, steps, out, overrides=(), on_step=None, timeout=None, runs_dir=None, partial_ok=False):
+        calls.append(arm)
+        with open(os.path.join(out, arm, "steps.jsonl"), "w") as f:
+            for i in range(steps):
+                tik = [{"gen_tokens": 100, "skipped": arm != "vllm" and i > 0, "audit": arm != "vllm" and i == 0,
+                        "audit_tokens": 50 if arm != "vllm" and i == 0 else 0,
+                        "compare_tokens": 100 if arm == "vllm" else 0,
+                        "compare_mismatch_tokens": 99 if arm == "vllm" else 0}]
+                f.write(json.dumps({"global_step": i, "wall_s": walls[arm], "stats": {"timeperf/rollout": 5.0},
+                                    "tik": tik}) + "\n")
+        return {"cmd": ab._arm_cmd(config, arm, steps, out, list(overrides), runs_dir), "wall_s": 1.0,
+                "steps": analysis.load_steps(os.path.join(out, arm, "steps.jsonl")), "timed_out": False}
+    monkeypatch.setattr(ab, "run_arm", run_arm)
+    s = ("vllm", "tik", "vllm_tik")
+    assert ab.run_ab(CFG, 3, str(tmp_path), progress=False, arms=("vllm",), arm_set=s)["pending"] == ["tik", "vllm_tik"]
+    assert ab.run_ab(CFG, 3, str(tmp_path), progress=False, arms=("vllm_tik",), arm_set=s)["pending"] == ["tik"]
+    rep = ab.run_ab(CFG, 3, str(tmp_path), progress=False, arms=("tik",), arm_set=s)
+    assert calls == ["vllm", "vllm_tik", "tik"]
+    assert rep["reference"] == "vllm" and rep["headline"] == "tik" and rep["arms"] == list(s)
+    assert rep["throughput_ratio_total"] == pytest.approx(12.0 / 8.0)
+    assert rep["vs_reference"]["vllm_tik"]["throughput_ratio_total"] == pytest.approx(12.0 / 10.0)
+    assert rep["skip"]["vllm_tik"]["steps_skipped"] == 2 and rep["skip"]["vllm_tik"]["audit_tokens"] == 50
+    assert rep["rollout_vs_recompute"] == {"vllm": {"tokens": 300, "mismatch_tokens": 297, "max_abs_diff": 0.0}}
+    md_text = open(tmp_path / "summary.md").read()
+    assert "step throughput tik/vllm: 1.500x" in md_text and "step throughput vllm_tik/vllm: 1.200x" in md_text
+    assert "`vllm` (reference): stock vLLM" in md_text and "vllm 0.24.0" in md_text
+    assert "vllm rollout vs recompute log-probs: 297/300" in md_text
+    assert ab.load_arm(str(tmp_path), "vllm_tik")["engine"].endswith("vllm 0.24.0")
+    # the vLLM arms roll out on vLLM with the recipe's layout; the kernels make the arm
+    meta = json.load(open(tmp_path / "report.json"))["meta"]
+    assert meta["engines"]["vllm"].endswith("vllm 0.24.0") and "areal-tik serve" in meta["engines"]["tik"]
+    assert "actor.kernel_backend=tik rollout.backend=vllm:d1p1t1" in " ".join(meta["cmds"]["vllm_tik"])
+    assert "actor.kernel_backend=default rollout.backend=vllm:d1p1t1" in " ".join(meta["cmds"]["vllm"])
+    assert "rollout.backend" not in " ".join(meta["cmds"]["tik"])
+    # running the reference again starts a new set: the other arms are no longer paired with it
+    again = ab.run_ab(CFG, 3, str(tmp_path), progress=False, arms=("vllm",), arm_set=s)
+    assert again["pending"] == ["tik", "vllm_tik"] and not (tmp_path / "report.json").exists()
+    with pytest.raises(ValueError, match="not in the comparison"):
+        ab.run_ab(CFG, 3, str(tmp_path), progress=False, arms=("baseline",), arm_set=s)
+
+
+def test_parse_arms_names_bad_arms():
+    assert ab.parse_arms("vllm_tik, vllm") == ("vllm", "vllm_tik")
+    with pytest.raises(ValueError, match="unknown arm.*sglang"):
+        ab.parse_arms("vllm,sglang")

@@ -1,4 +1,4 @@
-"""The A/B analysis: the two arms' step logs (one JSON line per step: AReaL's committed stats,
+"""The A/B analysis: the arms' step logs (one JSON line per step: AReaL's committed stats,
 the wall time between step commits, the actor's per-batch record) turned into per-step rows
 with phase times, tokens, reward and the tik counters, and the report's numbers: step-time and
 throughput ratios, phase means, reward with a confidence interval. Also the rollout server's
@@ -15,9 +15,17 @@ import math
 import os
 import statistics
 
-__all__ = ["ARMS", "PHASES", "load_steps", "analyze", "server_intervals"]
+__all__ = ["ARMS", "ARM_ENGINES", "SKIP_ARMS", "REFERENCES", "PHASES", "load_steps", "analyze", "reference_arm",
+           "headline_arm", "server_intervals"]
 
-ARMS = ("baseline", "tik")
+# every arm, in report order: the rollout engine, the kernels, recompute or skip
+ARMS = ("vllm", "baseline", "tik", "vllm_tik")
+ARM_ENGINES = {"vllm": "stock vLLM (AReaL's vLLM server), HF-default trainer kernels, recompute every step",
+               "baseline": "areal-tik serve on default kernels (diagnostic), recompute every step",
+               "tik": "areal-tik serve on tik kernels, recompute skipped when the skip rule allows",
+               "vllm_tik": "vLLM with the tik plugin (AReaL's vLLM server), tik kernels, recompute skipped when allowed"}
+SKIP_ARMS = ("tik", "vllm_tik")      # actor.kernel_backend=tik: may skip, audits
+REFERENCES = ("vllm", "baseline")    # what ratios are taken against, first present wins
 PHASES = (("rollout", "timeperf/rollout"), ("recompute", "timeperf/recompute_logp"),
           ("train_step", "timeperf/train_step"), ("weight_update", "timeperf/update_weights"),
           # PPO only (0 without a critic): the value forward before, and the critic update after, the actor's
@@ -83,56 +91,107 @@ def _ratio_ci(rb: list[float], rt: list[float]) -> dict:
     return out
 
 
-def analyze(baseline: list[dict], tik: list[dict]) -> dict:
-    """Report dict from the two step logs (lists of step records)."""
-    rows = {"baseline": [_step_row(r) for r in baseline], "tik": [_step_row(r) for r in tik]}
-    n = min(len(rows["baseline"]), len(rows["tik"]))
+def reference_arm(arms) -> str:
+    """The arm every other is compared with: stock vLLM (``vllm``) when present, else ``baseline``, else the
+    first arm."""
+    arms = list(arms)
+    return next((a for a in REFERENCES if a in arms), arms[0])
+
+
+def headline_arm(arms, ref: str) -> str | None:
+    """The arm the summary leads with: ``tik`` when present, else the first arm that is not ``ref``."""
+    others = [a for a in arms if a != ref]
+    return "tik" if "tik" in others else (others[0] if others else None)
+
+
+def _skip_stats(rows: list[dict]) -> dict:
+    return {"steps_skipped": sum(r["recompute_skipped"] for r in rows),
+            "audits": sum(r["audit"] for r in rows),
+            "audit_tokens": sum(r["audit_tokens"] for r in rows),
+            "audit_mismatch_tokens": sum(r["audit_mismatch_tokens"] for r in rows),
+            "audit_max_abs_diff": max([r["audit_max_abs_diff"] for r in rows] or [0.0]),
+            "skip_reasons": sorted({x for r in rows for x in r["skip_reasons"]})}
+
+
+def _compare_stats(rows: list[dict]) -> dict:
+    return {"tokens": sum(r["compare_tokens"] for r in rows),
+            "mismatch_tokens": sum(r["compare_mismatch_tokens"] for r in rows),
+            "max_abs_diff": max([r["compare_max_abs_diff"] for r in rows] or [0.0])}
+
+
+def analyze(steps_by_arm: dict[str, list[dict]]) -> dict:
+    """Report dict from the arms' step logs (``{arm: [step record, ...]}``, in :data:`ARMS` order or any).
+
+    Every arm is compared with :func:`reference_arm` over the same measured steps (the steps every arm
+    logged, step 0 left out when there are two or more, profiled steps left out when others remain):
+    ``vs_reference[arm]`` holds its step-time, throughput, tokens/s and reward ratios (arm over
+    reference: > 1 means the arm is faster). The top-level ``throughput_ratio_total``,
+    ``step_time_ratio``, ``tokens_per_s_ratio`` and ``reward_mean["ratio"]`` are the headline arm's
+    (:func:`headline_arm`); ``skip[arm]`` counts the skips and audits of every arm that may skip (tik
+    kernels); ``rollout_vs_recompute[arm]`` the log-prob comparison of every recompute arm."""
+    arms = [a for a in ARMS if a in steps_by_arm] + [a for a in steps_by_arm if a not in ARMS]
+    if not arms:
+        raise ValueError("no arm to analyze")
+    rows = {a: [_step_row(r) for r in steps_by_arm[a]] for a in arms}
+    n = min(len(rows[a]) for a in arms)
     first = 1 if n >= 2 else 0  # step 0: warm-up and the tik audit
-    # a step recorded under torch.profiler (either arm) is slowed by it: left out when others remain
-    measured = [i for i in range(first, n) if not (rows["baseline"][i]["profiled"] or rows["tik"][i]["profiled"])]
+    # a step recorded under torch.profiler (any arm) is slowed by it: left out when others remain
+    measured = [i for i in range(first, n) if not any(rows[a][i]["profiled"] for a in arms)]
     measured = measured or list(range(first, n))
-    per_step_ratio = [rows["baseline"][i]["wall_s"] / rows["tik"][i]["wall_s"] for i in measured
-                      if rows["tik"][i]["wall_s"] > 0]
-    tot = {a: sum(rows[a][i]["wall_s"] for i in measured) for a in ARMS}
-    toks = {a: sum(rows[a][i]["gen_tokens"] for i in measured) for a in ARMS}
-    phase_means = {a: {p: _spread([rows[a][i][p] for i in measured])["mean"] for p, _ in PHASES}
-                   for a in ARMS}
-    for a in ARMS:
+    ref = reference_arm(arms)
+    head = headline_arm(arms, ref)
+    tot = {a: sum(rows[a][i]["wall_s"] for i in measured) for a in arms}
+    toks = {a: sum(rows[a][i]["gen_tokens"] for i in measured) for a in arms}
+    tps = {a: (toks[a] / tot[a] if tot[a] > 0 else math.nan) for a in arms}
+    phase_means = {a: {p: _spread([rows[a][i][p] for i in measured])["mean"] for p, _ in PHASES} for a in arms}
+    for a in arms:
         phase_means[a]["other"] = _spread([rows[a][i]["other"] for i in measured])["mean"]
         phase_means[a]["wall_s"] = _spread([rows[a][i]["wall_s"] for i in measured])["mean"]
-    rb = [rows["baseline"][i]["reward"] for i in range(n)]
-    rt = [rows["tik"][i]["reward"] for i in range(n)]
-    mean_rb, mean_rt = (statistics.fmean(rb) if rb else math.nan), (statistics.fmean(rt) if rt else math.nan)
-    tik_rows = rows["tik"]
+    rewards = {a: [rows[a][i]["reward"] for i in range(n)] for a in arms}
+    mean_r = {a: (statistics.fmean(rewards[a]) if rewards[a] else math.nan) for a in arms}
+
+    def versus(a: str) -> dict:
+        ci = _ratio_ci(rewards[ref], rewards[a])
+        mr = mean_r[ref]
+        return {"reference": ref,
+                "step_time_ratio": _spread([rows[ref][i]["wall_s"] / rows[a][i]["wall_s"] for i in measured
+                                            if rows[a][i]["wall_s"] > 0]),
+                "throughput_ratio_total": tot[ref] / tot[a] if tot[a] > 0 else math.nan,
+                "tokens_per_s_ratio": (tps[a] / tps[ref] if tot[a] > 0 and tot[ref] > 0 and toks[ref] > 0
+                                       else math.nan),
+                "reward_ratio": mean_r[a] / mr if mr != 0.0 and not math.isnan(mr) else math.nan,
+                "reward_ratio_ci95": ci["ratio_ci95"], "se_reference": ci["se_baseline"], "se": ci["se_tik"]}
+
+    vs = {a: versus(a) for a in arms if a != ref}
+    h = vs.get(head) or {"step_time_ratio": _spread([]), "throughput_ratio_total": math.nan,
+                         "tokens_per_s_ratio": math.nan, "reward_ratio": math.nan,
+                         "reward_ratio_ci95": [math.nan, math.nan], "se_reference": math.nan, "se": math.nan}
+    reward_mean = {**mean_r, "ratio": h["reward_ratio"], "ratio_ci95": h["reward_ratio_ci95"],
+                   f"se_{ref}": h["se_reference"]}
+    if head is not None:
+        reward_mean[f"se_{head}"] = h["se"]
     report = {
+        "arms": arms,
+        "reference": ref,
+        "headline": head,
         "n_steps": n,
         "measured_steps": measured,
         "rows": rows,
-        "step_time_ratio": _spread(per_step_ratio),
-        "throughput_ratio_total": tot["baseline"] / tot["tik"] if tot["tik"] > 0 else math.nan,
-        "tokens_per_s": {a: (toks[a] / tot[a] if tot[a] > 0 else math.nan) for a in ARMS},
-        "tokens_per_s_ratio": ((toks["tik"] / tot["tik"]) / (toks["baseline"] / tot["baseline"])
-                               if tot["tik"] > 0 and tot["baseline"] > 0 and toks["baseline"] > 0 else math.nan),
+        "vs_reference": vs,
+        "step_time_ratio": h["step_time_ratio"],
+        "throughput_ratio_total": h["throughput_ratio_total"],
+        "tokens_per_s": tps,
+        "tokens_per_s_ratio": h["tokens_per_s_ratio"],
         "phase_mean_s": phase_means,
-        "reward_mean": {"baseline": mean_rb, "tik": mean_rt,
-                        "ratio": (mean_rt / mean_rb) if mean_rb not in (0.0,) and not math.isnan(mean_rb) else math.nan,
-                        **_ratio_ci(rb, rt)},
-        "tik": {
-            "steps_skipped": sum(r["recompute_skipped"] for r in tik_rows),
-            "audits": sum(r["audit"] for r in tik_rows),
-            "audit_tokens": sum(r["audit_tokens"] for r in tik_rows),
-            "audit_mismatch_tokens": sum(r["audit_mismatch_tokens"] for r in tik_rows),
-            "audit_max_abs_diff": max([r["audit_max_abs_diff"] for r in tik_rows] or [0.0]),
-            "skip_reasons": sorted({x for r in tik_rows for x in r["skip_reasons"]}),
-        },
-        "baseline_rollout_vs_recompute": {
-            "tokens": sum(r["compare_tokens"] for r in rows["baseline"]),
-            "mismatch_tokens": sum(r["compare_mismatch_tokens"] for r in rows["baseline"]),
-            "max_abs_diff": max([r["compare_max_abs_diff"] for r in rows["baseline"]] or [0.0]),
-        },
+        "reward_mean": reward_mean,
+        "skip": {a: _skip_stats(rows[a]) for a in arms if a in SKIP_ARMS},
+        "rollout_vs_recompute": {a: _compare_stats(rows[a]) for a in arms if a not in SKIP_ARMS},
+        "limiting_phase": {a: max([p for p, _ in PHASES] + ["other"], key=lambda p: phase_means[a][p]) for a in arms},
     }
-    report["limiting_phase"] = {a: max([p for p, _ in PHASES] + ["other"], key=lambda p: phase_means[a][p])
-                                for a in ARMS}
+    if "tik" in report["skip"]:             # the keys of the two-arm report, kept for its readers
+        report["tik"] = report["skip"]["tik"]
+    if "baseline" in report["rollout_vs_recompute"]:
+        report["baseline_rollout_vs_recompute"] = report["rollout_vs_recompute"]["baseline"]
     return report
 
 

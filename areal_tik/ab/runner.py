@@ -1,18 +1,22 @@
-"""End-to-end throughput A/B: the recompute baseline against tik, same recipe, seed and data.
+"""End-to-end throughput A/B of rollout engines and the recompute skip, same recipe, seed and data.
 
 Each arm is one ``python -m areal_tik.areal.train`` process (AReaL's real trainer):
 
-- ``baseline``: ``actor.kernel_backend=default`` (recompute runs every step);
-- ``tik``: ``actor.kernel_backend=tik`` (recompute skipped when docs/design.md section 6
-  allows, audits on step 0 and every ``actor.tik.audit_interval`` steps).
+- ``vllm``: stock vLLM through AReaL's vLLM path (``rollout.backend=vllm:...``,
+  ``actor.kernel_backend=default``: recompute every step): the reference users run;
+- ``baseline``: ``areal-tik serve`` on default kernels, recompute every step (diagnostic: our
+  engine without our kernels; the reference when there is no ``vllm`` arm);
+- ``tik``: ``areal-tik serve`` on tik kernels (recompute skipped when docs/design.md section 6
+  allows, audits on step 0 and every ``actor.tik.audit_interval`` steps);
+- ``vllm_tik``: vLLM with the tik plugin, tik kernels, the same skip rule.
 
 The trainer appends one JSON line per step (``--step-log``): AReaL's committed stats
 (``timeperf/rollout``, ``timeperf/recompute_logp``, ``timeperf/train_step``,
 ``timeperf/update_weights`` ...), the wall time between step commits, and the actor's
 per-batch record (tokens, reward, skip decision, audit / comparison counts).
 
-Both arms run here or in separate calls (each arm's record and step log stay in ``out``);
-:func:`areal_tik.ab.analysis.analyze` turns both logs into the report and
+The arms run here or in separate calls (each arm's record and step log stay in ``out``);
+:func:`areal_tik.ab.analysis.analyze` turns the logs into the report and
 :func:`areal_tik.ab.report.write_report` writes ``report.json``, ``steps.csv``, ``summary.md``,
 ``step_time.png`` and ``reward.png``.
 """
@@ -24,12 +28,35 @@ import subprocess
 import sys
 import time
 
-from areal_tik.ab.analysis import ARMS, analyze, load_steps, server_intervals
+from areal_tik.ab.analysis import ARM_ENGINES, ARMS, analyze, load_steps, server_intervals
 from areal_tik.ab.report import REPORT_FILES, write_report
 
-ARM_OVERRIDES = {"baseline": ["actor.kernel_backend=default"], "tik": ["actor.kernel_backend=tik"]}
+DEFAULT_SET = ("baseline", "tik")     # runs anywhere (no vLLM needed): the CPU quick start
+VLLM_ARMS = ("vllm", "vllm_tik")
+KERNELS = {"vllm": "default", "baseline": "default", "tik": "tik", "vllm_tik": "tik"}
 
-__all__ = ["run_arm", "run_ab", "load_arm"]
+__all__ = ["run_arm", "run_ab", "load_arm", "arm_overrides", "arm_engine", "parse_arms", "DEFAULT_SET", "VLLM_ARMS"]
+
+
+def _recipe_rollout_backend(config: str) -> str:
+    """``rollout.backend`` of the recipe (e.g. ``sglang:d1p1t1``); ``sglang:d1p1t1`` when it names none."""
+    try:
+        import yaml
+        with open(config) as f:
+            val = ((yaml.safe_load(f) or {}).get("rollout") or {}).get("backend")
+    except (OSError, ValueError, AttributeError):
+        val = None
+    return str(val) if val else "sglang:d1p1t1"
+
+
+def arm_overrides(arm: str, config: str) -> list[str]:
+    """What makes an arm: ``actor.kernel_backend`` and, for the vLLM arms, ``rollout.backend=vllm:<the
+    recipe's layout>`` (the same data-parallel layout as the recipe's SGLang servers)."""
+    out = [f"actor.kernel_backend={KERNELS[arm]}"]
+    if arm in VLLM_ARMS:
+        layout = _recipe_rollout_backend(config).split(":", 1)
+        out.append(f"rollout.backend=vllm:{layout[1] if len(layout) > 1 else 'd1p1t1'}")
+    return out
 
 
 def _runs_dir(out: str, runs_dir: str | None) -> str:
@@ -38,23 +65,25 @@ def _runs_dir(out: str, runs_dir: str | None) -> str:
 
 def _arm_cmd(config: str, arm: str, steps: int, out: str, overrides: list[str], runs_dir: str | None = None) -> list[str]:
     return [sys.executable, "-m", "areal_tik.areal.train", "--config", os.path.abspath(config),
-            *ARM_OVERRIDES[arm], f"total_train_steps={steps}", f"trial_name={arm}",
+            *arm_overrides(arm, config), f"total_train_steps={steps}", f"trial_name={arm}",
             f"cluster.fileroot={_runs_dir(out, runs_dir)}",
             "--step-log", os.path.join(os.path.abspath(out), arm, "steps.jsonl"), *overrides]
 
 
 def _copy_server_log(out: str, arm: str, runs_dir: str | None) -> None:
-    """``<fileroot>/<experiment>/<arm>/tik_server.log`` -> ``<out>/<arm>/tik_server.log`` (the runs
+    """``<fileroot>/<experiment>/<arm>/{tik,vllm}_server.log`` -> ``<out>/<arm>/`` (the runs
     dir may live outside the report dir, e.g. off a device's small result folder)."""
     import shutil
     for p in _server_logs(out, arm, runs_dir):
         try:
-            shutil.copyfile(p, os.path.join(out, arm, "tik_server.log"))
+            shutil.copyfile(p, os.path.join(out, arm, os.path.basename(p)))
         except OSError:
             pass
 
 
-SERVER_FATAL = ("engine.step failed",)  # a server that logs this answers every /generate with 500 from then on
+# a server that logs one of these answers every request with an error from then on (areal-tik serve; vLLM)
+SERVER_FATAL = ("engine.step failed", "EngineCore encountered a fatal error", "EngineDeadError")
+SERVER_LOGS = ("tik_server.log", "vllm_server.log")
 
 
 def _server_logs(out: str, arm: str, runs_dir: str | None) -> dict[str, int]:
@@ -62,7 +91,7 @@ def _server_logs(out: str, arm: str, runs_dir: str | None) -> dict[str, int]:
     earlier run in the same runs dir must not count against this one)."""
     import glob
     sizes = {}
-    for p in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, "tik_server.log")):
+    for p in sorted(q for name in SERVER_LOGS for q in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, name))):
         try:
             sizes[p] = os.path.getsize(p)
         except OSError:
@@ -134,7 +163,7 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
                     teardown_killed = not timed_out
                     break
                 polls += 1
-                if polls % 10 == 0 and (server_failure := _server_failure(out, arm, runs_dir, scanned)):
+                if n < steps and polls % 10 == 0 and (server_failure := _server_failure(out, arm, runs_dir, scanned)):
                     break
         finally:
             if proc.poll() is None:  # timeout or interrupt: the trainer and its rollout server (same group)
@@ -147,7 +176,7 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
     _copy_server_log(out, arm, runs_dir)
     rows = load_steps(log) if os.path.exists(log) else []
     if server_failure:
-        raise RuntimeError(f"{arm} arm stopped: its rollout server failed (see {out}/{arm}/tik_server.log):\n"
+        raise RuntimeError(f"{arm} arm stopped: its rollout server failed (see {out}/{arm}/*_server.log):\n"
                            f"{server_failure}")
     if timed_out:
         if not partial_ok:
@@ -193,56 +222,93 @@ def load_arm(out: str, arm: str) -> dict | None:
     return res
 
 
+def arm_engine(arm: str) -> str:
+    """The arm's rollout engine in words, with the installed vLLM's version for the vLLM arms."""
+    import importlib.metadata as md
+    text = ARM_ENGINES.get(arm, arm)
+    if arm in VLLM_ARMS:
+        try:
+            text += f"; vllm {md.version('vllm')}"
+        except md.PackageNotFoundError:
+            text += "; vllm not installed here"
+    return text
+
+
+def parse_arms(spec: str, universe=ARMS) -> tuple[str, ...]:
+    """``"vllm,tik"`` -> ("vllm", "tik") in :data:`ARMS` order; a one-line ``ValueError`` on an unknown arm."""
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    bad = [x for x in names if x not in universe]
+    if bad:
+        raise ValueError(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(universe)}")
+    return tuple(a for a in ARMS if a in names)
+
+
 def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progress: bool = True,
            timeout: float | None = None, runs_dir: str | None = None, partial_ok: bool = False,
-           arms: tuple[str, ...] = ARMS) -> dict:
-    """Run the ``arms`` (baseline first), analyze, write the report directory; return the report.
+           arms: tuple[str, ...] = DEFAULT_SET, arm_set: tuple[str, ...] | None = None) -> dict:
+    """Run the ``arms`` of the comparison ``arm_set`` (default: ``baseline`` and ``tik``, or the
+    ``arms`` when they name another), analyze, write the report directory; return the report.
 
-    ``arms`` may name one arm (or none): the other arm's results are then read from ``out``
-    (``<arm>/arm.json`` + ``<arm>/steps.jsonl``, written by an earlier call), so the two arms can
-    run in separate processes or device calls. While an arm is still missing, nothing is analyzed
-    and the return value says which (``{"pending": [...]}``). Arms are only paired when they ran
-    the same recipe with the same overrides (``ValueError`` otherwise, before anything runs), and
-    an arm is not run against a loaded baseline that logged no step. Running the baseline alone
-    starts a new pair: an earlier tik arm in ``out`` is no longer paired with it.
+    The set is ordered as :data:`ARMS`; its first arm is the reference (``vllm`` when present, else
+    ``baseline``). ``arms`` may name some of the set (or none): the others are read from ``out``
+    (``<arm>/arm.json`` + ``<arm>/steps.jsonl``, written by earlier calls), so the arms can run in
+    separate processes or device calls. While an arm is still missing, nothing is analyzed and the
+    return value says which (``{"pending": [...]}``). Arms are only compared when they ran the same
+    recipe with the same overrides (``ValueError`` otherwise, before anything runs), and an arm is not
+    run against a loaded reference that logged no step. Running the reference without the rest of the
+    set starts a new set: the other arms' records in ``out`` are no longer paired with it.
 
     With ``partial_ok`` an arm that runs past ``timeout`` keeps the steps it logged; when the
-    baseline stopped early the tik arm is asked for the same number of steps (the report
+    reference stopped early the other arms are asked for the same number of steps (the report
     compares equal step counts anyway)."""
-    unknown = [a for a in arms if a not in ARMS]
+    unknown = [a for a in (*arms, *(arm_set or ())) if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
+    if arm_set is None:
+        arm_set = DEFAULT_SET if all(a in DEFAULT_SET for a in arms) else tuple(arms)
+    arm_set = tuple(a for a in ARMS if a in arm_set)
+    if not arm_set:
+        raise ValueError("the comparison names no arm")
+    outside = [a for a in arms if a not in arm_set]
+    if outside:
+        raise ValueError(f"arm(s) {outside} are not in the comparison {list(arm_set)}")
+    ref = arm_set[0]
     os.makedirs(out, exist_ok=True)
-    to_run = [a for a in ARMS if a in arms]
-    if to_run == ["baseline"] and os.path.exists(_arm_record_path(out, "tik")):
-        os.remove(_arm_record_path(out, "tik"))  # a new baseline starts a new pair (the old tik logs stay)
-    results = {a: r for a in ARMS if a not in arms and (r := load_arm(out, a)) is not None}
+    to_run = [a for a in arm_set if a in arms]
+    if ref in to_run:  # a new reference starts a new set (the old arms' logs stay)
+        for a in arm_set:
+            if a not in to_run and os.path.exists(_arm_record_path(out, a)):
+                os.remove(_arm_record_path(out, a))
+    results = {a: r for a in arm_set if a not in arms and (r := load_arm(out, a)) is not None}
     here = _shared(config, overrides)
     for a, r in results.items():
         theirs = r.get("shared")
         if to_run and theirs is not None and theirs != here:
             raise ValueError(f"the {a} arm in {out} ran {theirs}, this call asks for {here}: start a new pair "
-                             f"(run the baseline again or use another --out)")
+                             f"(run the {ref} arm again or use another --out)")
         if to_run and not r["steps"]:
             raise RuntimeError(f"the {a} arm in {out} logged no step (see {out}/{a}/train.log); run it again first")
 
     def arm_steps(a):
-        if a == "tik" and results.get("baseline", {}).get("timed_out"):
-            return max(1, len(results["baseline"]["steps"]))
+        if a != ref and results.get(ref, {}).get("timed_out"):
+            return max(1, len(results[ref]["steps"]))
         return steps
 
     def one(a, on_step=None):
         n = arm_steps(a)
+        engine = arm_engine(a)
         _write_arm_record(out, a, {"cmd": _arm_cmd(config, a, n, out, list(overrides), runs_dir), "wall_s": None,
-                                   "timed_out": None, "complete": False, "steps_requested": n, "shared": here})
+                                   "timed_out": None, "complete": False, "steps_requested": n, "shared": here,
+                                   "engine": engine})
         res = run_arm(config, a, n, out, overrides, on_step=on_step, timeout=timeout, runs_dir=runs_dir,
                       partial_ok=partial_ok)
+        res["engine"] = engine
         results[a] = res
         _write_arm_record(out, a, {"cmd": res["cmd"], "wall_s": res["wall_s"], "timed_out": res["timed_out"],
                                    "teardown_killed": res.get("teardown_killed", False),
-                                   "complete": True, "steps_requested": n, "shared": here})
+                                   "complete": True, "steps_requested": n, "shared": here, "engine": engine})
 
-    if to_run:  # a report from an earlier pair no longer describes these arms
+    if to_run:  # a report from an earlier set no longer describes these arms
         for f in REPORT_FILES:
             if os.path.exists(os.path.join(out, f)):
                 os.remove(os.path.join(out, f))
@@ -257,26 +323,29 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
     else:
         for a in to_run:
             one(a)
-    pending = [a for a in ARMS if a not in results]
+    pending = [a for a in arm_set if a not in results]
     if pending:
         done = {a: len(r["steps"]) for a, r in results.items()}
         return {"pending": pending, "done": done, "files": [],
                 "summary_md": f"arm(s) {', '.join(pending)} not run yet in {out}; done: "
                               + (", ".join(f"{a} ({n} steps)" for a, n in done.items()) or "none")}
-    if not all(results[a]["steps"] for a in ARMS):
+    if not all(results[a]["steps"] for a in arm_set):
         raise RuntimeError(f"an arm logged no step (killed, failed or past its timeout); see {out}/<arm>/train.log: "
-                           + ", ".join(f"{a}: {len(results[a]['steps'])} steps" for a in ARMS))
-    pair = [results[a].get("shared") for a in ARMS]
-    if None not in pair and pair[0] != pair[1]:
-        raise ValueError(f"the arms in {out} ran different recipes/overrides: baseline {pair[0]}, tik {pair[1]}")
-    report = analyze(results["baseline"]["steps"], results["tik"]["steps"])
-    meta = {"config": config, "steps": steps, "overrides": list(overrides),
-            "cmd_baseline": results["baseline"]["cmd"], "cmd_tik": results["tik"]["cmd"],
-            "arm_wall_s": {a: results[a]["wall_s"] for a in ARMS},
-            "timed_out": {a: results[a]["timed_out"] for a in ARMS},
-            "teardown_killed": {a: bool(results[a].get("teardown_killed")) for a in ARMS},
+                           + ", ".join(f"{a}: {len(results[a]['steps'])} steps" for a in arm_set))
+    shared = {a: results[a].get("shared") for a in arm_set if results[a].get("shared") is not None}
+    if len({json.dumps(v, sort_keys=True) for v in shared.values()}) > 1:
+        raise ValueError(f"the arms in {out} ran different recipes/overrides: "
+                         + "; ".join(f"{a} {v}" for a, v in shared.items()))
+    report = analyze({a: results[a]["steps"] for a in arm_set})
+    meta = {"config": config, "steps": steps, "overrides": list(overrides), "arms": list(arm_set),
+            "cmds": {a: results[a]["cmd"] for a in arm_set},
+            **{f"cmd_{a}": results[a]["cmd"] for a in arm_set},
+            "engines": {a: results[a].get("engine") or ARM_ENGINES[a] for a in arm_set},
+            "arm_wall_s": {a: results[a]["wall_s"] for a in arm_set},
+            "timed_out": {a: results[a]["timed_out"] for a in arm_set},
+            "teardown_killed": {a: bool(results[a].get("teardown_killed")) for a in arm_set},
             "arms_run_here": list(to_run),
-            "server_intervals": {a: server_intervals(out, a) for a in ARMS}}
+            "server_intervals": {a: server_intervals(out, a) for a in arm_set}}
     try:
         from areal_tik.dispatch.fingerprint import compute
         meta["environment"] = compute()["environment"]

@@ -215,11 +215,32 @@ class TikPPOConfig(PPOConfig):
         if a.weight_update_mode not in ("disk", "xccl"):
             raise ConfigError(f"actor.weight_update_mode must be 'disk' or 'xccl' with actor.kernel_backend=tik, "
                               f"got {a.weight_update_mode!r} (what the tik server can receive)")
-        if not self.rollout.backend.startswith("sglang"):
-            raise ConfigError(f"rollout.backend must be 'sglang:...' with actor.kernel_backend=tik "
-                              f"(the tik server speaks SGLang's API), got {self.rollout.backend!r}")
+        engine = str(self.rollout.backend).split(":", 1)[0].strip()
+        if engine not in ("sglang", "vllm"):
+            raise ConfigError(f"rollout.backend must be 'sglang:...' (areal-tik serve) or 'vllm:...' (vLLM with the "
+                              f"tik plugin) with actor.kernel_backend=tik, got {self.rollout.backend!r}")
+        if engine == "vllm":
+            self._check_tik_vllm()
         if a.use_lora:
             raise ConfigError("actor.use_lora is not supported with actor.kernel_backend=tik")
+
+
+    def _check_tik_vllm(self):
+        from areal.api import ModelAllocation
+        try:
+            par = ModelAllocation.from_str(self.rollout.backend, name="rollout").parallel
+        except Exception as e:  # noqa: BLE001 - AReaL's parser has several error types
+            raise ConfigError(f"rollout.backend {self.rollout.backend!r}: {e}") from None
+        if par.tp_size != 1 or par.pp_size != 1:
+            raise ConfigError(f"rollout.backend must be 'vllm:dN' (tensor and pipeline parallel 1) with "
+                              f"actor.kernel_backend=tik: the tik vLLM models run on one GPU per server, got "
+                              f"{self.rollout.backend!r}")
+        v = self.vllm
+        if str(v.dtype) != "bfloat16":
+            raise ConfigError(f"vllm.dtype must be 'bfloat16' with actor.kernel_backend=tik (the tik vLLM models "
+                              f"run bf16 weights, as the trainer's digest assumes), got {v.dtype!r}")
+        if v.enable_lora:
+            raise ConfigError("vllm.enable_lora must be false with actor.kernel_backend=tik")
 
 
 @dataclass

@@ -25,7 +25,7 @@ from areal.infra import RemoteInfEngine
 from areal_tik.settings import Settings
 
 __all__ = ["TikServerBackend", "TikRemoteSGLangEngine", "server_args", "server_settings", "serve_cmd",
-           "launch_local_server", "wait_healthy"]
+           "launch_local_server", "wait_healthy", "rollout_server_kind"]
 
 
 def server_args(model_path: str, settings: Settings, dtype: str = "bfloat16", seed: int = 0,
@@ -79,6 +79,19 @@ def serve_cmd(args: dict[str, Any]) -> list[str]:
     return cmd
 
 
+def rollout_server_kind(config) -> str:
+    """Which rollout server a run uses: ``vllm`` (``rollout.backend: vllm:...``: AReaL's vLLM server through
+    :mod:`areal_tik.areal.vllm_server`, with the tik plugin when ``actor.kernel_backend=tik``), ``tik``
+    (``areal-tik serve``: ``sglang:...`` with tik kernels, or any kernels when SGLang is not installed) or
+    ``sglang`` (AReaL's own SGLang)."""
+    if str(config.rollout.backend).split(":", 1)[0].strip() == "vllm":
+        return "vllm"
+    if getattr(config.actor, "kernel_backend", "default") == "tik":
+        return "tik"
+    import importlib.util
+    return "sglang" if importlib.util.find_spec("sglang") is not None else "tik"
+
+
 class TikServerBackend(SGLangBackend):
     """SGLang's request/response handling; the server launched is ``areal-tik serve``."""
 
@@ -94,11 +107,12 @@ class TikRemoteSGLangEngine(RemoteSGLangEngine):
         self._engine = RemoteInfEngine(config, TikServerBackend())
 
 
-def wait_healthy(addr: str, timeout: float = 300.0, proc: subprocess.Popen | None = None) -> None:
+def wait_healthy(addr: str, timeout: float = 300.0, proc: subprocess.Popen | None = None,
+                 what: str = "areal-tik serve") -> None:
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"areal-tik serve exited with status {proc.returncode} before becoming healthy")
+            raise RuntimeError(f"{what} exited with status {proc.returncode} before becoming healthy")
         try:
             with urllib.request.urlopen(f"http://{addr}/health", timeout=5) as r:
                 if r.status == 200:
@@ -106,7 +120,7 @@ def wait_healthy(addr: str, timeout: float = 300.0, proc: subprocess.Popen | Non
         except Exception:  # noqa: BLE001
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"areal-tik serve at {addr} not healthy after {timeout}s")
+    raise TimeoutError(f"{what} at {addr} not healthy after {timeout}s")
 
 
 def launch_local_server(model_path: str, settings: Settings, port: int | None = None, host: str = "127.0.0.1",

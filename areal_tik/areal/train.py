@@ -22,7 +22,9 @@ Recipe conventions resolved here (the only place that reads files / environment)
 - Without ``scheduler.type`` (null) this process runs AReaL's SPMD mode as a world of
   one (``AREAL_SPMD_MODE=1``, gloo on a CPU); if ``AREAL_LLM_SERVER_ADDRS`` is unset it
   starts ``areal-tik serve`` itself (``actor.tik.server_device`` picks its device, e.g.
-  ``cuda:1``) and stops it at the end.
+  ``cuda:1``) and stops it at the end; with ``rollout.backend: vllm:...`` it starts AReaL's
+  vLLM server instead (``python -m areal_tik.areal.vllm_server``, log ``vllm_server.log``),
+  stock or, with ``actor.kernel_backend=tik``, with the tik plugin.
 """
 from __future__ import annotations
 
@@ -161,6 +163,20 @@ def check_xccl_layout(weight_update_mode: str, server_device: str | None) -> Non
         raise SystemExit(f"actor.tik.server_device={server_device}: only {torch.cuda.device_count()} GPU(s) visible")
 
 
+def launch_vllm(config, settings, log_path: str):
+    """AReaL's vLLM server (:mod:`areal_tik.areal.vllm_server`; the tik plugin with ``actor.kernel_backend=tik``)
+    for ``rollout.backend: vllm:...`` in SPMD mode, on ``actor.tik.server_device`` (default: the trainer's GPU)."""
+    from areal.api import ModelAllocation
+    from areal.utils.network import find_free_ports
+
+    from areal_tik.areal.vllm_launch import launch_local_vllm_server, vllm_server_args
+    par = ModelAllocation.from_str(config.rollout.backend, name="rollout").parallel
+    args = vllm_server_args(config.vllm, settings, tp_size=par.tp_size, pp_size=par.pp_size, host="127.0.0.1",
+                            port=find_free_ports(1)[0])
+    return launch_local_vllm_server(args, device=settings.server_device, log_path=log_path,
+                                    timeout=max(900.0, float(getattr(config.rollout, "setup_timeout", 0) or 0)))
+
+
 def main(argv: list[str] | None = None) -> int:
     own, argv = _split_own_args(list(sys.argv[1:] if argv is None else argv))
     config = load_config(argv)
@@ -185,34 +201,40 @@ def main(argv: list[str] | None = None) -> int:
     if config.critic is not None and config.critic.path.startswith("preset:"):
         config.critic.path = model_dir  # value head initialised fresh (AutoModelForTokenClassification)
     config.sglang.model_path = model_dir
+    config.vllm.model = model_dir
     if config.tokenizer_path in ("", None):
         config.tokenizer_path = model_dir
 
     from areal.utils.hf_utils import load_hf_tokenizer
     from areal.workflow.rlvr import RLVRWorkflow
 
-    from areal_tik.areal.rollout import launch_local_server, server_settings
-    from areal_tik.areal.trainer import TikPPOTrainer, use_tik_server
+    from areal_tik.areal.rollout import launch_local_server, rollout_server_kind, server_settings
+    from areal_tik.areal.trainer import TikPPOTrainer
 
     tokenizer = load_hf_tokenizer(config.tokenizer_path)
     dataset, reward = load_dataset(config, tokenizer)
     stamp("tokenizer + data set loaded")
 
     server = None
-    if spmd and not use_tik_server(config) and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
+    kind = rollout_server_kind(config)
+    if spmd and kind == "sglang" and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
         # SGLang is installed, so the default arm would use AReaL's own SGLang client, which in
         # SPMD mode only connects: nobody would start a server and the trainer would hang.
         raise SystemExit("actor.kernel_backend=default with SGLang installed in SPMD mode (scheduler.type null): "
                          "start an SGLang server and set AREAL_LLM_SERVER_ADDRS=host:port, or use "
                          "scheduler.type=local (AReaL launches it)")
-    if spmd and use_tik_server(config) and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
+    if spmd and kind in ("tik", "vllm") and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
         settings = config.actor.tik.settings(config.actor.kernel_backend)
         check_xccl_layout(config.actor.weight_update_mode, settings.server_device)
         log_dir = os.path.join(config.cluster.fileroot, config.experiment_name, config.trial_name)
         os.makedirs(log_dir, exist_ok=True)
-        server, addr = launch_local_server(model_dir, settings, dtype=config.actor.dtype,
-                                           seed=config.seed, device=settings.server_device,
-                                           log_path=os.path.join(log_dir, "tik_server.log"), **server_settings(config))
+        if kind == "vllm":
+            server, addr = launch_vllm(config, settings, os.path.join(log_dir, "vllm_server.log"))
+        else:
+            server, addr = launch_local_server(model_dir, settings, dtype=config.actor.dtype,
+                                               seed=config.seed, device=settings.server_device,
+                                               log_path=os.path.join(log_dir, "tik_server.log"),
+                                               **server_settings(config))
         os.environ["AREAL_LLM_SERVER_ADDRS"] = addr
         stamp(f"rollout server up at {addr}")
     try:

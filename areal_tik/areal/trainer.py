@@ -8,7 +8,9 @@
   (``critic.kernel_backend``, ``auto`` = ``actor.kernel_backend``);
 - the rollout engine is :class:`TikRemoteSGLangEngine` when ``actor.kernel_backend=tik``
   or when SGLang is not installed; its server args come from :func:`rollout.server_args`,
-  not ``SGLangConfig.build_args`` (which needs the sglang package);
+  not ``SGLangConfig.build_args`` (which needs the sglang package); with ``rollout.backend: vllm:...``
+  it is :class:`~areal_tik.areal.vllm_launch.TikRemotevLLMEngine` (AReaL's vLLM client; its servers run
+  :mod:`areal_tik.areal.vllm_server`, stock or with the tik plugin: :func:`vllm_launch.vllm_server_args`);
 - after every step the stats AReaL commits (timings ``timeperf/*``, rewards, ``tik/*``)
   are also appended as one JSON line to ``step_log`` (the A/B harness reads it), with the
   Triton JIT compiles of this process during the step (``jit``);
@@ -23,7 +25,6 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import time
@@ -39,7 +40,8 @@ from areal_tik.areal.actor import TikFSDPPPOActor
 from areal_tik.areal.config import TikPPOActorConfig, TikPPOCriticConfig
 from areal_tik.areal.consensus import TikServerError
 from areal_tik.areal.critic import TikFSDPPPOCritic
-from areal_tik.areal.rollout import TikRemoteSGLangEngine, server_args, server_settings
+from areal_tik.areal.rollout import TikRemoteSGLangEngine, rollout_server_kind, server_args, server_settings
+from areal_tik.areal.vllm_launch import TikRemotevLLMEngine, vllm_server_args
 from areal_tik.areal.watch import Deadline, ServerWatch, dead_servers, install_main_handler, interrupt_main_with
 from areal_tik.kernels import jit_watch
 
@@ -51,10 +53,8 @@ TEARDOWN_GRACE_S = 30.0  # after a dead server is reported (or a failed run), th
 
 
 def use_tik_server(config) -> bool:
-    """Launch/talk to ``areal-tik serve`` (tik kernels, or default kernels without SGLang)."""
-    if getattr(config.actor, "kernel_backend", "default") == "tik":
-        return True
-    return importlib.util.find_spec("sglang") is None
+    """Launch/talk to ``areal-tik serve`` (``sglang:...`` with tik kernels, or default kernels without SGLang)."""
+    return rollout_server_kind(config) == "tik"
 
 
 class TikPPOTrainer(PPOTrainer):
@@ -176,10 +176,11 @@ class TikPPOTrainer(PPOTrainer):
         return critic
 
     def _init_rollout(self, rollout_config, is_eval: bool = False, lora_path: str | None = None):
-        if self.rollout_alloc.backend != "sglang" or not use_tik_server(self.config):
+        kind = rollout_server_kind(self.config)
+        if kind == "sglang" or self.rollout_alloc.backend not in ("sglang", "vllm"):
             return super()._init_rollout(rollout_config, is_eval=is_eval, lora_path=lora_path)
         if lora_path is not None:
-            raise ValueError("LoRA is not supported with the areal-tik rollout server")
+            raise ValueError(f"LoRA is not supported with the areal-tik rollout path ({kind} server)")
         config = deepcopy(rollout_config)
         if is_eval:
             config.max_head_offpolicyness = int(1e12)
@@ -187,15 +188,21 @@ class TikPPOTrainer(PPOTrainer):
             for spec in config.scheduling_spec:
                 spec.gpu = 0
         settings = self.config.actor.tik.settings(getattr(self.config.actor, "kernel_backend", "default"))
-        args = server_args(self.config.sglang.model_path or self.config.actor.path, settings,
-                           dtype=self.config.actor.dtype, seed=self.config.seed, **server_settings(self.config))
+        if kind == "vllm":
+            engine_cls = TikRemotevLLMEngine
+            par = self.rollout_alloc.parallel
+            args = vllm_server_args(self.config.vllm, settings, tp_size=par.tp_size, pp_size=par.pp_size)
+        else:
+            engine_cls = TikRemoteSGLangEngine
+            args = server_args(self.config.sglang.model_path or self.config.actor.path, settings,
+                               dtype=self.config.actor.dtype, seed=self.config.seed, **server_settings(self.config))
         if not is_single_controller():
-            engine = TikRemoteSGLangEngine(config)
+            engine = engine_cls(config)
             engine.initialize(train_data_parallel_size=self.actor_alloc.parallel.dp_size)
             if not is_eval:
                 self._tik_server_addrs = list(getattr(engine._engine, "addresses", None) or [])
             return engine
-        controller = TikRemoteSGLangEngine.as_controller(config, self.scheduler)
+        controller = engine_cls.as_controller(config, self.scheduler)
         init_kwargs: dict[str, Any] = dict(role="rollout", server_args=args)
         if is_eval:
             init_kwargs["server_infos"] = self.rollout.server_infos

@@ -1,11 +1,12 @@
-"""``areal-tik ab``: the recompute baseline vs tik on one recipe; writes a report directory."""
+"""``areal-tik ab``: rollout engines and the recompute skip compared on one recipe; writes a report directory."""
 from __future__ import annotations
 
 import os
 
 
 def add_parser(sub):
-    p = sub.add_parser("ab", help="throughput A/B: AReaL recompute baseline vs tik (same recipe, seed, data)")
+    p = sub.add_parser("ab", help="throughput A/B of AReaL runs (same recipe, seed, data): stock vLLM (vllm), our engine "
+                                  "on default kernels (baseline), tik, vLLM + tik (vllm_tik)")
     p.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/tiny.yaml")
     p.add_argument("--steps", type=int, default=2, help="training steps per arm")
     p.add_argument("--out", default=None, help="report directory (default ab_reports/<recipe>-<time>)")
@@ -16,9 +17,14 @@ def add_parser(sub):
                         "the baseline logged) and the report is written, marked PARTIAL")
     p.add_argument("--runs-dir", default=None,
                    help="AReaL cluster.fileroot for both arms (model dirs, checkpoints); default <out>/runs")
-    p.add_argument("--arms", default="both", choices=["both", "baseline", "tik", "none"],
-                   help="run one arm only (the other is read from --out, written by an earlier call; the report "
-                        "is written once both are there), or none: rebuild the report from the arms in --out")
+    p.add_argument("--set", dest="arm_set", default="baseline,tik",
+                   help="the arms compared, comma-separated from vllm, baseline, tik, vllm_tik (default baseline,tik; "
+                        "vllm,tik,vllm_tik compares with stock vLLM); ratios are taken against vllm when it is in the "
+                        "set, else baseline")
+    p.add_argument("--arms", default="both",
+                   help="which arms of --set to run now: both/all (every arm), a comma-separated subset (the others are "
+                        "read from --out, written by earlier calls; the report is written once all are there), or "
+                        "none: rebuild the report from the arms in --out")
     p.add_argument("overrides", nargs="*", help="extra AReaL overrides for both arms, e.g. gconfig.max_new_tokens=8")
     p.set_defaults(func=run)
     return p
@@ -30,8 +36,17 @@ def check_args(args) -> None:
     need_file("--config", args.config)
     need_int("--steps", args.steps, lo=1)
     need_float("--timeout", args.timeout, lo=0, lo_open=True, optional=True)
-    need(args.arms == "both" or bool(args.out), "--arms baseline|tik|none needs --out (the directory the other "
-                                                "arm was or will be written to)")
+    from areal_tik.ab.runner import parse_arms
+    try:
+        arm_set = parse_arms(args.arm_set)
+        arms = arm_set if args.arms in ("both", "all") else () if args.arms == "none" else parse_arms(args.arms)
+    except ValueError as e:
+        need(False, f"{e} (--set / --arms)")
+    need(bool(arm_set), "--set names no arm")
+    need(all(a in arm_set for a in arms), f"--arms {args.arms} names arms outside --set {args.arm_set}")
+    need(args.arms in ("both", "all") or bool(args.out), "--arms <subset>|none needs --out (the directory the other "
+                                                          "arms were or will be written to)")
+    args.arm_tuple, args.arm_set_tuple = arms, arm_set
     need(not args.out or not os.path.exists(args.out) or os.path.isdir(args.out),
          f"--out {args.out!r} exists and is not a directory; give a report directory")
     bad = [o for o in args.overrides if "=" not in o]
@@ -48,7 +63,7 @@ def run(args) -> int:
                                                   f"{time.strftime('%Y%m%d-%H%M%S')}")
     report = run_ab(args.config, args.steps, out, overrides=args.overrides, progress=not args.no_progress,
                     timeout=args.timeout, runs_dir=args.runs_dir, partial_ok=args.partial_ok,
-                    arms={"both": ("baseline", "tik"), "none": ()}.get(args.arms, (args.arms,)))
+                    arms=args.arm_tuple, arm_set=args.arm_set_tuple)
     if report.get("pending"):
         print(report["summary_md"])
         return 0 if args.arms != "none" else 1

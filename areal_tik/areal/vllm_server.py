@@ -1,0 +1,127 @@
+"""``python -m areal_tik.areal.vllm_server <AReaL's vLLM server arguments>``: AReaL's vLLM server, run unchanged.
+
+AReaL 1.0.4 starts ``python3 -m areal.engine.vllm_ext.areal_vllm_server <vLLM serve flags>``. This
+module is that command with two additions, made before AReaL's server module runs:
+
+1. :func:`areal_tik.areal.vllm_compat.install_aliases`: the four names AReaL imports from modules
+   vLLM 0.24 no longer has (nothing happens on a vLLM that still has them);
+2. a wrapper around ``vllm.entrypoints.openai.api_server.build_app`` (AReaL's own ``build_app``
+   patch calls it) that adds ``GET``/``POST /get_server_info`` -- the facts the tik skip rule checks,
+   asked from the vLLM workers by ``collective_rpc`` when they run the tik worker extension
+   (:data:`~areal_tik.areal.vllm_info.TIK_WORKER_EXTENSION`), else a stock answer no skip accepts --
+   and a middleware that counts AReaL's weight updates (:class:`~areal_tik.areal.vllm_info.WeightVersion`).
+
+Then AReaL's server module runs as ``__main__`` (``runpy``), parsing the same argv. Its routes,
+its ``/v1/completions`` wrapper and its weight-update endpoints are AReaL's.
+"""
+# no ``from __future__ import annotations``: FastAPI reads the endpoint's ``Request`` annotation as a class
+import importlib
+import runpy
+import sys
+
+from areal_tik.areal.vllm_compat import install_aliases
+from areal_tik.areal.vllm_info import INFO_RPC, TIK_WORKER_EXTENSION, UPDATE_ROUTES, WeightVersion, server_info
+
+__all__ = ["AREAL_SERVER", "API_SERVER", "flag_value", "collect_info", "add_info_routes", "CountWeightUpdates",
+           "hook_build_app", "main"]
+
+AREAL_SERVER = "areal.engine.vllm_ext.areal_vllm_server"
+API_SERVER = "vllm.entrypoints.openai.api_server"
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``--flag X`` or ``--flag=X`` in ``argv`` (the last one wins, as in argparse)."""
+    val = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            val = argv[i + 1]
+        elif a.startswith(flag + "="):
+            val = a.split("=", 1)[1]
+    return val
+
+
+def vllm_version() -> str | None:
+    import importlib.metadata as md
+    try:
+        return md.version("vllm")
+    except md.PackageNotFoundError:
+        return None
+
+
+async def collect_info(engine_client, *, ask_workers: bool, model_path: str, version: WeightVersion,
+                       vllm_ver: str | None) -> dict:
+    """The ``/get_server_info`` body; the workers are asked only when they run the tik extension
+    (a stock worker has no such method)."""
+    workers = list(await engine_client.collective_rpc(INFO_RPC)) if ask_workers else None
+    return server_info(model_path=model_path, vllm_version=vllm_ver, weight_version=version.version,
+                       workers=workers)
+
+
+def add_info_routes(app, *, ask_workers: bool, model_path: str, version: WeightVersion) -> None:
+    """``/get_server_info`` (GET and POST) and the weight-update counting middleware on vLLM's app."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+    ver = vllm_version()
+
+    async def get_server_info(raw_request: Request):
+        info = await collect_info(raw_request.app.state.engine_client, ask_workers=ask_workers,
+                                  model_path=model_path, version=version, vllm_ver=ver)
+        return JSONResponse(info)
+
+    app.add_api_route("/get_server_info", get_server_info, methods=["GET", "POST"])
+    app.add_middleware(CountWeightUpdates, version=version)
+
+
+class CountWeightUpdates:
+    """ASGI middleware: the status of AReaL's weight-update and pause routes goes to ``version``; every other
+    request passes straight through (nothing wraps the generation path)."""
+
+    def __init__(self, app, version: WeightVersion):
+        self.app, self.version = app, version
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path") if scope.get("type") == "http" else None
+        if path not in UPDATE_ROUTES:
+            return await self.app(scope, receive, send)
+        seen = {}
+
+        async def send_status(message):
+            if message.get("type") == "http.response.start":
+                seen["status"] = int(message.get("status", 0))
+            await send(message)
+
+        await self.app(scope, receive, send_status)
+        self.version.observe(path, seen.get("status", 0))
+
+
+def hook_build_app(api_server, add) -> None:
+    """Make ``api_server.build_app`` call ``add(app)`` on every app it builds (AReaL's server imports
+    ``build_app`` when it runs, so it picks up this wrapper and wraps it in turn)."""
+    original = api_server.build_app
+
+    def build_app(*args, **kwargs):
+        app = original(*args, **kwargs)
+        add(app)
+        return app
+
+    build_app.__wrapped__ = original
+    api_server.build_app = build_app
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    added = install_aliases()
+    if added:
+        print(f"areal-tik vllm_server: aliased for AReaL's server: {', '.join(added)}", file=sys.stderr, flush=True)
+    ask = flag_value(argv, "--worker-extension-cls") == TIK_WORKER_EXTENSION
+    model_path = flag_value(argv, "--model") or ""
+    version = WeightVersion()
+    hook_build_app(importlib.import_module(API_SERVER),
+                   lambda app: add_info_routes(app, ask_workers=ask, model_path=model_path, version=version))
+    sys.argv = [sys.argv[0], *argv]
+    # alter_sys=False: __main__ stays this module, so a spawned vLLM process re-imports this one, not AReaL's
+    runpy.run_module(AREAL_SERVER, run_name="__main__", alter_sys=False)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,536 @@
+"""The vLLM rollout backend without vLLM: AReaL's real vLLM server module run against fake vLLM packages.
+
+- the alias shim: with vLLM 0.24's layout AReaL's server does not import without it and does with it;
+  with the old layout the shim changes nothing;
+- ``vllm_server.main``: AReaL's server main runs unchanged, our ``/get_server_info`` and weight-update
+  counting sit on the app it serves, the workers are asked only when they run the tik extension;
+- the facts a worker reports (tik model, fingerprint, digest equal to the trainer's digest of the
+  same weights) and the skip rule's refusal of a stock vLLM server, over HTTP;
+- the command lines and environments of the stock and tik servers, and the config checks.
+"""
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import sys
+import threading
+import types
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+import torch
+
+pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
+
+from areal_tik.areal import vllm_compat, vllm_info, vllm_server  # noqa: E402
+from areal_tik.areal.consensus import LOGPROB_DEFINITION, query_servers, server_disagreements  # noqa: E402
+
+pytestmark = pytest.mark.areal
+
+AREAL_SERVER = vllm_server.AREAL_SERVER
+NEW = vllm_compat.NEW_HOME
+
+
+# ---- fake packages -------------------------------------------------------------------------------
+def _pkg(mods, name, **attrs):
+    m = types.ModuleType(name)
+    m.__path__ = []            # a package: a missing child is ModuleNotFoundError, as on disk
+    m.__dict__.update(attrs)
+    mods[name] = m
+    return m
+
+
+def _mod(mods, name, **attrs):
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    mods[name] = m
+    return m
+
+
+class FakeRoute:
+    def __init__(self, path, methods, endpoint):
+        self.path, self.methods, self.endpoint = path, set(methods), endpoint
+
+
+class FakeRouter:
+    def __init__(self):
+        self.routes = []
+
+    def post(self, path, **_kw):
+        def deco(fn):
+            self.routes.append(FakeRoute(path, ["POST"], fn))
+            return fn
+        return deco
+
+
+class FakeApp:
+    def __init__(self):
+        self.router = FakeRouter()
+        self.router.routes.append(FakeRoute("/v1/completions", ["POST"], "vllm's"))
+        self.router.routes.append(FakeRoute("/health", ["GET"], "vllm's"))
+        self.middlewares = []
+        self.state = types.SimpleNamespace()
+
+    def include_router(self, router):
+        self.router.routes += router.routes
+
+    def add_api_route(self, path, endpoint, methods):
+        self.router.routes.append(FakeRoute(path, methods, endpoint))
+
+    def add_middleware(self, cls, **options):
+        self.middlewares.append((cls, options))
+
+
+class FakeRequestCls:  # fastapi.Request
+    pass
+
+
+class FakeJSONResponse:
+    def __init__(self, content, status_code=200):
+        self.content, self.status_code = content, status_code
+
+
+def _fastapi(mods):
+    _mod(mods, "fastapi", APIRouter=FakeRouter, Depends=lambda f: ("Depends", f), Request=FakeRequestCls)
+    _mod(mods, "fastapi.responses", JSONResponse=FakeJSONResponse)
+
+
+def fake_vllm(layout: str, served: dict):
+    """sys.modules entries of a fake vLLM: ``layout`` "0.24" (the four names in NEW_HOME only), "old"
+    (only in the old modules) or "mixed" (old modules, one name moved). ``served`` receives the app."""
+    mods: dict = {}
+    _fastapi(mods)
+    called = []
+    names = dict(validate_json_request=lambda: None, cli_env_setup=lambda: called.append("cli_env_setup"),
+                 load_aware_call=lambda f: f, with_cancellation=lambda f: f)
+    _pkg(mods, "vllm")
+    _pkg(mods, "vllm.entrypoints")
+    _pkg(mods, "vllm.entrypoints.openai")
+    if layout == "0.24":
+        _pkg(mods, "vllm.entrypoints.serve")
+        _pkg(mods, "vllm.entrypoints.serve.utils")
+        _mod(mods, NEW, **names)
+    elif layout == "old":
+        _mod(mods, "vllm.entrypoints.openai.utils", validate_json_request=names["validate_json_request"])
+        _mod(mods, "vllm.entrypoints.utils", **{k: names[k] for k in ("cli_env_setup", "load_aware_call",
+                                                                      "with_cancellation")})
+    else:  # mixed: with_cancellation moved
+        _mod(mods, "vllm.entrypoints.openai.utils", validate_json_request=names["validate_json_request"])
+        _mod(mods, "vllm.entrypoints.utils", cli_env_setup=names["cli_env_setup"],
+             load_aware_call=names["load_aware_call"])
+        _pkg(mods, "vllm.entrypoints.serve")
+        _pkg(mods, "vllm.entrypoints.serve.utils")
+        _mod(mods, NEW, **names)
+
+    def build_app(args, supported_tasks=None, model_config=None):
+        return FakeApp()
+
+    async def run_server(args):
+        served["app"] = sys.modules["vllm.entrypoints.openai.api_server"].build_app(args)
+        served["args"] = args
+
+    def make_arg_parser(p):
+        for f in ("--model", "--host", "--port", "--worker-extension-cls", "--hf-overrides"):
+            p.add_argument(f)
+        return p
+
+    _mod(mods, "vllm.entrypoints.openai.api_server", build_app=build_app, run_server=run_server)
+    _mod(mods, "vllm.entrypoints.openai.cli_args", make_arg_parser=make_arg_parser,
+         validate_parsed_serve_args=lambda a: None)
+    _pkg(mods, "vllm.entrypoints.openai.completion")
+    _mod(mods, "vllm.entrypoints.openai.completion.api_router", create_completion=lambda r, raw: "completed")
+    _mod(mods, "vllm.entrypoints.openai.completion.protocol", CompletionRequest=object)
+    _pkg(mods, "vllm.entrypoints.openai.engine")
+    _mod(mods, "vllm.entrypoints.openai.engine.protocol", ErrorResponse=object, OpenAIBaseModel=object)
+    _mod(mods, "vllm.logger", init_logger=logging.getLogger)
+    _pkg(mods, "vllm.lora")
+    _mod(mods, "vllm.lora.request", LoRARequest=object)
+    _pkg(mods, "vllm.utils")
+    _mod(mods, "vllm.utils.argparse_utils", FlexibleArgumentParser=argparse.ArgumentParser)
+    return mods, names, called
+
+
+@pytest.fixture
+def vllm_layout(monkeypatch):
+    """Install a fake vLLM of a layout; forget every vllm/fastapi module and AReaL's server afterwards."""
+    def install(layout):
+        served = {}
+        mods, names, called = fake_vllm(layout, served)
+        for k in [k for k in sys.modules if k == "vllm" or k.startswith(("vllm.", "fastapi"))]:
+            monkeypatch.delitem(sys.modules, k)
+        monkeypatch.delitem(sys.modules, AREAL_SERVER, raising=False)
+        for k, v in mods.items():
+            monkeypatch.setitem(sys.modules, k, v)
+        return types.SimpleNamespace(mods=mods, names=names, served=served, called=called)
+    yield install
+    for k in [k for k in sys.modules if k == "vllm" or k.startswith(("vllm.", "fastapi"))] + [AREAL_SERVER]:
+        sys.modules.pop(k, None)
+
+
+# ---- the alias shim ------------------------------------------------------------------------------
+def test_areal_server_needs_the_shim_on_vllm_024(vllm_layout):
+    vllm_layout("0.24")
+    with pytest.raises(ModuleNotFoundError, match="vllm.entrypoints.openai.utils"):
+        importlib.import_module(AREAL_SERVER)       # negative control: AReaL's server as it is
+    sys.modules.pop(AREAL_SERVER, None)
+    added = vllm_compat.install_aliases()
+    assert set(added) == {"vllm.entrypoints.openai.utils", "vllm.entrypoints.openai.utils:validate_json_request",
+                       "vllm.entrypoints.utils", "vllm.entrypoints.utils:cli_env_setup",
+                       "vllm.entrypoints.utils:load_aware_call", "vllm.entrypoints.utils:with_cancellation"}
+    srv = importlib.import_module(AREAL_SERVER)
+    home = sys.modules[NEW]
+    for n in ("validate_json_request", "cli_env_setup", "load_aware_call", "with_cancellation"):
+        assert getattr(srv, n) is getattr(home, n)
+    assert sys.modules["vllm.entrypoints"].utils is sys.modules["vllm.entrypoints.utils"]
+    assert vllm_compat.install_aliases() == []       # idempotent
+
+
+def test_shim_leaves_an_old_vllm_untouched(vllm_layout):
+    f = vllm_layout("old")
+    before = {k: (v, dict(vars(v))) for k, v in f.mods.items()}
+    assert vllm_compat.install_aliases() == []
+    assert NEW not in sys.modules                    # the new home was never looked for
+    for k, (mod, attrs) in before.items():
+        assert sys.modules[k] is mod and dict(vars(mod)) == attrs
+    importlib.import_module(AREAL_SERVER)             # the old layout imports as it always did
+
+
+def test_shim_adds_only_the_missing_name(vllm_layout):
+    f = vllm_layout("mixed")
+    old = sys.modules["vllm.entrypoints.utils"]
+    keep = old.cli_env_setup
+    assert vllm_compat.install_aliases() == ["vllm.entrypoints.utils:with_cancellation"]
+    assert sys.modules["vllm.entrypoints.utils"] is old and old.cli_env_setup is keep
+    assert old.with_cancellation is f.names["with_cancellation"]
+
+
+# ---- the server entry ----------------------------------------------------------------------------
+class FakeEngineClient:
+    def __init__(self, answers):
+        self.answers, self.calls = answers, []
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(method)
+        return self.answers
+
+
+def _run_main(f, monkeypatch, argv):
+    monkeypatch.setattr(sys, "argv", ["vllm_server"])
+    vllm_server.main(argv)
+    app = f.served["app"]
+    routes = {(r.path, m): r.endpoint for r in app.router.routes for m in r.methods}
+    return app, routes
+
+
+def _call(app, routes, path="/get_server_info", method="GET"):
+    req = types.SimpleNamespace(app=app)
+    return asyncio.run(routes[(path, method)](req)).content
+
+
+def _middleware(app, path, status):
+    """One request through the app's middleware (an ASGI class) to an inner app answering ``status``."""
+    (cls, options), = app.middlewares
+    sent = []
+
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": status})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def send(message):
+        sent.append(message)
+    asyncio.run(cls(inner, **options)({"type": "http", "path": path}, None, send))
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]   # passed on untouched
+
+
+TIK_FACTS = {"model_class": "TikQwen2ForCausalLM", "tik_model": True, "logprob_hook": True,
+             "kernel_fingerprint": "f" * 16, "kernel_selection": {"linear": "triton"}, "weights_digest": "d" * 16}
+
+
+def test_main_runs_arealss_server_with_info_routes_tik(vllm_layout, monkeypatch):
+    f = vllm_layout("0.24")
+    argv = ["--model", "/m", "--port", "7", "--worker-extension-cls", vllm_info.TIK_WORKER_EXTENSION]
+    app, routes = _run_main(f, monkeypatch, argv)
+    assert f.served["args"].model == "/m" and f.served["args"].port == "7"   # AReaL's parser saw the argv
+    assert f.called == ["cli_env_setup"]                                      # AReaL's main ran
+    # AReaL's build_app patch ran over ours: its /v1/completions replaced vLLM's, its endpoints are there
+    assert routes[("/v1/completions", "POST")] != "vllm's"
+    assert ("/areal_update_weights", "POST") in routes and ("/areal_pause_generation", "POST") in routes
+    assert ("/get_server_info", "GET") in routes and ("/get_server_info", "POST") in routes
+    ep = routes[("/get_server_info", "GET")]
+    assert ep.__annotations__["raw_request"] is FakeRequestCls   # FastAPI must see the class, not a string
+    app.state.engine_client = client = FakeEngineClient([dict(TIK_FACTS)])
+    info = _call(app, routes)
+    assert client.calls == [vllm_info.INFO_RPC]
+    assert info["kernels"] == "tik" and info["kernel_fingerprint"] == "f" * 16 and info["weights_digest"] == "d" * 16
+    assert info["logprobs"].startswith(LOGPROB_DEFINITION) and info["weight_version"] == 0
+    for path, status in [("/areal_pause_generation", 200), ("/areal_update_weights", 200),
+                         ("/areal_pause_generation", 200), ("/areal_update_weights", 400),   # failed: no version
+                         ("/areal_update_weights", 200), ("/v1/completions", 200)]:
+        _middleware(app, path, status)
+    assert _call(app, routes, method="POST")["weight_version"] == 2
+
+
+def test_main_stock_server_never_asks_workers(vllm_layout, monkeypatch):
+    f = vllm_layout("0.24")
+    app, routes = _run_main(f, monkeypatch, ["--model", "/m", "--worker-extension-cls",
+                                             "areal.engine.vllm_ext.vllm_worker_extension.VLLMWorkerExtension"])
+    app.state.engine_client = client = FakeEngineClient([dict(TIK_FACTS)])
+    info = _call(app, routes)
+    assert client.calls == [] and info["kernels"] == "vllm" and info["kernel_fingerprint"] is None
+    assert not info["logprobs"].startswith(LOGPROB_DEFINITION)
+
+
+def test_weight_version_counts_updates_not_buckets():
+    v = vllm_info.WeightVersion()
+    for path in ["/areal_pause_generation", "/areal_update_weights_xccl", "/areal_update_weights_xccl",
+                 "/areal_update_weights_xccl"]:
+        v.observe(path, 200)
+    assert v.version == 1                       # one xccl update = a pause then many buckets
+    v.observe("/areal_pause_generation", 200)
+    v.observe("/areal_update_weights_xccl", 500)
+    assert v.version == 1                       # a failed bucket opens no version
+    v.observe("/areal_update_weights_xccl", 200)
+    v.observe("/areal_update_weights", 200)
+    assert v.version == 3
+
+
+# ---- what a worker reports -----------------------------------------------------------------------
+def _tik_vllm_like_model(name="TikQwen2ForCausalLM", stray_ops=False):
+    """The plugin's model without vLLM: ``stack.TikDecoder`` with a stand-in for vLLM's ``Attention`` (it holds
+    a KV-cache scale parameter) and the lm_head, loaded from a tiny HF Qwen2 the way the plugin loads one."""
+    from areal_tik.dispatch.bound import bind
+    from areal_tik.layers.models import build_model
+    from areal_tik.layers.modules import TikLinear
+    from areal_tik.vllm_plugin import stack
+    ops = bind(None)
+    hf = build_model("tiny-qwen2", device="cpu", seed=3)
+    tied = bool(hf.config.tie_word_embeddings)
+
+    class Model(torch.nn.Module):
+        def __init__(self, cfg):
+            super().__init__()
+            self.model = stack.TikDecoder(cfg, ops)
+            for layer in self.model.layers:     # vLLM's Attention layer, with a scale parameter
+                layer.self_attn.attn = torch.nn.Module()
+                layer.self_attn.attn.k_scale = torch.nn.Parameter(torch.ones(1))
+            self.lm_head = TikLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head._tik_ops = ops
+            self.tied = tied
+            if tied:
+                self.lm_head.weight = self.model.embed_tokens.weight
+    if hasattr(stack.TikDecoder, "hf_named_parameters"):   # a decoder that stacks projections names them back
+        def hf_named_parameters(self):
+            yield from self.model.hf_named_parameters("model")
+            if not self.tied:
+                yield "lm_head.weight", self.lm_head.weight
+        Model.hf_named_parameters = hf_named_parameters
+    Model.__name__ = name
+    m = Model(hf.config).to(torch.bfloat16)
+    weights = [(k, v) for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")]
+    if hasattr(stack, "load_hf_tensors"):
+        stack.load_hf_tensors(m, weights, tied)
+    else:
+        res = m.load_state_dict(dict(weights), strict=False)
+        assert not res.unexpected_keys and all(".attn.k_scale" in k for k in res.missing_keys), res
+    if stray_ops:
+        [x for x in m.model.layers[1].modules() if isinstance(x, TikLinear)][-1]._tik_ops = bind(None)
+    return m, ops, hf
+
+
+def _bump(m):
+    """Change one weight of the model (the first projection of layer 0's MLP)."""
+    from areal_tik.layers.modules import TikLinear
+    lin = next(x for x in m.model.layers[0].mlp.modules() if isinstance(x, TikLinear))
+    with torch.no_grad():
+        lin.weight[0, 0] += 1.0
+
+
+def test_worker_facts_digest_equals_the_trainers():
+    from areal_tik.dispatch.fingerprint import compute
+    from areal_tik.layers.weights_digest import model_digest
+    m, ops, hf = _tik_vllm_like_model()
+    facts = vllm_info.worker_facts(m, ops, hook_installed=True)
+    assert facts["tik_model"] and facts["kernel_fingerprint"] == compute(None)["fingerprint"]
+    assert facts["weights_digest"] == model_digest(hf)          # the trainer's digest of the same weights
+    _bump(m)
+    assert vllm_info.worker_facts(m, ops, True)["weights_digest"] != model_digest(hf)
+
+
+@pytest.mark.parametrize("case", ["other_class", "stray_ops", "no_hook", "no_ops"])
+def test_worker_facts_refuse_what_is_not_tik(case):
+    m, ops, _ = _tik_vllm_like_model(name="Qwen2ForCausalLM" if case == "other_class" else "TikQwen2ForCausalLM",
+                                     stray_ops=case == "stray_ops")
+    facts = vllm_info.worker_facts(m, None if case == "no_ops" else ops, hook_installed=case != "no_hook",
+                                   digest_fn=lambda _m: "d" * 16)
+    info = vllm_info.server_info(model_path="/m", vllm_version="0.24.0", weight_version=0, workers=[facts])
+    assert info["kernels"] == "vllm" and info["kernel_fingerprint"] is None
+    assert (facts["tik_model"], facts["logprob_hook"]) == ((True, False) if case == "no_hook" else (False, True))
+
+
+# ---- the skip rule against a vLLM server, over HTTP ----------------------------------------------
+def _serve(body: dict):
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            data = json.dumps(body).encode()
+            self.send_response(200 if self.path == "/get_server_info" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+    srv = HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"127.0.0.1:{srv.server_address[1]}"
+
+
+def test_skip_rule_refuses_a_stock_vllm_server_and_accepts_a_matching_tik_one():
+    stock = vllm_info.server_info(model_path="/m", vllm_version="0.24.0", weight_version=3, workers=None)
+    tik = vllm_info.server_info(model_path="/m", vllm_version="0.24.0", weight_version=3, workers=[dict(TIK_FACTS)])
+    servers = [_serve(stock), _serve(tik)]
+    try:
+        answers = query_servers([a for _, a in servers], timeout=5)
+    finally:
+        for s, _ in servers:
+            s.shutdown()
+    bad = server_disagreements(answers[:1], version=3, own_fingerprint="f" * 16, own_digest="d" * 16)
+    assert {r for r, _ in bad} == {"server_kernels", "fingerprint", "weights_digest", "logprob_definition"}
+    assert server_disagreements(answers[1:], version=3, own_fingerprint="f" * 16, own_digest="d" * 16) == []
+    assert {r for r, _ in server_disagreements(answers[1:], version=4, own_fingerprint="f" * 16,
+                                               own_digest="d" * 16)} == {"server_version"}
+
+
+# ---- command lines, environments, config ---------------------------------------------------------
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    return str(tmp_path)
+
+
+def test_stock_command_is_arealss_with_our_module(model_dir):
+    from areal.api.cli_args import vLLMConfig
+
+    from areal_tik.areal.vllm_launch import SERVER_MODULE, vllm_cmd, vllm_server_args
+    from areal_tik.settings import Settings
+    cfg = vLLMConfig(model=model_dir)
+    args = vllm_server_args(cfg, Settings(kernels="default", backend="triton"), host="127.0.0.1", port=9)
+    cmd = vllm_cmd(args)
+    theirs = vLLMConfig.build_cmd(cfg, tp_size=1, pp_size=1, host="127.0.0.1", port=9)
+    assert cmd[0] == sys.executable and cmd[1:3] == ["-m", SERVER_MODULE]
+    assert theirs[1:3] == ["-m", "areal.engine.vllm_ext.areal_vllm_server"] and cmd[3:] == theirs[3:]
+    assert "areal_tik_env" not in args        # a stock server gets no tik environment
+
+
+def test_tik_command_carries_the_plugin_engine_args(model_dir):
+    from areal.api.cli_args import vLLMConfig
+
+    from areal_tik.areal.vllm_launch import server_env, vllm_cmd, vllm_server_args
+    from areal_tik.settings import Settings
+    from areal_tik.vllm_plugin import llm_kwargs
+    args = vllm_server_args(vLLMConfig(model=model_dir), Settings(kernels="tik", backend="triton"),
+                            host="127.0.0.1", port=9)
+    cmd = vllm_cmd(args)
+
+    def val(flag):
+        assert cmd.count(flag) == 1, (flag, cmd)
+        return cmd[cmd.index(flag) + 1]
+    kw = llm_kwargs("qwen2")
+    assert json.loads(val("--hf-overrides")) == kw["hf_overrides"] == {"architectures": ["TikQwen2ForCausalLM"]}
+    assert json.loads(val("--compilation-config")) == kw["compilation_config"]
+    assert val("--attention-backend") == "CUSTOM" and val("--block-size") == "64"
+    assert val("--worker-extension-cls") == vllm_info.TIK_WORKER_EXTENSION
+    assert val("--model") == model_dir and "--no-enable-prefix-caching" in cmd
+    env = server_env(args, device="cuda:1", environ={"CUDA_VISIBLE_DEVICES": "4,5"})
+    assert env["AREAL_TIK_BACKEND"] == "triton" and env["CUDA_VISIBLE_DEVICES"] == "5"
+    assert server_env(args, device="cuda:1", environ={})["CUDA_VISIBLE_DEVICES"] == "1"
+    with pytest.raises(ValueError, match="one GPU per server"):
+        vllm_server_args(vLLMConfig(model=model_dir), Settings(kernels="tik"), tp_size=2)
+
+
+def test_backend_launches_our_module(model_dir, monkeypatch):
+    import subprocess
+
+    from areal.api.cli_args import vLLMConfig
+
+    from areal_tik.areal import vllm_launch
+    from areal_tik.settings import Settings
+    seen = {}
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, env, **kw: seen.update(cmd=cmd, env=env) or "proc")
+    args = vllm_launch.vllm_server_args(vLLMConfig(model=model_dir), Settings(kernels="tik", backend="triton"))
+    args.update(host="127.0.0.1", port=5)  # what AReaL's launch path adds
+    assert vllm_launch.TikVLLMBackend().launch_server(args) == "proc"
+    assert seen["cmd"][1:3] == ["-m", vllm_launch.SERVER_MODULE] and seen["env"]["AREAL_TIK_BACKEND"] == "triton"
+
+
+def test_config_accepts_vllm_with_tik_and_names_what_it_refuses():
+    from areal_tik.areal.config import ConfigError
+    from areal_tik.areal.rollout import rollout_server_kind
+    from areal_tik.areal.train import load_config
+    import os
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
+
+    def load(*ov):
+        return load_config(["--config", recipe, "stats_logger.fileroot=/tmp/areal_tik/test_cfg", *ov])
+    c = load("actor.kernel_backend=tik", "rollout.backend=vllm:d1p1t1")
+    assert rollout_server_kind(c) == "vllm"
+    assert rollout_server_kind(load("actor.kernel_backend=tik")) == "tik"
+    assert rollout_server_kind(load("rollout.backend=vllm:d1p1t1")) == "vllm"
+    for ov, key in [("rollout.backend=vllm:d1t2", "rollout.backend"), ("+vllm.dtype=float16", "vllm.dtype"),
+                    ("+vllm.enable_lora=true", "vllm.enable_lora"), ("rollout.backend=trt:d1", "rollout.backend")]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load("actor.kernel_backend=tik", "rollout.backend=vllm:d1p1t1", ov)
+    load("rollout.backend=vllm:d1t2")          # stock vLLM: tensor parallel is AReaL's business
+
+
+def test_worker_extension_reports_facts_and_redigests_after_an_update(monkeypatch):
+    """The tik worker extension (AReaL's, plus the info method) on fake vLLM modules: the digest is cached
+    until a weight load succeeds, then recomputed from the new weights."""
+    mods: dict = {}
+    _pkg(mods, "vllm")
+    _mod(mods, "vllm.logger", init_logger=logging.getLogger)
+    _pkg(mods, "vllm.lora")
+    _mod(mods, "vllm.lora.lora_model", LoRAModel=object)
+    _mod(mods, "vllm.lora.peft_helper", PEFTHelper=object)
+    _mod(mods, "vllm.lora.request", LoRARequest=object)
+    _pkg(mods, "vllm.model_executor")
+    loads = []
+
+    class Loader:
+        def load_weights(self, model, model_config):
+            loads.append(model_config.model)
+            _bump(model)
+    _mod(mods, "vllm.model_executor.model_loader", get_model_loader=lambda cfg: Loader())
+    _mod(mods, "vllm.config", set_current_vllm_config=lambda *a, **k: __import__("contextlib").nullcontext())
+    for k in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, k)
+    for k, v in mods.items():
+        monkeypatch.setitem(sys.modules, k, v)
+    for k in ("areal.engine.vllm_ext.vllm_worker_extension", "areal_tik.areal.vllm_worker"):
+        monkeypatch.delitem(sys.modules, k, raising=False)
+    from areal_tik.areal.vllm_worker import TikVLLMWorkerExtension
+    from areal_tik.vllm_plugin import logprobs as tik_logprobs
+    from areal_tik import vllm_plugin
+    m, ops, hf = _tik_vllm_like_model()
+    monkeypatch.setattr(vllm_plugin, "_OPS", ops)            # the ops the worker's model was built with
+    monkeypatch.setitem(tik_logprobs._STATE, "installed", True)
+    class CUDAGraphWrapper:            # what a full-CUDA-graph vLLM runner holds instead of the model
+        def __init__(self, runnable):
+            self.runnable = runnable
+
+        def __getattr__(self, name):
+            return getattr(self.runnable, name)
+    w = TikVLLMWorkerExtension()
+    w.model_runner = types.SimpleNamespace(model=CUDAGraphWrapper(m), model_config=types.SimpleNamespace(model="/old"),
+                                           vllm_config=types.SimpleNamespace(load_config=None))
+    w.sync = lambda: None
+    from areal_tik.layers.weights_digest import model_digest
+    first = w.areal_tik_server_info()
+    assert first["tik_model"] and first["logprob_hook"] and first["weights_digest"] == model_digest(hf)
+    assert w.areal_update_weights("/new") == (True, "Success") and loads == ["/new"]
+    second = w.areal_tik_server_info()
+    assert second["weights_digest"] != first["weights_digest"]
+    assert w.areal_tik_server_info()["weights_digest"] == second["weights_digest"]
+    for k in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")] + [
+            "areal.engine.vllm_ext.vllm_worker_extension", "areal_tik.areal.vllm_worker"]:
+        sys.modules.pop(k, None)
