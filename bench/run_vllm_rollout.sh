@@ -4,6 +4,9 @@
 #            stock vLLM, vLLM + tik and the parity check (all four workloads).
 #   STAGE=B: (same warm machine, right after A) vLLM batch-invariant and our engine (the three short
 #            workloads) and our engine's parity; rollout.json/png gather every arm of the work folder.
+#   ARMS (STAGE=A): the arms of that call (default "stock tik parity").
+#   STAGE=P: bench/bench_prefix.py (our engine, prefix sharing off vs on), then bench/probes/probe_vllm_server.py
+#            (AReaL's vLLM server, stock and tik; AReaL's wheels installed in /tmp/site).
 #   STAGE=T: (first, right after the wheel copies) install as in A, then the GPU tests of the rollout-side
 #            stacked projections and `areal-tik verify` at the 1.5B shape (bits of the engine path).
 set -u
@@ -49,8 +52,13 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
     done
     exit 0
   fi
-  timeout ${BENCH_S:-470} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model --arms stock tik parity \
+  timeout ${BENCH_S:-470} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model --arms ${ARMS:-stock tik parity} \
     --budget ${BENCH_S:-470} --arm-timeout 200 --long-reserve 150
+elif [ "$STAGE" = P ]; then
+  # prefix sharing on vs off in our engine (GRPO-shaped), then AReaL's vLLM servers (needs AReaL in /tmp/site)
+  timeout ${PREFIX_S:-150} python bench/bench_prefix.py --out $OUT/prefix 2>&1 | grep -v "it/s\]" | tail -6
+  PYTHONPATH=$PWD:/tmp/vsite:/tmp/site HF_HUB_OFFLINE=1 timeout ${PROBE_S:-300} python bench/probes/probe_vllm_server.py \
+    --out $OUT/probe --model qwen2.5-1.5b --kernels ${PROBE_KERNELS:-tik,default} 2>&1 | grep -v "it/s\]" | tail -25
 else
   timeout ${BENCH_S:-400} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model \
     --arms batch_invariant engine parity --quick --budget ${BENCH_S:-400} --arm-timeout 170
