@@ -11,7 +11,7 @@ every log-prob is bitwise equal between the arms (``torch.equal`` on the fp32 va
     python bench/bench_prefix.py --out $OUT          # GPU, about a minute on an H200
     python bench/bench_prefix.py --smoke --out DIR   # CPU, tiny model, a few seconds
 
-Writes ``prefix.json`` and rows to ``rows.csv`` (bench/harness.py); exits 1 when the arms' bits differ.
+Writes ``prefix_p<prompt len>.json`` (medians of ``--repeats`` runs per arm, alternating which arm goes first) and rows to ``rows.csv`` (bench/harness.py); exits 1 when the arms' bits differ.
 ``bench/gpu_check.sh prefix`` runs it as a part (``--quick`` is accepted and changes nothing).
 """
 from __future__ import annotations
@@ -52,11 +52,14 @@ def workload(w: dict, vocab: int, seed: int):
     return prompts, params
 
 
-def run_arm(eng, w: dict, vocab: int) -> tuple[dict, list]:
-    """Warm-up on other prompts, then the measured run; the row and the outputs."""
+def warm_up(eng, w: dict, vocab: int) -> None:
     eng.generate(*workload(w, vocab, seed=7))
+
+
+def run_arm(eng, w: dict, vocab: int, seed: int = 1) -> tuple[dict, list]:
+    """One measured run on fresh prompts (``seed``); the row and the outputs."""
     before = eng.stats()
-    prompts, params = workload(w, vocab, seed=1)
+    prompts, params = workload(w, vocab, seed=seed)
     _sync()
     t0 = time.perf_counter()
     outs = eng.generate(prompts, params)
@@ -92,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int)
     ap.add_argument("--page-size", type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="per engine (two are alive at once)")
+    ap.add_argument("--repeats", type=int, default=3, help="measured runs per arm (fresh prompts each; median kept)")
     ap.add_argument("--quick", action="store_true", help="accepted for bench/gpu_check.sh; the workload is the same")
     a = ap.parse_args(argv)
     import torch
@@ -117,24 +121,34 @@ def main(argv=None) -> int:
     res = dict(workload=w, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu", torch=torch.__version__,
                expected_hit_rate=round((w["n"] - 1) / w["n"] * ((w["prompt_len"] - 1) // P * P) / w["prompt_len"], 4),
                arms={})
+    engines = {arm: LLMEngine(model, EngineConfig(page_size=P, max_model_len=max_len, max_num_seqs=min(seqs, 512),
+                                                  gpu_memory_utilization=a.gpu_memory_utilization,
+                                                  enable_prefix_sharing=arm == "on"))
+               for arm in ("off", "on")}
+    for eng in engines.values():
+        warm_up(eng, w, vocab)
+    runs = {"off": [], "on": []}
     outs = {}
-    for arm, sharing in (("off", False), ("on", True)):
-        eng = LLMEngine(model, EngineConfig(page_size=P, max_model_len=max_len, max_num_seqs=min(seqs, 512),
-                                            gpu_memory_utilization=a.gpu_memory_utilization,
-                                            enable_prefix_sharing=sharing))
-        row, outs[arm] = run_arm(eng, w, vocab)
-        res["arms"][arm] = row
-        _log(f"sharing {arm:3s}: {row['tokens_per_s']:10.1f} tok/s  ({row['generated_tokens']} tokens, "
-             f"{row['seconds']:.2f} s, {row['prefill_tokens']} prefill tokens, hit rate {row['prefix_hit_rate']})")
+    for r in range(a.repeats):              # fresh prompts per repeat; the order alternates (off first, then on first)
+        for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            row, o = run_arm(engines[arm], w, vocab, seed=1 + r)
+            runs[arm].append(row)
+            if r == 0:
+                outs[arm] = o
+            _log(f"repeat {r} sharing {arm:3s}: {row['tokens_per_s']:10.1f} tok/s  ({row['generated_tokens']} tokens, "
+                 f"{row['seconds']:.2f} s, {row['prefill_tokens']} prefill tokens, hit rate {row['prefix_hit_rate']})")
+    for arm, rows in runs.items():
+        med = sorted(rows, key=lambda x: x["tokens_per_s"])[len(rows) // 2]
+        res["arms"][arm] = dict(med, runs_tokens_per_s=[x["tokens_per_s"] for x in rows])
     res.update(bits_equal(outs["off"], outs["on"]))
     res["speedup"] = round(res["arms"]["on"]["tokens_per_s"] / res["arms"]["off"]["tokens_per_s"], 3)
     res["seconds_total"] = round(time.perf_counter() - t_start, 1)
-    _log(f"on / off: {res['speedup']}x; tokens equal {res['tokens_equal']}, log-probs equal {res['logprobs_equal']}; "
-         f"{res['seconds_total']} s in all")
+    _log(f"on / off (medians of {a.repeats}): {res['speedup']}x; tokens equal {res['tokens_equal']}, "
+         f"log-probs equal {res['logprobs_equal']}; {res['seconds_total']} s in all")
     from harness import Recorder
     rec = Recorder("bench_prefix", a.out)
     res.update(commit=rec.env["commit"], command=rec.env["command"])
-    json.dump(res, open(os.path.join(a.out, "prefix.json"), "w"), indent=1)
+    json.dump(res, open(os.path.join(a.out, f"prefix_p{w['prompt_len']}.json"), "w"), indent=1)
     case = f"{w['model']} {w['prompts']}x{w['n']} prompt={w['prompt_len']} new={w['new_tokens']} page={P}"
     for arm, row in res["arms"].items():
         rec.add(case, f"sharing {arm}", "rollout throughput", row["tokens_per_s"], "tokens/s")

@@ -209,10 +209,11 @@ def test_bench_prefix_smoke(tmp_path):
     import subprocess
     import sys
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    p = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_prefix.py"), "--smoke", "--out", str(tmp_path)],
+    p = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_prefix.py"), "--smoke", "--repeats", "2", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    res = json.load(open(tmp_path / "prefix.json"))
+    res = json.load(open(tmp_path / "prefix_p40.json"))
+    assert len(res["arms"]["on"]["runs_tokens_per_s"]) == 2
     assert res["tokens_equal"] and res["logprobs_equal"]
     assert res["arms"]["off"]["prefix_hit_rate"] == 0
     assert res["arms"]["on"]["prefix_hit_rate"] == res["expected_hit_rate"] > 0
