@@ -20,3 +20,9 @@ from areal.workflow.rlvr import RLVRWorkflow
 from areal_tik.areal.trainer import TikPPOTrainer
 print('areal', areal.__version__, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__,
       'peft', peft.__version__, 'ray', ray.__version__, 'imports')"
+# The vLLM rollout server's view of this set: everything but the trainer's transformers pin (vLLM 0.24 needs
+# transformers>=5.5.3, the image's 5.17; AReaL 1.0.4 pins <=5.3.0): actor.tik.server_pythonpath points there.
+rm -rf /tmp/site-vllm && mkdir -p /tmp/site-vllm
+for f in /tmp/site/*; do
+  case "$(basename "$f")" in transformers|transformers-*|tokenizers|tokenizers-*|peft|peft-*) ;; *) ln -s "$f" /tmp/site-vllm/ ;; esac
+done

@@ -149,6 +149,9 @@ if [ -z "${QWEN_DIR:-}" ] || [ "${WARMSTART_STEPS:-0}" -gt 0 ]; then VLLM_SKIP_T
 case ",$SET," in
   *,vllm,*|*,vllm_tik,*)
     [ -n "$VLLM_MEM" ] && SETTINGS+=(vllm.gpu_memory_utilization="$VLLM_MEM")
+    # vLLM 0.24 needs transformers>=5.5.3 (the image's 5.17); AReaL's set pins 5.3.0 for the trainer: the server
+    # gets /tmp/site-vllm, AReaL's set without transformers/tokenizers/peft (bench/install_gpu_wheels.sh makes it)
+    [ -d /tmp/site-vllm ] && SETTINGS+=("actor.tik.server_pythonpath='$REPO:/tmp/vsite:/tmp/site-vllm'")
     [ "${VLLM_SKIP_TOKENIZER:-0}" = 1 ] && SETTINGS+=(vllm.skip_tokenizer_init=true) ;;
 esac
 if [ "$SMOKE" = 1 ]; then

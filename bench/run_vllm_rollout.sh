@@ -58,7 +58,8 @@ elif [ "$STAGE" = P ]; then
   # prefix sharing on vs off in our engine (GRPO-shaped), then AReaL's vLLM servers (needs AReaL in /tmp/site)
   timeout ${PREFIX_S:-150} python bench/bench_prefix.py --out $OUT/prefix 2>&1 | grep -v "it/s\]" | tail -6
   PYTHONPATH=$PWD:/tmp/vsite:/tmp/site HF_HUB_OFFLINE=1 timeout ${PROBE_S:-300} python bench/probes/probe_vllm_server.py \
-    --out $OUT/probe --model qwen2.5-1.5b --kernels ${PROBE_KERNELS:-tik,default} 2>&1 | grep -v "it/s\]" | tail -25
+    --out $OUT/probe --model qwen2.5-1.5b --kernels ${PROBE_KERNELS:-tik,default} \
+    --server-pythonpath $PWD:/tmp/vsite:/tmp/site-vllm 2>&1 | grep -v "it/s\]" | tail -25
 else
   timeout ${BENCH_S:-400} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model \
     --arms batch_invariant engine parity --quick --budget ${BENCH_S:-400} --arm-timeout 170

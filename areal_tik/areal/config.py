@@ -102,6 +102,12 @@ class TikConfig:
         metadata={"help": "Device of the rollout server the trainer launches, e.g. 'cuda:1' (xccl needs "
                           "its own GPU); null: the trainer's."},
     )
+    server_pythonpath: Optional[str] = field(
+        default=None,
+        metadata={"help": "PYTHONPATH of the vLLM rollout server process the trainer launches (null: the "
+                          "trainer's). For a server that needs other package versions than the trainer: vLLM 0.24 "
+                          "requires transformers>=5.5.3, AReaL 1.0.4 pins transformers<=5.3.0."},
+    )
 
     def __post_init__(self):
         if not isinstance(self.audit_interval, int) or isinstance(self.audit_interval, bool) \

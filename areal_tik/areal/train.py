@@ -172,7 +172,7 @@ def launch_vllm(config, settings, log_path: str):
     from areal_tik.areal.vllm_launch import launch_local_vllm_server, vllm_server_args
     par = ModelAllocation.from_str(config.rollout.backend, name="rollout").parallel
     args = vllm_server_args(config.vllm, settings, tp_size=par.tp_size, pp_size=par.pp_size, host="127.0.0.1",
-                            port=find_free_ports(1)[0])
+                            port=find_free_ports(1)[0], pythonpath=config.actor.tik.server_pythonpath)
     return launch_local_vllm_server(args, device=settings.server_device, log_path=log_path,
                                     timeout=max(900.0, float(getattr(config.rollout, "setup_timeout", 0) or 0)))
 

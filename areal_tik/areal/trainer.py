@@ -191,7 +191,8 @@ class TikPPOTrainer(PPOTrainer):
         if kind == "vllm":
             engine_cls = TikRemotevLLMEngine
             par = self.rollout_alloc.parallel
-            args = vllm_server_args(self.config.vllm, settings, tp_size=par.tp_size, pp_size=par.pp_size)
+            args = vllm_server_args(self.config.vllm, settings, tp_size=par.tp_size, pp_size=par.pp_size,
+                                    pythonpath=self.config.actor.tik.server_pythonpath)
         else:
             engine_cls = TikRemoteSGLangEngine
             args = server_args(self.config.sglang.model_path or self.config.actor.path, settings,

@@ -59,19 +59,23 @@ def tik_engine_args(model_type: str) -> dict[str, Any]:
 
 
 def vllm_server_args(vllm_config, settings: Settings, tp_size: int = 1, pp_size: int = 1,
-                     host: str | None = None, port: int | None = None) -> dict[str, Any]:
+                     host: str | None = None, port: int | None = None,
+                     pythonpath: str | None = None) -> dict[str, Any]:
     """The dict AReaL's ``launch_server`` receives (host and port added by AReaL when not given here):
     ``vLLMConfig.build_args`` unchanged for ``settings.kernels == "default"``; with ``tik`` also
     :func:`tik_engine_args` and, under :data:`ENV_KEY`, ``AREAL_TIK_BACKEND`` for the vLLM workers
-    (they bind their ops from it)."""
+    (they bind their ops from it). ``pythonpath`` (``actor.tik.server_pythonpath``) replaces the server
+    process's ``PYTHONPATH``."""
     args = vLLMConfig.build_args(vllm_config=vllm_config, tp_size=tp_size, pp_size=pp_size, host=host, port=port)
+    if pythonpath:
+        args[ENV_KEY] = {"PYTHONPATH": str(pythonpath)}
     if settings.kernels == "tik":
         if tp_size != 1 or pp_size != 1:
             raise ValueError(f"the tik vLLM models run on one GPU per server; got tensor parallel {tp_size}, "
                              f"pipeline parallel {pp_size} (use rollout.backend vllm:dN)")
         args.update(tik_engine_args(model_type_of(vllm_config.model)))
         if settings.backend:
-            args[ENV_KEY] = {BACKEND_ENV: settings.backend}
+            args.setdefault(ENV_KEY, {})[BACKEND_ENV] = settings.backend
     return args
 
 

@@ -92,7 +92,8 @@ def probe(kernels: str, model_dir: str, args, out: str) -> dict:
     settings = Settings.from_env(kernels=kernels)
     cfg = vLLMConfig(model=model_dir, seed=0, max_model_len=args.max_model_len,
                      gpu_memory_utilization=args.mem, skip_tokenizer_init=True)
-    sargs = vllm_server_args(cfg, settings, host="127.0.0.1", port=find_free_ports(1)[0])
+    sargs = vllm_server_args(cfg, settings, host="127.0.0.1", port=find_free_ports(1)[0],
+                             pythonpath=args.server_pythonpath)
     res: dict = {"kernels": kernels, "cmd": vllm_cmd(sargs), "checks": {}}
     t0 = time.perf_counter()
     proc, addr = launch_local_vllm_server(sargs, log_path=os.path.join(out, f"vllm_server_{kernels}.log"),
@@ -161,6 +162,8 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="qwen2.5-1.5b", help="a preset name or an HF checkpoint directory")
     p.add_argument("--kernels", default="default,tik")
+    p.add_argument("--server-pythonpath", default=None,
+                   help="the servers' PYTHONPATH (actor.tik.server_pythonpath), e.g. REPO:/tmp/vsite:/tmp/site-vllm")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)

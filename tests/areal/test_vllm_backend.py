@@ -448,6 +448,23 @@ def test_tik_command_carries_the_plugin_engine_args(model_dir):
         vllm_server_args(vLLMConfig(model=model_dir), Settings(kernels="tik"), tp_size=2)
 
 
+def test_server_pythonpath_replaces_the_servers_only(model_dir):
+    """actor.tik.server_pythonpath reaches the server's environment, never its command line; both kinds."""
+    from areal.api.cli_args import vLLMConfig
+
+    from areal_tik.areal.vllm_launch import server_env, vllm_cmd, vllm_server_args
+    from areal_tik.settings import Settings
+    for kernels in ("default", "tik"):
+        args = vllm_server_args(vLLMConfig(model=model_dir), Settings(kernels=kernels, backend="triton"),
+                                host="127.0.0.1", port=9, pythonpath="/a:/b")
+        env = server_env(args, environ={"PYTHONPATH": "/trainer"})
+        assert env["PYTHONPATH"] == "/a:/b"
+        assert not any("/a:/b" in c for c in vllm_cmd(args))
+        assert (env.get("AREAL_TIK_BACKEND") == "triton") == (kernels == "tik")
+    plain = vllm_server_args(vLLMConfig(model=model_dir), Settings(kernels="default"), host="127.0.0.1", port=9)
+    assert server_env(plain, environ={"PYTHONPATH": "/trainer"})["PYTHONPATH"] == "/trainer"
+
+
 def test_backend_launches_our_module(model_dir, monkeypatch):
     import subprocess
 
