@@ -7,6 +7,12 @@
 # this call runs (both/all, or a comma list, e.g. ARMS=vllm, then ARMS=tik, then ARMS=vllm_tik, one per call).
 # vLLM arms on one H200: install vLLM's wheels into /tmp/vsite (/work/shared/vllm/README.md: fetch.sh here,
 # install.sh there) besides AReaL's in /tmp/site; disk weight updates; the server gets VLLM_MEM (0.35) of the GPU.
+# vLLM's HTTP server needs three small wheels beyond the vllm.LLM kit (bench/fetch_vllm_server_wheels.sh ->
+# .whl-vllm/srv: carry it with a kit part, e.g. run(carry=[".whl-vllm/p7", ".whl-vllm/srv"])), and its own
+# PYTHONPATH without AReaL's transformers pin: install_gpu_wheels.sh makes /tmp/site-vllm and this script passes
+# actor.tik.server_pythonpath=REPO:/tmp/vsite:/tmp/site-vllm. Check the servers alone first (~3 min):
+#   PYTHONPATH=$PWD:/tmp/vsite:/tmp/site python bench/probes/probe_vllm_server.py --out $OUT/probe \
+#     --server-pythonpath $PWD:/tmp/vsite:/tmp/site-vllm
 #
 # Device (no areal/hydra/ray there, no network): carry the wheels first (bench/fetch_gpu_wheels.sh
 # says how: .whl/p1..p3, three calls), install them with bench/install_gpu_wheels.sh /tmp/w (into
