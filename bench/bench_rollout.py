@@ -12,8 +12,9 @@ random prompts (T = 1, ``ignore_eos``, each sampled token's log-prob returned):
 
 Workloads: B x (prompt -> generated) = 64/128/256 x (136 -> 256) and 64 x (1024 -> 4096)
 (``--quick``: the first three). Each arm first runs every short workload once unmeasured
-(warm-up: JIT, lazily captured graphs), then measures each workload once: generated tokens
-over the wall time of the whole batch (prefill included).
+(warm-up: JIT, lazily captured graphs), then measures each workload (the short ones ``--repeats``
+times on fresh prompts, median kept): generated tokens over the wall time of the whole batch
+(prefill included).
 
 Parity (``parity`` step, after the vLLM arms): every generated token's log-prob from the
 ``tik`` and ``stock`` arms is compared with ``torch.equal`` semantics (raw bits) against our
@@ -160,17 +161,24 @@ def run_arm(arm: str, a) -> int:
     keep = {}
     for w in workloads:
         B, n_in, n_out = w
-        prompts = _prompts(B, n_in, vocab, seed=1)
-        _sync()
-        t0 = time.perf_counter()
-        outs = gen(prompts, n_out)
-        _sync()
-        dt = time.perf_counter() - t0
+        reps = a.repeats if n_out <= 256 else 1           # the long workload runs once
+        times, outs = [], None
+        for r in range(reps):                               # fresh prompts per repeat; the first one's outputs kept
+            prompts_r = _prompts(B, n_in, vocab, seed=1 + r)
+            _sync()
+            t0 = time.perf_counter()
+            o = gen(prompts_r, n_out)
+            _sync()
+            times.append(time.perf_counter() - t0)
+            if r == 0:
+                outs, prompts = o, prompts_r
+        dt = sorted(times)[len(times) // 2]
         n_gen = sum(len(o[1]) for o in outs)
         ok_prompts = all(o[0] == p for o, p in zip(outs, prompts))
         row = dict(batch=B, prompt_len=n_in, max_new=n_out, generated_tokens=n_gen, seconds=round(dt, 4),
                    tokens_per_s=round(n_gen / dt, 1), prompts_match=ok_prompts,
-                   all_full_length=all(len(o[1]) == n_out for o in outs))
+                   all_full_length=all(len(o[1]) == n_out for o in outs),
+                   seconds_per_repeat=[round(t, 4) for t in times])
         if arm == "engine":
             row["engine_stats_cumulative"] = {k: v for k, v in eng.stats().items() if isinstance(v, (int, float, str))}
         res["workloads"][_wl_name(w)] = row
@@ -295,6 +303,8 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", help="BxPROMPTxNEW each (default: the four above)")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--model", default="qwen2.5-1.5b")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs of each short workload (fresh prompts each; the median is reported)")
     ap.add_argument("--model-dir", help="reuse a checkpoint made by an earlier run")
     ap.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per arm process")
     ap.add_argument("--budget", type=float, default=0.0,
@@ -331,7 +341,7 @@ def main() -> int:
         res["vllm"] = f"unavailable: {e}"
     for arm in a.arms:
         cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--out", a.out, "--work", a.work,
-               "--model-dir", a.model_dir]
+               "--model-dir", a.model_dir, "--repeats", str(a.repeats)]
         if arm == "parity":       # the generations present now (our engine's: a positive control)
             have = [x for x in PARITY_ARMS if os.path.exists(os.path.join(a.work, f"{x}_outputs.pt"))]
             if not have:
