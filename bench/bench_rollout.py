@@ -196,7 +196,7 @@ def run_parity(a) -> int:
     """Trainer forward (packed_logprobs, tik-patched HF model) on each arm's generated sequences."""
     import torch
     from areal_tik.verify import contract
-    from areal_tik.layers.logprob_head import packed_logprobs
+    from areal_tik.layers.logprob_head import generated_logprobs
     from areal_tik.layers.patch import patch_model
     from areal_tik.layers.models import build_model
 
@@ -212,21 +212,8 @@ def run_parity(a) -> int:
         res[arm] = {}
         for wl, outs in data.items():
             t0 = time.perf_counter()
-            rollout, train = [], []
-            i = 0
-            while i < len(outs):                       # packed micro-batches of <= PARITY_MB_TOKENS tokens
-                ids, cu, spans = [], [0], []
-                while i < len(outs) and (not spans or cu[-1] + len(outs[i][0]) + len(outs[i][1]) <= PARITY_MB_TOKENS):
-                    p, o, lp = outs[i]
-                    spans.append((cu[-1] + len(p) - 1, len(o)))
-                    ids += p + o
-                    cu.append(cu[-1] + len(p) + len(o))
-                    rollout.append(torch.tensor(lp, dtype=torch.float32))
-                    i += 1
-                with torch.no_grad():
-                    lp_t = packed_logprobs(model, torch.tensor(ids, device=dev),
-                                           torch.tensor(cu, dtype=torch.int32), temperature=1.0).float().cpu()
-                train += [lp_t[s:s + n] for s, n in spans]
+            rollout = [torch.tensor(lp, dtype=torch.float32) for _, _, lp in outs]
+            train = generated_logprobs(model, outs, temperature=1.0, max_tokens_per_mb=PARITY_MB_TOKENS)
             r = torch.cat(rollout)
             t = torch.cat(train)
             rep = contract.compare_bits(r, t, name=f"{arm} {wl} rollout vs trainer")

@@ -18,7 +18,7 @@ import torch
 
 from areal_tik.layers.patch import kernels_of, ops_of
 
-__all__ = ["logprobs_of", "packed_logprobs", "effective_temperature"]
+__all__ = ["logprobs_of", "packed_logprobs", "generated_logprobs", "effective_temperature"]
 
 
 def effective_temperature(t: float) -> float:
@@ -76,6 +76,28 @@ def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | N
         lp = _head(model, hidden.index_select(0, rows), labels.index_select(0, rows), t, fused)
         out = lp.new_zeros(T) if out is None else out
         out = out.index_put((rows,), lp)
+    return out
+
+
+def generated_logprobs(model, pairs, temperature: float = 1.0, max_tokens_per_mb: int = 16384) -> list[torch.Tensor]:
+    """The training forward's log-prob of every generated token of ``(prompt ids, output ids)`` pairs: fp32 CPU
+    ``[len(output)]`` per pair, from :func:`packed_logprobs` over micro-batches of whole sequences of at most
+    ``max_tokens_per_mb`` tokens (a longer sequence gets one of its own), autograd off. Packing does not change a
+    bit (regime R1), so any split gives the same values."""
+    dev = next(model.parameters()).device
+    out, i = [], 0
+    while i < len(pairs):
+        ids, cu, spans = [], [0], []
+        while i < len(pairs) and (not spans or cu[-1] + len(pairs[i][0]) + len(pairs[i][1]) <= max_tokens_per_mb):
+            prompt, gen = pairs[i][0], pairs[i][1]
+            spans.append((cu[-1] + len(prompt) - 1, len(gen)))
+            ids += list(prompt) + list(gen)
+            cu.append(cu[-1] + len(prompt) + len(gen))
+            i += 1
+        with torch.no_grad():
+            lp = packed_logprobs(model, torch.tensor(ids, device=dev), torch.tensor(cu, dtype=torch.int32),
+                                 temperature=temperature).float().cpu()
+        out += [lp[s:s + n] for s, n in spans]
     return out
 
 

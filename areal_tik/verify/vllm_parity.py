@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from areal_tik.layers.logprob_head import generated_logprobs
 from areal_tik.verify import contract
 
 __all__ = ["run_vllm_parity", "REGIMES"]
@@ -66,25 +67,6 @@ def _run_abort(llm, prompts, max_new, seed, abort_after: int = 4):
             aborted = {rid for k, rid in enumerate(ids) if k % 3 == 0 and rid not in done}
             eng.abort_request(sorted(aborted))
     return [done[r] for r in ids if r in done], len(aborted)
-
-
-def _trainer_logprobs(model, seqs, mb_tokens: int = 16384) -> list[torch.Tensor]:
-    from areal_tik.layers.logprob_head import packed_logprobs
-    dev = next(model.parameters()).device
-    res, i = [], 0
-    while i < len(seqs):
-        ids, cu, spans = [], [0], []
-        while i < len(seqs) and (not spans or cu[-1] + len(seqs[i][0]) + len(seqs[i][1]) <= mb_tokens):
-            p, o, _ = seqs[i]
-            spans.append((cu[-1] + len(p) - 1, len(o)))
-            ids += p + o
-            cu.append(cu[-1] + len(p) + len(o))
-            i += 1
-        with torch.no_grad():
-            lp = packed_logprobs(model, torch.tensor(ids, device=dev), torch.tensor(cu, dtype=torch.int32),
-                                 temperature=1.0).float().cpu()
-        res += [lp[s:s + n] for s, n in spans]
-    return res
 
 
 def _preemptions(llm) -> int | None:
@@ -139,7 +121,7 @@ def run_vllm_parity(model_dir: str, trainer_model, *, n_prompts: int = 48, min_p
         else:
             raise ValueError(f"unknown vLLM regime {name!r}; known: {REGIMES}")
         gen_s = time.perf_counter() - t
-        train = _trainer_logprobs(trainer_model, seqs)
+        train = generated_logprobs(trainer_model, seqs)
         rollout = [torch.tensor(lp, dtype=torch.float32) for _, _, lp in seqs]
         short = sum(len(o) != max_new_tokens for _, o, _ in seqs)
         rep = contract.compare_bits(torch.cat(rollout), torch.cat(train), name=f"vLLM {name} rollout vs trainer")

@@ -58,22 +58,14 @@ def _model_dir(spec: str, root: str) -> str:
 
 
 def _trainer_logprobs(model_dir: str, seqs: list[tuple[list[int], list[int]]], temperature: float):
-    """The trainer's log-probs of every generated token (tik-patched HF model, one packed forward)."""
+    """The trainer's log-probs of every generated token (tik-patched HF model, packed forwards)."""
     from areal_tik.layers.models import build_model
-    from areal_tik.layers.logprob_head import packed_logprobs
+    from areal_tik.layers.logprob_head import generated_logprobs
     from areal_tik.layers.patch import patch_model
     from areal_tik.layers.weights_digest import model_digest
     hf = patch_model(build_model(model_dir, dtype=torch.bfloat16, device="cuda"), kernels="tik")
     digest = model_digest(hf)
-    ids = torch.tensor([t for p, o in seqs for t in p + o], device="cuda")
-    lens = [len(p) + len(o) for p, o in seqs]
-    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32)
-    with torch.no_grad():
-        lp = packed_logprobs(hf, ids, cu, temperature=temperature).float().cpu()
-    out = []
-    for i, (p, o) in enumerate(seqs):
-        start = int(cu[i]) + len(p) - 1
-        out.append(lp[start:start + len(o)])
+    out = generated_logprobs(hf, seqs, temperature=temperature)
     del hf
     torch.cuda.empty_cache()
     return out, digest
