@@ -32,7 +32,7 @@ from torch import nn
 
 from areal_tik.layers.attn_context import AttentionContext, get_context
 from areal_tik.layers.default_varlen import packed_causal_attention, sdpa_causal
-from areal_tik.layers.stacking import stacked_projection
+from areal_tik.layers.stacking import stacked_output, stacked_projection
 
 __all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "PagedAttention", "TikAttention", "DefaultAttention", "ForwardMeta",
            "RopeCache", "decoder_layer_forward", "base_model_forward", "tik_rope_inputs", "default_rope_inputs"]
@@ -59,9 +59,9 @@ class TikMLP(nn.Module):
     """HF gated MLP (``gate_proj``/``up_proj``/``down_proj``) with ``ops.silu_mul``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        st = getattr(self, "_tik_gate_up", None)
-        if st is not None and not torch.is_grad_enabled() and st.intact():    # stacking.py: same bits
-            return self.down_proj(self._tik_ops.silu_mul_packed(self._tik_ops.linear(x, st.weight, st.bias)))
+        gu = stacked_output(self, "_tik_gate_up", x)      # stacking.py: same bits, one GEMM
+        if gu is not None:
+            return self.down_proj(self._tik_ops.silu_mul_packed(gu))
         return self.down_proj(self._tik_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 

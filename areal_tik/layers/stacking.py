@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["stack_projections", "stacked_projection", "StackedWeights"]
+__all__ = ["stack_projections", "stacked_output", "stacked_projection", "StackedWeights"]
 
 
 class StackedWeights:
@@ -70,13 +70,19 @@ class StackedWeights:
         return got == self._ptrs and all(lin.weight.dtype == self.weight.dtype for lin in self.linears)
 
 
-def stacked_projection(module: nn.Module, attr: str, x: torch.Tensor) -> list[torch.Tensor] | None:
-    """The stacked GEMM's column blocks for ``module.<attr>`` (a :class:`StackedWeights`), or None when
-    the separate path must run (autograd on, nothing stacked, or the stack no longer intact)."""
+def stacked_output(module: nn.Module, attr: str, x: torch.Tensor) -> torch.Tensor | None:
+    """The stacked GEMM's output for ``module.<attr>`` (a :class:`StackedWeights`), or None when the separate
+    path must run (autograd on, nothing stacked, or the stack no longer intact)."""
     st = getattr(module, attr, None)
     if st is None or torch.is_grad_enabled() or not st.intact():
         return None
-    return list(module._tik_ops.linear(x, st.weight, st.bias).split(st.sizes, dim=-1))
+    return module._tik_ops.linear(x, st.weight, st.bias)
+
+
+def stacked_projection(module: nn.Module, attr: str, x: torch.Tensor) -> list[torch.Tensor] | None:
+    """:func:`stacked_output` split into the stacked linears' column blocks (views), or None."""
+    out = stacked_output(module, attr, x)
+    return None if out is None else list(out.split(getattr(module, attr).sizes, dim=-1))
 
 
 def stack_projections(model: nn.Module) -> int:
