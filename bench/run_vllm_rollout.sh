@@ -16,17 +16,8 @@ export PYTHONPATH=$PWD:/tmp/vsite
 W=/tmp/brw
 mkdir -p $W
 if [ "${STAGE:-A}" = A ] || [ "${STAGE:-A}" = T ]; then
-  if [ ! -d /tmp/vsite/vllm ]; then
-    ls /tmp/vw/vllm-*.part.* >/dev/null || { echo "no vllm parts in /tmp/vw"; exit 1; }
-    cat /tmp/vw/vllm-*.part.* > /tmp/vw/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl && rm /tmp/vw/vllm-*.part.*
-    timeout 180 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite /tmp/vw/*.whl \
-      || { echo "pip install failed"; exit 1; }
-  fi
-  # the plugin's entry point, as `pip install areal-tik[vllm]` declares it (setup.py)
-  D=/tmp/vsite/areal_tik-0.1.0.dist-info
-  mkdir -p $D
-  printf 'Metadata-Version: 2.1\nName: areal-tik\nVersion: 0.1.0\n' > $D/METADATA
-  printf '[vllm.general_plugins]\nareal_tik = areal_tik.vllm_plugin.register:register\n' > $D/entry_points.txt
+  # vLLM into /tmp/vsite and the plugin's entry point, as `pip install areal-tik[vllm]` declares it (setup.py)
+  timeout 300 bash bench/install_vllm_wheels.sh /tmp/vw /tmp/vsite || { echo "vLLM install failed"; exit 1; }
   (timeout 400 python -c "from areal_tik.kernels.cuda import loader as cuda_ext; print('csrc', cuda_ext.status())" > $W/csrc.log 2>&1 &)
   timeout 120 python -c "
 import vllm, importlib.metadata as md

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device job: vLLM from /tmp/vw (bench/run_vllm_rollout.sh's install), the plugin's entry point, the csrc
+# Device job: vLLM from /tmp/vw (bench/install_vllm_wheels.sh: vLLM and the plugin's entry point), the csrc
 # extension, a random Qwen2.5-1.5B checkpoint, then bench/probes/profile_vllm_step.py (ARMS, default
 # "stock tik engine"; TIK_KWARGS: JSON merged into the tik arm's engine arguments).
 set -u
@@ -7,15 +7,7 @@ cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$PWD:/tmp/vsite
 W=/tmp/brw
 mkdir -p $W
-if [ ! -d /tmp/vsite/vllm ]; then
-  cat /tmp/vw/vllm-*.part.* > /tmp/vw/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl && rm /tmp/vw/vllm-*.part.*
-  timeout 180 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite /tmp/vw/*.whl \
-    || { echo "pip install failed"; exit 1; }
-fi
-D=/tmp/vsite/areal_tik-0.1.0.dist-info
-mkdir -p $D
-printf 'Metadata-Version: 2.1\nName: areal-tik\nVersion: 0.1.0\n' > $D/METADATA
-printf '[vllm.general_plugins]\nareal_tik = areal_tik.vllm_plugin.register:register\n' > $D/entry_points.txt
+timeout 300 bash bench/install_vllm_wheels.sh /tmp/vw /tmp/vsite || { echo "vLLM install failed"; exit 1; }
 timeout 300 python -c "from areal_tik.kernels.cuda import loader as cuda_ext; print('csrc', cuda_ext.status())" 2>&1 | tail -2
 [ -f $W/model/bench_meta.json ] || timeout 120 python -c "
 import sys; sys.path.insert(0, 'bench'); import bench_rollout as br; print(br.make_checkpoint('qwen2.5-1.5b', '$W/model'))"
