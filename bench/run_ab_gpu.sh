@@ -5,7 +5,7 @@
 # plugin, skip), baseline (`areal-tik serve` on default kernels, recompute: diagnostic; the reference without vLLM).
 # SET (default vllm,tik,vllm_tik when vLLM is importable, else baseline,tik) names the compared arms, ARMS the ones
 # this call runs (both/all, or a comma list, e.g. ARMS=vllm, then ARMS=tik, then ARMS=vllm_tik, one per call).
-# vLLM arms on one H200: install vLLM's wheels into /tmp/vsite (/work/shared/vllm/README.md: fetch.sh here,
+# vLLM arms on one H200: install vLLM's wheels into /tmp/vsite (../shared/vllm/README.md: fetch.sh here,
 # install.sh there) besides AReaL's in /tmp/site; disk weight updates; the server gets VLLM_MEM (0.35) of the GPU.
 # vLLM's HTTP server needs three small wheels beyond the vllm.LLM kit (bench/fetch_vllm_server_wheels.sh ->
 # .whl-vllm/srv: carry it with a kit part, e.g. run(carry=[".whl-vllm/p7", ".whl-vllm/srv"])), and its own
