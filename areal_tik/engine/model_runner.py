@@ -32,7 +32,8 @@ from areal_tik.dispatch.bound import bind
 from areal_tik.layers.patch import kernels_of, ops_of
 from areal_tik.engine.config import EngineConfig
 from areal_tik.engine.context import prepare_step
-from areal_tik.engine.sampler import Sampler
+from areal_tik.engine.decode_staging import DecodeStaging
+from areal_tik.engine.sampler import Sampler, row_key
 from areal_tik.engine.scheduler import ScheduledBatch
 
 __all__ = ["ModelRunner"]
@@ -87,6 +88,7 @@ class ModelRunner:
         self._graphs: dict[tuple, tuple] = {}
         self._pool = None
         self._static = None
+        self._stage: DecodeStaging | None = None
         # prefill graphs: the tik kernels only (the default kernels' prefill attention loops over host lengths)
         self.prefill_graph_max_tokens = cfg.prefill_graph_max_tokens if self.kernels == "tik" else 0
         self._pstatic = None
@@ -142,7 +144,18 @@ class ModelRunner:
         self.num_graph_steps += 1
         return logits
 
+    def fused_temperature(self, batch: ScheduledBatch) -> float | None:
+        """The temperature at which a decode graph also draws ``batch``'s tokens (the sampler's
+        :meth:`~Sampler.fused_temperature`: one T > 0, no top-k / top-p), or None when the step samples
+        outside the graph (prefill, eager steps, greedy or filtered rows)."""
+        if self.step_mode(batch) != "graph":
+            return None
+        return self.sampler.fused_temperature([c.seq.params for c in batch.chunks])
+
     def _run_and_sample(self, batch: ScheduledBatch):
+        t = self.fused_temperature(batch)
+        if t is not None:
+            return self.run_graph_sampled(batch, t)
         logits = self.forward_logits(batch, self.step_mode(batch))
         chunks = [c for c in batch.chunks if c.sample]
         if not chunks:
@@ -167,26 +180,21 @@ class ModelRunner:
     # ---- CUDA graphs -------------------------------------------------------------------------
     def _alloc_static(self):
         n, dev = self.graph_max_bs, self.device
+        self._stage = DecodeStaging(n, self.page_size, dev)
+        st = self._stage
         self._static = dict(
-            ids=torch.zeros(n, dtype=torch.int64, device=dev),
-            pos=torch.zeros(n, dtype=torch.int64, device=dev),
-            slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            ids=st.ids, pos=st.pos, slots=st.slots, seqk=st.seqk,
             noslots=torch.full((n,), -1, dtype=torch.int64, device=dev),   # warm-up: store nothing
             ones=torch.ones(n, dtype=torch.int32, device=dev),              # warm-up: read one key
-            seqk=torch.ones(n, dtype=torch.int32, device=dev),
             cu=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            tables={},
         )
 
     def _table(self, width: int) -> torch.Tensor:
-        t = self._static["tables"].get(width)
-        if t is None:
-            t = torch.zeros(self.graph_max_bs, width, dtype=torch.int32, device=self.device)
-            self._static["tables"][width] = t
-        return t
+        return self._stage.table(width)
 
-    def _capture(self, bs: int, width: int):
-        """Capture the decode forward for (bs, width) on the static buffers.
+    def _capture(self, bs: int, width: int, temperature: float | None = None):
+        """Capture the decode forward for (bs, width) on the static buffers (with ``temperature``: and the
+        sampler's draw on its logits, keyed (bs, width, temperature)).
 
         The eager warm-up before the capture really runs, so it must have no side effect
         on the KV cache: it runs with every slot -1 (no K/V store) and one key per row
@@ -203,7 +211,15 @@ class ModelRunner:
         ctx = AttentionContext(slot_mapping=s["slots"][:bs], block_table=table[:bs], cu_seqlens_q=s["cu"][:bs + 1],
                                seqlens_k=s["seqk"][:bs], max_seqlen_q=1, kv_caches=self.kv_caches)
         warm = dataclasses.replace(ctx, slot_mapping=s["noslots"][:bs], seqlens_k=s["ones"][:bs])
-        return self._record((bs, width), ctx, warm, lambda: self._forward(s["ids"][:bs], s["pos"][:bs]))
+        if temperature is None:
+            return self._record((bs, width), ctx, warm, lambda: self._forward(s["ids"][:bs], s["pos"][:bs]))
+        st = self._stage
+
+        def fwd():
+            tokens, lps = self.sampler.draw(self._forward(s["ids"][:bs], s["pos"][:bs]), st.keys[:bs],
+                                            st.temps[:bs], temperature)
+            return torch.stack([tokens.to(torch.float64), lps.to(torch.float64)])
+        return self._record((bs, width, temperature), ctx, warm, fwd)
 
     def _record(self, key, ctx: AttentionContext, warm: AttentionContext, fwd, warm_fwd=None):
         """Warm up ``warm_fwd`` (default ``fwd``) eagerly under ``warm`` (which must not store K/V), then capture
@@ -248,29 +264,41 @@ class ModelRunner:
         self.graph_capture_seconds += time.perf_counter() - t0
         return graph, out
 
-    def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _run_graph(self, batch: ScheduledBatch, temperature: float | None = None):
+        """Replay the decode graph of ``batch``'s buckets: its logits (``[B, V]``), or with ``temperature`` the
+        graph that also draws (``[2, B]`` float64: tokens, log-probs)."""
         if self._static is None:
             self._alloc_static()
         B = len(batch)
         bs = next(b for b in _BS_BUCKETS if b >= B)
         bs = min(bs, self.graph_max_bs) if bs > self.graph_max_bs else bs
-        need = max(len(c.seq.block_table) for c in batch.chunks)
+        P = self.page_size
+        need = max((c.end + P - 1) // P for c in batch.chunks)
         width = min(1 << max(0, (need - 1).bit_length()), self.max_width)
         width = max(width, need)
-        inp = prepare_step(batch, self.page_size, self.kv_caches, self.device, width=width)
-        s = self._static
-        s["ids"][:B].copy_(inp.input_ids)
-        s["pos"][:B].copy_(inp.positions)
-        s["slots"][:B].copy_(inp.ctx.slot_mapping)
-        s["slots"][B:bs].fill_(-1)
-        s["seqk"][:B].copy_(inp.ctx.seqlens_k)
-        s["seqk"][B:bs].fill_(1)
-        table = self._table(width)
-        table[:B].copy_(inp.ctx.block_table)
-        table[B:bs].zero_()
-        graph, out = self._graphs.get((bs, width)) or self._capture(bs, width)
+        if temperature is None:
+            self._stage.fill(batch.chunks, width, bs)
+            graph, out = self._graphs.get((bs, width)) or self._capture(bs, width)
+        else:
+            keys = [row_key(c.seq.seed, c.end) for c in batch.chunks]
+            self._stage.fill(batch.chunks, width, bs, keys, temperature)
+            graph, out = self._graphs.get((bs, width, temperature)) or self._capture(bs, width, temperature)
         graph.replay()
-        return out[:B]
+        return out[:B] if temperature is None else out[:, :B]
+
+    @torch.no_grad()
+    def run_graph_sampled(self, batch: ScheduledBatch, temperature: float):
+        """A decode step whose graph also draws the tokens (``temperature`` from :meth:`fused_temperature`):
+        the sampler's :meth:`~Sampler.draw` on the graph's logits, the same ops on the same rows as sampling
+        after the graph, so the same bits; one read-back. Returns (tokens, logprobs) lists."""
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                both = self._run_graph(batch, temperature)
+        else:
+            both = self._run_graph(batch, temperature)
+        self.num_graph_steps += 1
+        tokens, logprobs = both.cpu().tolist()
+        return [int(x) for x in tokens], logprobs
 
     # ---- prefill graphs ------------------------------------------------------------------------
     @staticmethod

@@ -17,6 +17,8 @@ bits); on CUDA the element-wise ``torch.exp``/``torch.log`` are already per-elem
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from areal_tik.layers.logprob_head import logprobs_of
@@ -33,12 +35,16 @@ def _hash32_py(x: int) -> int:
     return ((x >> 16) ^ x) & M32
 
 
-def row_key(seed: int, position: int) -> int:
-    """32-bit key of the random draw for token ``position`` of a request seeded ``seed``."""
+@functools.lru_cache(maxsize=1 << 16)
+def _seed_key(seed: int) -> int:
     s = int(seed) & ((1 << 64) - 1)
     k = _hash32_py(s & M32)
-    k = _hash32_py(k ^ (s >> 32) ^ 0x9E3779B9)
-    return _hash32_py(k ^ (int(position) * 0x2545F491 & M32))
+    return _hash32_py(k ^ (s >> 32) ^ 0x9E3779B9)
+
+
+def row_key(seed: int, position: int) -> int:
+    """32-bit key of the random draw for token ``position`` of a request seeded ``seed``."""
+    return _hash32_py(_seed_key(seed) ^ (int(position) * 0x2545F491 & M32))
 
 
 class Sampler:
@@ -63,7 +69,15 @@ class Sampler:
         greedy = [i for i, t in enumerate(temps) if t == 0]
         sampled = [i for i, t in enumerate(temps) if t != 0]
         if not greedy:      # the RL case: every row sampled, no gather/scatter
-            tokens = self._sample(logits, params, [row_key(seeds[i], positions[i]) for i in range(B)])
+            t = self.fused_temperature(params)
+            keys = [row_key(seeds[i], positions[i]) for i in range(B)]
+            if t is not None:   # unfiltered at one temperature: the draw a decode graph also runs
+                keys_t = torch.tensor(keys, dtype=torch.int64, device=dev)
+                temps_t = torch.full((B,), t, dtype=torch.float32, device=dev)
+                tokens, logprobs = self.draw(logits, keys_t, temps_t, t)
+                both = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)]).tolist()
+                return [int(x) for x in both[:B]], both[B:]
+            tokens = self._sample(logits, params, keys)
         elif not sampled:
             tokens = torch.argmax(logits, dim=-1)
         else:
@@ -84,6 +98,25 @@ class Sampler:
         # one device-to-host copy for both (token ids < 2**53 and fp32 values are exact in float64)
         both = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)]).tolist()
         return [int(x) for x in both[:B]], both[B:]
+
+    def fused_temperature(self, params: list) -> float | None:
+        """The temperature every row samples at when all rows share one T > 0 and none filters (top-k / top-p
+        off: the RL case), else None. Such a step's draw is :meth:`draw`, which a decode CUDA graph can hold."""
+        t = params[0].temperature
+        if t == 0:
+            return None
+        V = self.vocab_size
+        for p in params:
+            if p.temperature != t or 0 < p.top_k < V or p.top_p < 1.0:
+                return None
+        return t
+
+    def draw(self, logits: torch.Tensor, keys: torch.Tensor, temps: torch.Tensor, t: float):
+        """Tokens (int64) and log-probs (fp32) of an unfiltered draw at temperature ``t`` (``temps``: ``t`` per
+        row, fp32; ``keys``: :func:`row_key` per row, int64): Gumbel-max in one fused pass, then the contract's
+        log-prob of the drawn token. Only device ops: this runs inside decode graphs too."""
+        tokens = self.ops.gumbel_argmax(logits, keys, temps, self._vhash)
+        return tokens, logprobs_of(logits, tokens, t, self.logprob_ops)
 
     def _sample(self, logits: torch.Tensor, params: list, keys: list[int]) -> torch.Tensor:
         B, V = logits.shape

@@ -51,6 +51,13 @@ def _phased_step(eng: LLMEngine, acc: dict) -> None:
 
     batch = timed("schedule", eng.scheduler.schedule)
     runner = eng.runner
+    t = runner.fused_temperature(batch)
+    if t is not None:   # the decode graph also draws the tokens: one phase for both
+        tokens, lps = timed("forward + sample (graph: prepare + replay + read-back)", runner.run_graph_sampled,
+                            batch, t)
+        timed("postprocess", eng.scheduler.postprocess, batch, tokens, lps, eng.version, eng.eos_token_id,
+              eng.max_model_len)
+        return
     mode = runner.step_mode(batch)
     label = {"graph": "forward (graph: prepare + replay)", "prefill_graph": "forward (prefill graph: prepare + replay)",
              "eager": "forward (eager)"}[mode]

@@ -94,6 +94,33 @@ def test_graphs_equal_eager_and_training_across_width_buckets(graphs, model, see
     _assert_same_as_eager_and_training(model, prompts, params, got, ref, "graph decode")
 
 
+def test_sampling_graphs_equal_sampling_after_the_graph(graphs, model, seed_rng, monkeypatch):
+    """The RL case (every row T = 0.8, no top-k / top-p): the decode graph also draws the tokens
+    (sampler.draw inside the graph, keyed (bs, width, T)). Tokens and log-prob bits == the same engine
+    sampling after a logits-only graph == eager == training; a top-k request keeps the graph logits-only."""
+    lens = [14, 31, 47, 5]
+    params = [SamplingParams(temperature=0.8, max_new_tokens=n, seed=seed_rng + i, ignore_eos=True)
+              for i, n in enumerate([40, 22, 35, 50])]
+    prompts = _prompts(lens, seed_rng)
+    e_fused = _engine(model, eager=False)
+    got = _run(e_fused, prompts, params)
+    fused_keys = [k for k in e_fused.runner._graphs if len(k) == 3 and k[0] != "prefill"]
+    assert fused_keys and all(k[2] == 0.8 for k in fused_keys), list(e_fused.runner._graphs)
+    e_split = _engine(model, eager=False)
+    monkeypatch.setattr(e_split.runner, "fused_temperature", lambda batch: None)
+    split = _run(e_split, prompts, params)
+    assert not [k for k in e_split.runner._graphs if len(k) == 3 and k[0] != "prefill"]
+    assert e_split.runner.num_graph_steps > 0
+    ref = _run(_engine(model, eager=True), prompts, params)
+    _assert_same_as_eager_and_training(model, prompts, params, got, split, "sampling graph vs logits graph")
+    _assert_same_as_eager_and_training(model, prompts, params, got, ref, "sampling graph vs eager")
+    e_topk = _engine(model, eager=False)
+    _run(e_topk, prompts[:2], [SamplingParams(temperature=0.8, top_k=5, max_new_tokens=30, seed=1, ignore_eos=True),
+                               SamplingParams(temperature=0.8, max_new_tokens=8, seed=2, ignore_eos=True)])
+    assert e_topk.runner.num_graph_steps > 0
+    assert not [k for k in e_topk.runner._graphs if len(k) == 3 and k[0] != "prefill"]
+
+
 def test_parity_all_regimes_with_graphs(graphs, model, seed_rng):
     rep = run_parity(model, ParityConfig(n_prompts=4, max_prompt_len=36, max_new_tokens=10, pad_to=64, seed=seed_rng,
                                          backward=False))
