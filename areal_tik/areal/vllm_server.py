@@ -69,7 +69,20 @@ def add_info_routes(app, *, ask_workers: bool, model_path: str, version: WeightV
         return JSONResponse(info)
 
     app.add_api_route("/get_server_info", get_server_info, methods=["GET", "POST"])
-    app.add_middleware(CountWeightUpdates, version=version)
+    add_outer_middleware(app, CountWeightUpdates, version=version)
+
+
+def add_outer_middleware(app, cls, **options) -> None:
+    """``app.add_middleware(cls, **options)``, also on an app whose middleware stack is already built: vLLM
+    0.24's ``build_app`` ends with the SageMaker bootstrap, which builds the stack, and Starlette then refuses
+    ``add_middleware`` ("Cannot add middleware after an application has started"). There the middleware goes
+    first in ``user_middleware`` (outermost, as ``add_middleware`` puts it) and the stack is rebuilt."""
+    if getattr(app, "middleware_stack", None) is None:
+        app.add_middleware(cls, **options)
+        return
+    from starlette.middleware import Middleware
+    app.user_middleware.insert(0, Middleware(cls, **options))
+    app.middleware_stack = app.build_middleware_stack()
 
 
 class CountWeightUpdates:

@@ -551,3 +551,35 @@ def test_worker_extension_reports_facts_and_redigests_after_an_update(monkeypatc
     for k in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")] + [
             "areal.engine.vllm_ext.vllm_worker_extension", "areal_tik.areal.vllm_worker"]:
         sys.modules.pop(k, None)
+
+
+def test_weight_counting_on_an_app_whose_middleware_stack_is_built():
+    """vLLM 0.24's build_app ends by building the middleware stack (its SageMaker bootstrap); Starlette then
+    refuses add_middleware. The counting middleware still goes on, outermost, and counts a real request."""
+    starlette = pytest.importorskip("starlette")
+    pytest.importorskip("httpx")
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    async def ok(request):
+        return JSONResponse({"ok": True})
+
+    def started_app():
+        app = Starlette(routes=[Route(vllm_info.DISK_UPDATE, ok, methods=["POST"]), Route("/health", ok)])
+        app.middleware_stack = app.build_middleware_stack()   # what vLLM 0.24's build_app leaves behind
+        return app
+
+    with pytest.raises(RuntimeError, match="after an application has started"):   # the failure this guards
+        started_app().add_middleware(vllm_server.CountWeightUpdates, version=vllm_info.WeightVersion())
+    app, version = started_app(), vllm_info.WeightVersion()
+    vllm_server.add_outer_middleware(app, vllm_server.CountWeightUpdates, version=version)
+    assert app.user_middleware[0].cls is vllm_server.CountWeightUpdates
+    client = TestClient(app)
+    assert client.get("/health").status_code == 200 and version.version == 0
+    assert client.post(vllm_info.DISK_UPDATE).status_code == 200 and version.version == 1
+    fresh, v2 = Starlette(routes=[Route(vllm_info.DISK_UPDATE, ok, methods=["POST"])]), vllm_info.WeightVersion()
+    vllm_server.add_outer_middleware(fresh, vllm_server.CountWeightUpdates, version=v2)   # the plain path
+    assert TestClient(fresh).post(vllm_info.DISK_UPDATE).status_code == 200 and v2.version == 1
+    assert starlette.__version__
