@@ -46,7 +46,8 @@
 # the report from two unpacked arms.
 # then here: python bench/collect_results.py <files_at> --command "..." --label ab-<recipe> (keeps summary.md,
 # report.json, steps.csv and the figures; bench/README.md), and commit.
-# CPU dry run of this whole path: SMOKE=1 bash bench/run_ab_gpu.sh (tests/areal/test_run_ab_gpu_smoke.py).
+# CPU dry run of this whole path: SMOKE=1 bash bench/run_ab_gpu.sh (tests/areal/test_run_ab_gpu_smoke.py). DRY_RUN=1 prints
+# each recipe's shared overrides as JSON and exits (tests/areal/test_ab_overrides_compose.py composes every arm's config).
 # A device call is killed at 600 s: BUDGET_S (default 540) is split over the arms as per-arm
 # timeouts; an arm that runs out keeps the steps it logged (--partial-ok; the tik arm then runs
 # as many steps as the baseline logged) and the summary says PARTIAL. With $OUT set (the device's
@@ -108,7 +109,7 @@ for a in "${RUN_LIST[@]}"; do
   case ",$SET," in *",$a,"*) ;; *) echo "ARMS: '$a' is not in SET=$SET (arms: vllm, baseline, tik, vllm_tik)"; exit 2 ;; esac
 done
 NARMS=${#RUN_LIST[@]}
-case ",$RUN_ARMS," in *,vllm_tik,*)  # vLLM finds the tik plugin only through its entry point (bench/install_vllm_wheels.sh)
+[ "${DRY_RUN:-0}" = 1 ] || case ",$RUN_ARMS," in *,vllm_tik,*)  # vLLM finds the tik plugin only through its entry point (bench/install_vllm_wheels.sh)
   python3 -c "import importlib.metadata as md, sys; sys.exit(not any(e.name == 'areal_tik' for e in md.entry_points(group='vllm.general_plugins')))" \
     || { echo "the vllm_tik arm needs the tik plugin's vllm.general_plugins entry point: run bench/install_vllm_wheels.sh"; exit 2; } ;;
 esac
@@ -167,6 +168,13 @@ if [ "$SMOKE" = 1 ]; then
         actor.ppo_n_minibatches=1 actor.tik.audit_interval=5 actor.weight_update_mode="$WEIGHT_UPDATE")
 fi
 
+if [ "${DRY_RUN:-0}" = 1 ]; then  # the overrides every arm gets, one JSON list per recipe (tests compose them on a CPU)
+  for RECIPE in "${RECIPE_LIST[@]}"; do
+    python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "recipes/${RECIPE}_qwen2.5-1.5b_gsm8k.yaml" \
+      "${DATA[@]}" "${SIZE[@]}" "${SETTINGS[@]+"${SETTINGS[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}"
+  done
+  exit 0
+fi
 python3 -m areal_tik.cli env --json > "$AB_OUT/env.json" 2> "$AB_OUT/env.err" || echo "areal-tik env failed (see $AB_OUT/env.err)"
 
 pack() {  # the device returns at most 8 files from $OUT: one archive + one summary per recipe
