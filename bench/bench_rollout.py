@@ -233,16 +233,14 @@ def run_parity(a) -> int:
 # ---------------------------------------------------------------------------------------------- driver
 
 def make_checkpoint(model_name: str, path: str) -> dict:
-    import torch
-    from areal_tik.layers.models import build_model
-    model = build_model(model_name, device=_device(), seed=0)
-    model.save_pretrained(path)
-    meta = dict(model=model_name, vocab_size=model.config.vocab_size, model_type=model.config.model_type,
-                max_model_len=min(MAX_MODEL_LEN, model.config.max_position_embeddings))
+    from transformers import AutoConfig
+
+    from areal_tik.layers.models import checkpoint_dir
+    checkpoint_dir(model_name, path, device=_device(), seed=0)
+    cfg = AutoConfig.from_pretrained(path)
+    meta = dict(model=model_name, vocab_size=cfg.vocab_size, model_type=cfg.model_type,
+                max_model_len=min(MAX_MODEL_LEN, cfg.max_position_embeddings))
     json.dump(meta, open(os.path.join(path, "bench_meta.json"), "w"))
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return meta
 
 

@@ -100,23 +100,17 @@ def _run_vllm(args) -> int:
     ok, why = vllm_plugin.available()
     if not ok:
         raise UsageError(f"--engine {args.engine}: {why}")
-    import os
     import tempfile
 
     import torch
 
-    from areal_tik.layers.models import build_model
+    from areal_tik.layers.models import build_model, checkpoint_dir
     from areal_tik.layers.patch import patch_model
     from areal_tik.settings import Settings
     from areal_tik.verify.vllm_parity import run_vllm_parity
     settings = Settings.from_env(kernels="tik")
     with tempfile.TemporaryDirectory(prefix="areal_tik_verify_vllm_") as tmp:
-        src = args.model
-        if not os.path.isdir(src):                      # a preset: save it as an HF checkpoint vLLM can load
-            preset = build_model(args.model, device=args.device, seed=args.seed)
-            preset.save_pretrained(tmp)
-            del preset
-            src = tmp
+        src = checkpoint_dir(args.model, tmp, device=args.device, seed=args.seed)   # a preset: saved for vLLM
         model = patch_model(build_model(src, dtype=getattr(torch, args.dtype), device=args.device),
                             kernels="tik", backend=settings.backend)
         max_prompt = max(args.max_prompt_len, args.min_prompt_len)

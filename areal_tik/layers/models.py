@@ -81,3 +81,18 @@ def build_model(name_or_dir: str, dtype: torch.dtype = torch.bfloat16, device: s
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model.eval()
+
+
+def checkpoint_dir(name_or_dir: str, path: str, device: str | torch.device | None = None, seed: int = 0,
+                   dtype: torch.dtype = torch.bfloat16) -> str:
+    """A local HF checkpoint of ``name_or_dir`` (what vLLM and AReaL load): the directory itself, or the preset
+    built as :func:`build_model` builds it, saved to ``path`` (reused when ``path`` already holds one)."""
+    if os.path.isdir(str(name_or_dir)):
+        return str(name_or_dir)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        model = build_model(name_or_dir, dtype=dtype, device=device, seed=seed)
+        model.save_pretrained(path)
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return path

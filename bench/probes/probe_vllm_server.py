@@ -46,14 +46,10 @@ def _model_dir(spec: str, root: str) -> str:
     from transformers import AutoTokenizer
 
     from areal_tik.areal.arith import TOKENIZER_DIR
-    from areal_tik.layers.models import build_model
-    d = os.path.join(root, spec)
-    if not os.path.exists(os.path.join(d, "config.json")):
-        model = build_model(spec, dtype=torch.bfloat16, device="cuda", seed=0)
-        model.save_pretrained(d)
+    from areal_tik.layers.models import checkpoint_dir
+    d = checkpoint_dir(spec, os.path.join(root, spec), device="cuda", seed=0)
+    if not os.path.exists(os.path.join(d, "tokenizer_config.json")):
         AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(d)
-        del model
-        torch.cuda.empty_cache()
     return d
 
 
