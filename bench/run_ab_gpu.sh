@@ -40,7 +40,10 @@
 #     BUDGET_S=520 STEPS=10 WARMSTART_STEPS=300 GEN_TOKENS=32 RECIPES=grpo ARMS=both
 #   The figures these gave: docs/results.md, "AReaL A/B".
 # (One nvidia-h200, disk mode: ~85 s start-up + ~42 s step 0 per arm, ~15 s per later step at 16 prompts x 8
-# samples x 256 tokens, 8 s of it AReaL's save-to-disk weight update.)
+# samples x 256 tokens, 8 s of it AReaL's save-to-disk weight update. The vllm arm: 240 s for 3 steps, i.e. ~175 s
+# of AReaL init + vLLM server start (torch.compile, graph capture) + 28 s step 0 + ~12 s per later step, of which
+# the disk update ~8 s. A fresh machine needs the vLLM kit's eight parts + .whl-vllm/srv and AReaL's three: eleven
+# carry calls, ~60 s of device time.)
 # Every call packs what AB_OUT holds for the recipe ($OUT/ab_<recipe>.tgz), so a lost machine
 # still leaves the finished arm here; `areal-tik ab --config ... --out DIR --arms none` rebuilds
 # the report from two unpacked arms.
