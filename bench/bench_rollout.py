@@ -8,7 +8,8 @@ random prompts (T = 1, ``ignore_eos``, each sampled token's log-prob returned):
 - ``batch_invariant``: the same with ``VLLM_BATCH_INVARIANT=1``;
 - ``tik``: ``vllm.LLM`` on the tik plugin (``areal_tik.vllm_plugin.llm_kwargs``: the
   ``TikQwen2ForCausalLM`` architecture, the CUSTOM attention backend, decode CUDA graphs);
-- ``engine``: ``areal_tik.engine.LLMEngine`` on the tik-patched HF model.
+- ``engine``: ``areal_tik.engine.LLMEngine`` on the tik-patched HF model;
+- ``engine_async``: the same with ``EngineConfig(async_decode=True)`` (pipelined decode steps).
 
 Workloads: B x (prompt -> generated) = 64/128/256 x (136 -> 256) and 64 x (1024 -> 4096)
 (``--quick``: the first three). Each arm first runs every short workload once unmeasured
@@ -22,7 +23,7 @@ trainer's forward on the generated sequences (``packed_logprobs`` on the tik-pat
 model, packed micro-batches of <= 16k tokens). vLLM + tik must give 0 mismatches; stock
 vLLM is the negative control.
 
-    python bench/bench_rollout.py --out DIR [--quick] [--arms stock tik batch_invariant engine parity]
+    python bench/bench_rollout.py --out DIR [--quick] [--arms stock tik batch_invariant engine engine_async parity]
 
 Writes ``rollout.json`` (tok/s per arm and workload, parity counts, settings) and
 ``rollout.png``. Needs vLLM 0.24 and the plugin's entry point installed for the vLLM arms
@@ -43,12 +44,13 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 SHORT = [(64, 136, 256), (128, 136, 256), (256, 136, 256)]
 LONG = [(64, 1024, 4096)]
-ARMS = ("stock", "tik", "batch_invariant", "engine", "parity")
+ARMS = ("stock", "tik", "batch_invariant", "engine", "engine_async", "parity")
+ENGINE_ARMS = ("engine", "engine_async")
 VLLM_ARMS = ("stock", "batch_invariant", "tik")
 MAX_MODEL_LEN = 5248          # 1024 + 4096 + room, a multiple of 64
 MAX_NUM_SEQS = 256
 PARITY_MB_TOKENS = 16384
-PARITY_ARMS = ("tik", "stock", "engine")    # arms whose generations the parity step checks
+PARITY_ARMS = ("tik", "stock", "engine", "engine_async")    # arms whose generations the parity step checks
 
 
 def _log(*a):
@@ -106,13 +108,13 @@ def _vllm_generate(llm, prompts, max_new: int):
     return res
 
 
-def _engine_setup(model_dir: str, max_model_len: int):
+def _engine_setup(model_dir: str, max_model_len: int, async_decode: bool = False):
     from areal_tik.layers.patch import patch_model
     from areal_tik.engine import EngineConfig, LLMEngine
     from areal_tik.layers.models import build_model
     model = patch_model(build_model(model_dir, device=_device()), kernels="tik")
     eng = LLMEngine(model, EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_model_len=max_model_len,
-                                        gpu_memory_utilization=0.5))
+                                        gpu_memory_utilization=0.5, async_decode=async_decode))
     _sync()
     return eng
 
@@ -145,8 +147,8 @@ def run_arm(arm: str, a) -> int:
     res = dict(arm=arm, workloads={}, env={k: os.environ.get(k) for k in ("VLLM_BATCH_INVARIANT",)})
     out_json = os.path.join(a.work, f"{arm}.json")
     t0 = time.perf_counter()
-    if arm == "engine":
-        eng = _engine_setup(a.model_dir, meta["max_model_len"])
+    if arm in ENGINE_ARMS:
+        eng = _engine_setup(a.model_dir, meta["max_model_len"], async_decode=arm == "engine_async")
         gen = lambda prompts, n: _engine_generate(eng, prompts, n, seed=len(prompts))
     else:
         llm = _vllm_llm(arm, a.model_dir, model_type, meta["max_model_len"])
@@ -179,7 +181,7 @@ def run_arm(arm: str, a) -> int:
                    tokens_per_s=round(n_gen / dt, 1), prompts_match=ok_prompts,
                    all_full_length=all(len(o[1]) == n_out for o in outs),
                    seconds_per_repeat=[round(t, 4) for t in times])
-        if arm == "engine":
+        if arm in ENGINE_ARMS:
             row["engine_stats_cumulative"] = {k: v for k, v in eng.stats().items() if isinstance(v, (int, float, str))}
         res["workloads"][_wl_name(w)] = row
         _log(f"{arm:16s} {_wl_name(w):18s} {row['tokens_per_s']:10.1f} tok/s  ({n_gen} tokens, {dt:.2f} s)")
@@ -249,9 +251,10 @@ def plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = [a for a in ("stock", "batch_invariant", "tik", "engine") if a in res["arms"] and res["arms"][a].get("workloads")]
+    arms = [a for a in ("stock", "batch_invariant", "tik") + ENGINE_ARMS if a in res["arms"] and res["arms"][a].get("workloads")]
     wls = [w for w in res["workloads"] if any(w in res["arms"][a]["workloads"] for a in arms)]
-    labels = {"stock": "vLLM", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "engine": "our engine (tik)"}
+    labels = {"stock": "vLLM", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "engine": "our engine (tik)",
+              "engine_async": "our engine, pipelined decode"}
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / max(1, len(arms))
     for j, arm in enumerate(arms):
@@ -359,7 +362,7 @@ def main() -> int:
             else:
                 res["arms"][arm] = json.load(open(path))
         json.dump(res, open(os.path.join(a.out, "rollout.json"), "w"), indent=1)
-    for arm in VLLM_ARMS + ("engine",):       # arms measured by an earlier invocation on the same work folder
+    for arm in VLLM_ARMS + ENGINE_ARMS:       # arms measured by an earlier invocation on the same work folder
         path = os.path.join(a.work, f"{arm}.json")
         if arm not in res["arms"] and os.path.exists(path):
             res["arms"][arm] = json.load(open(path))

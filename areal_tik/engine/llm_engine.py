@@ -41,6 +41,22 @@ from areal_tik.engine.sampler import _hash32_py
 __all__ = ["LLMEngine"]
 
 
+class _Rows:
+    """A pending step's result restricted to ``rows`` (its launched rows whose sequences still run); ``B`` is the
+    number of launched rows, so a step with dropped rows is not continued from (its draw's rows are not the next
+    step's)."""
+
+    def __init__(self, pending, rows: list[int]):
+        self.pending, self.rows, self.B = pending, rows, pending.B
+        self.tokens_device = pending.tokens_device
+
+    def result(self):
+        tokens, logprobs = self.pending.result()
+        if len(self.rows) == self.B:
+            return tokens, logprobs
+        return [tokens[i] for i in self.rows], [logprobs[i] for i in self.rows]
+
+
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, version: int = 0):
         self.config = cfg = config or EngineConfig()
@@ -60,13 +76,15 @@ class LLMEngine:
                                    cfg.chunked_prefill)
         self._rng = random.Random(cfg.seed)
         self._requests: dict[str, list[Sequence]] = {}
-        self._pending_done: list[Sequence] = []   # max_new_tokens == 0: finished without a step
+        self._pending_done: list[Sequence] = []   # max_new_tokens == 0, or finished by a drain: reported next step
+        self._inflight = None   # async_decode: (batch, pending result, temperature) of the decode step on the device
         self._version = int(version)
         self.weights_serial = 0  # +1 per update_weights call (a bucketed update is several calls per version)
         self.num_steps = 0
         self.num_failed_steps = 0  # steps whose forward or sampling raised (requests isolated or failed)
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+        self.num_pipelined_steps = 0  # async_decode: steps launched before the previous step's tokens were read
 
     @property
     def version(self) -> int:
@@ -117,25 +135,85 @@ class LLMEngine:
             self._pending_done.extend(seqs)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_done)
+        return self.scheduler.has_unfinished() or bool(self._pending_done) or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; outputs of samples that finished in it."""
+        """Run one scheduled batch; outputs of samples that finished in it. With ``async_decode`` a decode
+        step may be left running on the device: the next call launches the step after it before reading its
+        tokens (or, when the scheduler would run something else next, reads them and schedules as usual), and
+        reports what finished in it. Either way each call starts one step."""
         done, self._pending_done = self._pending_done, []
+        if self._inflight is not None:
+            done += self._advance()
+            if self._inflight is not None:   # the next step is on its way: one step launched per call
+                return self._collect(done)
         batch = self.scheduler.schedule()
         if batch is not None:
+            t = self.runner.fused_temperature(batch) if self.config.async_decode else None
+            if t is not None:
+                try:
+                    self._inflight = (batch, self.runner.launch_sampled(batch, t), t)
+                except Exception as e:  # noqa: BLE001 - as below
+                    return self._collect(done + self._step_failed(batch, e))
+                return self._collect(done)
             try:
                 tokens, logprobs = self.runner.run(batch)
             except Exception as e:  # noqa: BLE001 - one request's fault must not stop the others
                 return self._collect(done + self._step_failed(batch, e))
-            self.num_steps += 1
-            if batch.is_prefill:
-                self.num_prefill_tokens += batch.num_tokens
-            else:
-                self.num_decode_tokens += batch.num_tokens
-            done += self.scheduler.postprocess(batch, tokens, logprobs, self._version, self.eos_token_id,
-                                               self.max_model_len)
+            done += self._record(batch, tokens, logprobs)
         return self._collect(done)
+
+    def _record(self, batch, tokens, logprobs) -> list[Sequence]:
+        self.num_steps += 1
+        if batch.is_prefill:
+            self.num_prefill_tokens += batch.num_tokens
+        else:
+            self.num_decode_tokens += batch.num_tokens
+        return self.scheduler.postprocess(batch, tokens, logprobs, self._version, self.eos_token_id,
+                                          self.max_model_len)
+
+    def _advance(self) -> list[Sequence]:
+        """Pipelined decode: launch the step after the one in flight when the scheduler would run it next
+        (its input ids come from the in-flight step's draw on the device), then read the in-flight step's
+        tokens and record them. The launched step's rows of sequences that finished are discarded."""
+        batch, pending, t = self._inflight
+        self._inflight = None
+        nxt = nxt_pending = None
+        if len(batch.chunks) == pending.B:   # every launched row is live: the draw's rows are the next ids
+            nxt = self.scheduler.schedule_continuation(batch)
+            if nxt is not None:
+                try:
+                    nxt_pending = self.runner.launch_sampled(nxt, t, ids_from=pending)
+                    self.num_pipelined_steps += 1
+                except Exception:  # noqa: BLE001 - the next step() schedules it normally (and meets the fault there)
+                    nxt = None
+        try:
+            tokens, logprobs = pending.result()
+        except Exception as e:  # noqa: BLE001 - the continuation (same sequences) is dropped with it
+            return self._step_failed(batch, e)
+        done = self._record(batch, tokens, logprobs)
+        if nxt is not None:
+            rows = self.scheduler.settle_continuation(nxt)
+            if nxt.chunks:
+                self._inflight = (nxt, _Rows(nxt_pending, rows), t)
+        return done
+
+    def drain(self) -> list[Sequence]:
+        """Finish the decode step in flight, if any (``async_decode``): its tokens are recorded and the samples
+        it finished are reported by the next :meth:`step`. Called before anything changes requests, weights or
+        the KV cache."""
+        if self._inflight is None:
+            return []
+        batch, pending, _ = self._inflight
+        self._inflight = None
+        try:
+            tokens, logprobs = pending.result()
+        except Exception as e:  # noqa: BLE001
+            done = self._step_failed(batch, e)
+        else:
+            done = self._record(batch, tokens, logprobs)
+        self._pending_done.extend(done)
+        return done
 
     def _step_failed(self, batch, exc: Exception) -> list[Sequence]:
         """A step's forward or sampling raised. Its sequences lose their KV and wait again
@@ -193,18 +271,26 @@ class LLMEngine:
         return out
 
     def abort(self, request_id) -> list[RequestOutput]:
-        """Remove a request now; returns its unfinished samples' outputs (finish_reason "abort")."""
-        seqs = self._requests.pop(str(request_id), None)
+        """Remove a request now; returns its unfinished samples' outputs (finish_reason "abort") and those of
+        samples that finished but were not reported by a ``step()`` yet (their own finish reason)."""
+        self.drain()
+        rid = str(request_id)
+        seqs = self._requests.pop(rid, None)
         if not seqs:
             return []
+        # finished but not reported yet (by the drain of a step in flight, or with max_new_tokens == 0): here
+        unreported = {id(s) for s in self._pending_done if s.request_id == rid}
         outs = []
         for s in seqs:
+            if id(s) in unreported:
+                outs.append(s.to_output())
+                continue
             if s.is_finished:
                 continue
             self.scheduler.remove(s)
             s.status, s.finish_reason, s.version = SequenceStatus.FINISHED, "abort", self._version
             outs.append(s.to_output())
-        self._pending_done = [s for s in self._pending_done if s.request_id != str(request_id)]
+        self._pending_done = [s for s in self._pending_done if s.request_id != rid]
         return outs
 
     def abort_all(self) -> list[RequestOutput]:
@@ -233,6 +319,7 @@ class LLMEngine:
         """Copy ``staged`` in, set ``version``, preempt in-flight sequences and drop every cached
         prefix (K/V computed under the old weights is never read again; also when a copy raised
         half way)."""
+        self.drain()   # the step in flight reads the weights being replaced
         try:
             weight_staging.commit(staged)
         finally:
@@ -243,6 +330,7 @@ class LLMEngine:
     def invalidate_kv(self) -> None:
         """Forget all K/V: in-flight sequences are preempted (they re-prefill) and no cached prefix
         is shared again. Every change of the weights must call it."""
+        self.drain()
         self.scheduler.preempt_all()
         self.block_manager.clear_prefix_cache()
 
@@ -256,7 +344,7 @@ class LLMEngine:
         return packed_logprobs(self.model, ids, temperature=temperature)[:-1].tolist()
 
     def stats(self) -> dict:
-        return dict(steps=self.num_steps, prefill_tokens=self.num_prefill_tokens,
+        return dict(steps=self.num_steps, pipelined_steps=self.num_pipelined_steps, prefill_tokens=self.num_prefill_tokens,
                     decode_tokens=self.num_decode_tokens, preemptions=self.scheduler.num_preemptions,
                     graph_steps=self.runner.num_graph_steps, prefill_graph_steps=self.runner.num_prefill_graph_steps,
                     eager_steps=self.runner.num_eager_steps, graphs=len(self.runner._graphs),

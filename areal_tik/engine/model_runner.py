@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -36,7 +37,7 @@ from areal_tik.engine.decode_staging import DecodeStaging
 from areal_tik.engine.sampler import Sampler, row_key
 from areal_tik.engine.scheduler import ScheduledBatch
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "PendingDecode"]
 
 _BS_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _MIN_PREFILL_BUCKET = 16   # token buckets: powers of two from here to prefill_graph_max_tokens
@@ -57,6 +58,30 @@ class _EmulatedGraph:
 
     def replay(self):
         self.out.copy_(self.fn())
+
+
+class PendingDecode:
+    """A launched decode step that draws its tokens in the graph: ``tokens_device`` (int64 ``[B]``, on the
+    device, taken from the graph's output right after the replay, so the next replay of the same graph cannot
+    overwrite it) and a copy of tokens and log-probs on its way to pinned host memory; :meth:`result` waits
+    for that copy only."""
+
+    def __init__(self, both: torch.Tensor, device: torch.device):
+        self.B = both.shape[1]
+        self.tokens_device = both[0].to(torch.int64)
+        if device.type == "cuda":
+            self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self._host.copy_(both, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = both.clone(), None
+
+    def result(self) -> tuple[list[int], list[float]]:
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, logprobs = self._host.tolist()
+        return [int(x) for x in tokens], logprobs
 
 
 class ModelRunner:
@@ -264,9 +289,10 @@ class ModelRunner:
         self.graph_capture_seconds += time.perf_counter() - t0
         return graph, out
 
-    def _run_graph(self, batch: ScheduledBatch, temperature: float | None = None):
+    def _run_graph(self, batch: ScheduledBatch, temperature: float | None = None, ids_from=None):
         """Replay the decode graph of ``batch``'s buckets: its logits (``[B, V]``), or with ``temperature`` the
-        graph that also draws (``[2, B]`` float64: tokens, log-probs)."""
+        graph that also draws (``[2, B]`` float64: tokens, log-probs). ``ids_from``: a :class:`PendingDecode`
+        whose drawn tokens are this step's input ids (in row order)."""
         if self._static is None:
             self._alloc_static()
         B = len(batch)
@@ -281,24 +307,27 @@ class ModelRunner:
             graph, out = self._graphs.get((bs, width)) or self._capture(bs, width)
         else:
             keys = [row_key(c.seq.seed, c.end) for c in batch.chunks]
-            self._stage.fill(batch.chunks, width, bs, keys, temperature)
+            self._stage.fill(batch.chunks, width, bs, keys, temperature,
+                             ids_device=None if ids_from is None else ids_from.tokens_device)
             graph, out = self._graphs.get((bs, width, temperature)) or self._capture(bs, width, temperature)
         graph.replay()
         return out[:B] if temperature is None else out[:, :B]
 
-    @torch.no_grad()
-    def run_graph_sampled(self, batch: ScheduledBatch, temperature: float):
-        """A decode step whose graph also draws the tokens (``temperature`` from :meth:`fused_temperature`):
-        the sampler's :meth:`~Sampler.draw` on the graph's logits, the same ops on the same rows as sampling
-        after the graph, so the same bits; one read-back. Returns (tokens, logprobs) lists."""
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                both = self._run_graph(batch, temperature)
-        else:
-            both = self._run_graph(batch, temperature)
+    def launch_sampled(self, batch: ScheduledBatch, temperature: float, ids_from=None) -> "PendingDecode":
+        """Start a decode step whose graph also draws the tokens (``temperature`` from :meth:`fused_temperature`)
+        without waiting for it: the sampler's :meth:`~Sampler.draw` on the graph's logits, the same ops on the
+        same rows as sampling after the graph, so the same bits. ``ids_from``: the pending step whose tokens are
+        this step's input ids (the pipelined decode: its chunks need not know their token yet)."""
+        with torch.no_grad(), (torch.cuda.device(self.device) if self.device.type == "cuda"
+                               else contextlib.nullcontext()):
+            both = self._run_graph(batch, temperature, ids_from)
+            pending = PendingDecode(both, self.device)
         self.num_graph_steps += 1
-        tokens, logprobs = both.cpu().tolist()
-        return [int(x) for x in tokens], logprobs
+        return pending
+
+    def run_graph_sampled(self, batch: ScheduledBatch, temperature: float):
+        """:meth:`launch_sampled` and wait: (tokens, logprobs) lists."""
+        return self.launch_sampled(batch, temperature).result()
 
     # ---- prefill graphs ------------------------------------------------------------------------
     @staticmethod

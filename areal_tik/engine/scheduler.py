@@ -260,6 +260,42 @@ class Scheduler:
             return None
         return ScheduledBatch(chunks, is_prefill=False, indexed_pages=indexed)
 
+    # ---- pipelined decode ----------------------------------------------------------------
+    def schedule_continuation(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after ``batch`` (a decode step in flight whose tokens are not read yet), if it is
+        the step :meth:`schedule` would pick once they are: nothing waits, nothing runs alone, ``batch`` holds
+        exactly the running sequences in their order, and each gets a page for one more token without a
+        preemption. Its chunks compute the position of the token in flight (``start == num_tokens`` now) and
+        sample the next. Sequences that finish when ``batch``'s tokens are read leave it in
+        :meth:`settle_continuation`. None when any condition fails (the caller then waits and schedules)."""
+        if batch.is_prefill or self.waiting or self.isolating:
+            return None
+        seqs = [c.seq for c in batch.chunks]
+        if len(seqs) != len(self.running) or any(a is not b for a, b in zip(seqs, self.running)):
+            return None
+        need = sum(self.bm.pages_needed(s, s.num_tokens + 1) for s in seqs)
+        if need > self.bm.num_free:
+            return None
+        for s in seqs:
+            self.bm.allocate(s, s.num_tokens + 1)
+        return ScheduledBatch([Chunk(s, s.num_tokens, s.num_tokens + 1) for s in seqs], is_prefill=False)
+
+    def settle_continuation(self, nxt: ScheduledBatch) -> list[int]:
+        """After the previous step's tokens were recorded (:meth:`postprocess`): drop ``nxt``'s chunks whose
+        sequence finished (their rows' results are discarded; the K/V they store is their last token's, in
+        pages they held when it ran) and index the pages the kept chunks complete, as :meth:`schedule` would
+        have when scheduling them. Returns the kept rows' indices into the launched rows."""
+        rows, chunks = [], []
+        for i, c in enumerate(nxt.chunks):
+            if c.seq.status != SequenceStatus.RUNNING:
+                continue
+            rows.append(i)
+            chunks.append(c)
+            if c.seq.num_tokens % self.bm.page_size == 0:   # this token fills a page
+                nxt.indexed_pages += self.bm.index_full_pages(c.seq, c.seq.num_tokens)
+        nxt.chunks = chunks
+        return rows
+
     # ---- after the forward -------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, tokens: list[int], logprobs: list[float], version: int,
                     eos_token_id: int | None, max_model_len: int) -> list[Sequence]:

@@ -84,6 +84,7 @@ def profile(eng: LLMEngine, B: int, prompt_len: int, steps: int, vocab: int) -> 
         eng.step()
     _sync()
     plain_ms = 1e3 * (time.perf_counter() - t0) / steps
+    eng.drain()   # async_decode: record the step in flight before the phased steps drive the scheduler directly
     acc = defaultdict(float)
     for _ in range(steps):
         _phased_step(eng, acc)
@@ -138,7 +139,8 @@ def profile_arm(kernels: str, label: str, a, dev: str, backend: str | None = Non
                                         max_num_batched_tokens=max(a.batches) * a.prompt_len,
                                         chunked_prefill=False, gpu_memory_utilization=0.3,
                                         page_size=a.page_size,
-                                        enable_prefix_sharing=False))   # passes repeat their prompts
+                                        enable_prefix_sharing=False,    # passes repeat their prompts
+                                        async_decode=a.async_decode))
     runs = []
     for B in a.batches:
         r = profile(eng, B, a.prompt_len, a.steps, model.config.vocab_size)
@@ -175,6 +177,8 @@ def main() -> int:
                     help="arms KERNELS[@backend spec] (bench/kernel_arms.py)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--async-decode", action="store_true",
+                    help="EngineConfig(async_decode=True): the plain ms/step is then the pipelined one")
     ap.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="KV page size of every arm's engine")
     ap.add_argument("--prefill", action="store_true",
                     help="also profile a prefill of B fresh prompts per batch size (prefill graphs where the engine uses them)")

@@ -34,8 +34,10 @@ def _expected(batch, width, bs):
 
 
 def _check(st, batch, width, bs):
-    ids, pos, slots, seqk, table = _expected(batch, width, bs)
-    got = (st.ids[:bs], st.pos[:bs], st.slots[:bs], st.seqk[:bs], st.table(width)[:bs])
+    """The graph's rows (< bs) as prepare_step builds them; every other row of the row buffers padding."""
+    ids, pos, slots, seqk, _ = _expected(batch, width, st.n)
+    table = _expected(batch, width, bs)[4]
+    got = (st.ids, st.pos, st.slots, st.seqk, st.table(width)[:bs])
     for name, g, e in zip(("ids", "pos", "slots", "seqk", "table"), got, (ids, pos, slots, seqk, table)):
         assert torch.equal(g, e), name
 
@@ -99,3 +101,22 @@ def test_staging_negative_control_and_errors():
         st.fill(batch.chunks, width, 2)
     with pytest.raises(ValueError, match="width"):
         st.fill(batch.chunks, 1, 4)
+
+
+def test_staging_ids_from_a_device_tensor():
+    """ids_device replaces the host ids (the pipelined decode's next step, whose tokens are still on the device)."""
+    rng = random.Random(9)
+    pool = list(range(1, 500))
+    st = DecodeStaging(8, P, torch.device("cpu"))
+    seqs = [_seq(rng, pool, i) for i in range(3)]
+    batch = ScheduledBatch([Chunk(s, s.num_tokens - 1, s.num_tokens) for s in seqs], is_prefill=False)
+    dev_ids = torch.tensor([s.token_ids[-1] for s in seqs])
+    poisoned = [s.token_ids[-1] for s in seqs]
+    for s in seqs:
+        s.token_ids[-1] = -7             # the host does not know the token: staging must not read it
+    st.fill(batch.chunks, 8, 4, ids_device=dev_ids)
+    for s, t in zip(seqs, poisoned):
+        s.token_ids[-1] = t
+    _check(st, batch, 8, 4)
+    with pytest.raises(ValueError, match="ids_device"):
+        st.fill(batch.chunks, 8, 4, ids_device=dev_ids[:2])
