@@ -35,6 +35,9 @@ def add_parser(sub):
                         "engine's, EngineConfig.prefill_graph_max_tokens)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix sharing in the KV cache: every prompt is prefilled in full (SGLang's flag)")
+    p.add_argument("--async-decode", action="store_true",
+                   help="pipelined decode steps (EngineConfig.async_decode): the next step is launched before the "
+                        "current one's tokens are read; same bits, off by default")
     p.set_defaults(func=run)
     return p
 
@@ -70,7 +73,7 @@ def run(args) -> int:
                        max_running_requests=args.max_running_requests, context_length=args.context_length,
                        mem_fraction=args.mem_fraction, disable_cuda_graph=args.disable_cuda_graph,
                        cuda_graph_max_bs=args.cuda_graph_max_bs, prefill_graph_max_tokens=args.prefill_graph_max_tokens,
-                       disable_radix_cache=args.disable_radix_cache)
+                       disable_radix_cache=args.disable_radix_cache, async_decode=args.async_decode)
     server = build(cfg, device=args.device, dtype=args.dtype)
     run_server(server)
     return 0
