@@ -4,7 +4,9 @@
 #            stock vLLM, vLLM + tik and the parity check (all four workloads).
 #   STAGE=B: (same warm machine, right after A) vLLM batch-invariant and our engine (the three short
 #            workloads) and our engine's parity; rollout.json/png gather every arm of the work folder.
-#   ARMS (STAGE=A): the arms of that call (default "stock tik parity").
+#   ARMS (STAGE=A): the arms of that call (default "stock tik parity"). The whole table on one warm machine, two calls
+#            (~570 s of arms): ARMS="stock batch_invariant engine engine_async", then ARMS="tik parity" (the work
+#            folder keeps the first call's arms; rollout.json gathers them).
 #   STAGE=P: bench/bench_prefix.py (our engine, prefix sharing off vs on), then bench/probes/probe_vllm_server.py
 #            (AReaL's vLLM server, stock and tik; AReaL's wheels installed in /tmp/site).
 #   STAGE=T: (first, right after the wheel copies) install as in A, then the GPU tests of the rollout-side
