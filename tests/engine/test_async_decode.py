@@ -10,7 +10,6 @@ a GPU. A negative control checks that the comparison sees a one-token shift in t
 import pytest
 import torch
 
-import areal_tik.engine.model_runner as mr
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
 from areal_tik.layers.logprob_head import packed_logprobs
 from areal_tik.layers.models import build_model
@@ -18,12 +17,8 @@ from areal_tik.layers.patch import patch_model
 
 HAS_GPU = torch.cuda.is_available()
 DEV = "cuda" if HAS_GPU else "cpu"
+pytestmark = pytest.mark.usefixtures("graphs")   # tests/engine/conftest.py
 
-
-@pytest.fixture(autouse=True)
-def graphs(monkeypatch):
-    if not HAS_GPU:
-        monkeypatch.setattr(mr, "EMULATE_GRAPHS_ON_CPU", True)
 
 
 @pytest.fixture(scope="module")

@@ -80,12 +80,17 @@ def test_staging_matches_prepare_step(seed):
         _check(st, batch, width, bs)
 
 
-def test_staging_negative_control_and_errors():
-    rng = random.Random(5)
+def _three(seed, n):
+    """A staging of ``n`` rows, a page pool, and a decode batch of three random sequences."""
+    rng = random.Random(seed)
     pool = list(range(1, 500))
-    st = DecodeStaging(4, P, torch.device("cpu"))
     seqs = [_seq(rng, pool, i) for i in range(3)]
     batch = ScheduledBatch([Chunk(s, s.num_tokens - 1, s.num_tokens) for s in seqs], is_prefill=False)
+    return DecodeStaging(n, P, torch.device("cpu")), pool, seqs, batch
+
+
+def test_staging_negative_control_and_errors():
+    st, pool, seqs, batch = _three(5, 4)
     width = 8
     st.fill(batch.chunks, width, 4)
     _check(st, batch, width, 4)
@@ -105,11 +110,7 @@ def test_staging_negative_control_and_errors():
 
 def test_staging_ids_from_a_device_tensor():
     """ids_device replaces the host ids (the pipelined decode's next step, whose tokens are still on the device)."""
-    rng = random.Random(9)
-    pool = list(range(1, 500))
-    st = DecodeStaging(8, P, torch.device("cpu"))
-    seqs = [_seq(rng, pool, i) for i in range(3)]
-    batch = ScheduledBatch([Chunk(s, s.num_tokens - 1, s.num_tokens) for s in seqs], is_prefill=False)
+    st, _, seqs, batch = _three(9, 8)
     dev_ids = torch.tensor([s.token_ids[-1] for s in seqs])
     poisoned = [s.token_ids[-1] for s in seqs]
     for s in seqs:

@@ -13,7 +13,6 @@ of every sequence then mismatched training (R2 16124/16384 at the 1.5B shape).
 import pytest
 import torch
 
-import areal_tik.engine.model_runner as mr
 from areal_tik.layers.logprob_head import packed_logprobs
 from areal_tik.layers.patch import patch_model
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
@@ -23,11 +22,6 @@ from areal_tik.layers.models import build_model
 HAS_GPU = torch.cuda.is_available()
 DEV = "cuda" if HAS_GPU else "cpu"
 
-
-@pytest.fixture
-def graphs(monkeypatch):
-    if not HAS_GPU:
-        monkeypatch.setattr(mr, "EMULATE_GRAPHS_ON_CPU", True)
 
 
 @pytest.fixture(scope="module")
