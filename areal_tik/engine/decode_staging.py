@@ -92,7 +92,7 @@ class DecodeStaging:
         hs = self._sets[self._turn]
         self._turn ^= 1
         ids, pos, slots, seqk = [], [], [], []
-        self.table(width)
+        dev_t = self.table(width)
         host_t, written = self._host_table(hs, width)
         tnp = host_t.numpy()
         for i, ch in enumerate(chunks):
@@ -140,4 +140,4 @@ class DecodeStaging:
             hs.temps.fill_(temperature)
             self.temps.copy_(hs.temps, non_blocking=True)
             self._temp = temperature
-        self._tables[width][:bs].copy_(host_t[:bs], non_blocking=True)   # a graph of bs rows reads rows < bs only
+        dev_t[:bs].copy_(host_t[:bs], non_blocking=True)   # a graph of bs rows reads rows < bs only

@@ -187,12 +187,8 @@ class LLMEngine:
                     self.num_pipelined_steps += 1
                 except Exception:  # noqa: BLE001 - the next step() schedules it normally (and meets the fault there)
                     nxt = None
-        try:
-            tokens, logprobs = pending.result()
-        except Exception as e:  # noqa: BLE001 - the continuation (same sequences) is dropped with it
-            return self._step_failed(batch, e)
-        done = self._record(batch, tokens, logprobs)
-        if nxt is not None:
+        done = self._resolve(batch, pending)
+        if nxt is not None:   # (after a failed step its sequences wait again: settling drops every row)
             rows = self.scheduler.settle_continuation(nxt)
             if nxt.chunks:
                 self._inflight = (nxt, _Rows(nxt_pending, rows), t)
@@ -206,14 +202,17 @@ class LLMEngine:
             return []
         batch, pending, _ = self._inflight
         self._inflight = None
-        try:
-            tokens, logprobs = pending.result()
-        except Exception as e:  # noqa: BLE001
-            done = self._step_failed(batch, e)
-        else:
-            done = self._record(batch, tokens, logprobs)
+        done = self._resolve(batch, pending)
         self._pending_done.extend(done)
         return done
+
+    def _resolve(self, batch, pending) -> list[Sequence]:
+        """Read a launched step's tokens back and record them (or, if it raised, handle it as a failed step)."""
+        try:
+            tokens, logprobs = pending.result()
+        except Exception as e:  # noqa: BLE001 - one request's fault must not stop the others
+            return self._step_failed(batch, e)
+        return self._record(batch, tokens, logprobs)
 
     def _step_failed(self, batch, exc: Exception) -> list[Sequence]:
         """A step's forward or sampling raised. Its sequences lose their KV and wait again

@@ -69,15 +69,7 @@ class Sampler:
         greedy = [i for i, t in enumerate(temps) if t == 0]
         sampled = [i for i, t in enumerate(temps) if t != 0]
         if not greedy:      # the RL case: every row sampled, no gather/scatter
-            t = self.fused_temperature(params)
-            keys = [row_key(seeds[i], positions[i]) for i in range(B)]
-            if t is not None:   # unfiltered at one temperature: the draw a decode graph also runs
-                keys_t = torch.tensor(keys, dtype=torch.int64, device=dev)
-                temps_t = torch.full((B,), t, dtype=torch.float32, device=dev)
-                tokens, logprobs = self.draw(logits, keys_t, temps_t, t)
-                both = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)]).tolist()
-                return [int(x) for x in both[:B]], both[B:]
-            tokens = self._sample(logits, params, keys)
+            tokens = self._sample(logits, params, [row_key(seeds[i], positions[i]) for i in range(B)])
         elif not sampled:
             tokens = torch.argmax(logits, dim=-1)
         else:

@@ -142,18 +142,3 @@ def test_async_decode_only_where_the_draw_is_in_the_graph(model):
 def test_pipelined_decode_gpu(model):
     """The same comparison with real CUDA graphs, pinned copies and events (bench/gpu_check.sh)."""
     test_pipelined_decode_records_what_the_unpipelined_engine_records(model, 0)
-
-
-def test_serve_flag_reaches_the_engine():
-    import argparse
-
-    from areal_tik.cli import serve
-    from areal_tik.engine.server import ServerConfig, build
-    ap = argparse.ArgumentParser()
-    serve.add_parser(ap.add_subparsers())
-    assert ap.parse_args(["serve", "--model", "tiny-qwen2", "--async-decode"]).async_decode
-    assert not ap.parse_args(["serve", "--model", "tiny-qwen2"]).async_decode
-    for on in (False, True):
-        server = build(ServerConfig(model="tiny-qwen2", async_decode=on, max_running_requests=4, context_length=64,
-                                    precompile=False), device="cpu")
-        assert server.worker.engine.config.async_decode is on

@@ -123,19 +123,25 @@ def test_weight_update_drops_cached_prefixes(monkeypatch, seed_rng, skip_invalid
         assert eng.block_manager.num_free == eng.block_manager.num_pages
 
 
+def _start(eng, prompts, params, steps):
+    """Add the prompts as requests q0, q1, ... and run ``steps`` steps; (request ids, outputs so far by id)."""
+    rids = [f"q{i}" for i in range(len(prompts))]
+    for rid, p, sp in zip(rids, prompts, params):
+        eng.add_request(rid, p, sp)
+    outs = {}
+    for _ in range(steps):
+        for o in eng.step():
+            outs[o.request_id] = o
+    return rids, outs
+
+
 def test_resume_after_mid_flight_update_and_preemption_keep_bits(model, seed_rng):
     """R5 with sharing: a weight update (same values) mid-flight preempts everything and drops the
     cache; a small cache forces preemptions. Both runs match an uninterrupted run without sharing."""
     prompts, params, _ = _workload(seed_rng)
     ref = _engine(model, False).generate(prompts, params)
     eng = _engine(model, True)
-    rids = [f"q{i}" for i in range(len(prompts))]
-    for rid, p, sp in zip(rids, prompts, params):
-        eng.add_request(rid, p, sp)
-    outs = {}
-    for _ in range(4):
-        for o in eng.step():
-            outs[o.request_id] = o
+    rids, outs = _start(eng, prompts, params, steps=4)
     eng.update_weights({k: v.clone() for k, v in model.state_dict().items()}, version=1)
     assert eng.block_manager.num_cached_pages == 0
     while eng.has_unfinished():
@@ -154,13 +160,7 @@ def test_abort_releases_shared_pages(model, seed_rng):
     ref = _engine(model, False).generate(prompts, params)
     eng = _engine(model, True)
     bm = eng.block_manager
-    rids = [f"q{i}" for i in range(len(prompts))]
-    for rid, p, sp in zip(rids, prompts, params):
-        eng.add_request(rid, p, sp)
-    outs = {}
-    for _ in range(3):
-        for o in eng.step():
-            outs[o.request_id] = o
+    rids, outs = _start(eng, prompts, params, steps=3)
     shared = eng._requests["q0"][0].block_table[0]
     assert bm.refcount(shared) == 4                  # the 4 samples of q0 read one page
     assert len(eng.abort("q0")) == 4 and bm.refcount(shared) == 0 and bm.key_of(shared) is not None
@@ -185,21 +185,6 @@ def test_abort_releases_shared_pages(model, seed_rng):
         eng.add_request(rid, p, sp)
     eng.step()
     assert eng.abort_all() and bm.num_free == bm.num_pages
-
-
-def test_serve_flag_reaches_the_engine():
-    import argparse
-
-    from areal_tik.cli import serve
-    from areal_tik.engine.server import ServerConfig, build
-    ap = argparse.ArgumentParser()
-    serve.add_parser(ap.add_subparsers())
-    assert ap.parse_args(["serve", "--model", "tiny-qwen2", "--disable-radix-cache"]).disable_radix_cache
-    assert not ap.parse_args(["serve", "--model", "tiny-qwen2"]).disable_radix_cache
-    for off in (False, True):
-        server = build(ServerConfig(model="tiny-qwen2", disable_radix_cache=off, max_running_requests=4,
-                                    context_length=64, precompile=False), device="cpu")
-        assert server.worker.engine.block_manager.prefix_sharing is (not off)
 
 
 def test_bench_prefix_smoke(tmp_path):
