@@ -186,9 +186,23 @@ def test_critic_phase_is_its_own_column():
     assert [r["critic"] for r in rep["rows"]["baseline"]] == [3.0] * 3
     assert rep["rows"]["tik"][1]["other"] == pytest.approx(10.0 - 4.0 - 2.0 - 1.5)
     md = report.summary_markdown(rep, {"config": CFG})
-    assert "| weight update | critic | other |" in md and "| 3.000 |" in md
+    assert "| weight update (trainer's save) | critic | other |" in md and "| 3.000 |" in md
     no_critic = report.summary_markdown(analysis.analyze({"baseline": recs(0.0), "tik": recs(0.0)}), {"config": CFG})
     assert "critic" not in no_critic.split("## Per step")[0]
+
+
+def test_weight_update_split_into_the_trainers_save():
+    """The disk weight update's trainer share (``tik/hf_save_s``, the tik actor's timed HF save) is reported
+    beside the whole update; a log without it reads nan, not 0."""
+    def recs(save):
+        return [{"global_step": i, "wall_s": 12.0, "tik": [{"gen_tokens": 10}],
+                 "stats": {"timeperf/update_weights": 8.0, **({"tik/hf_save_s": save + i} if save else {})}}
+                for i in range(3)]
+    rep = analysis.analyze({"vllm": recs(None), "tik": recs(4.0)})
+    assert [r["weight_save"] for r in rep["rows"]["tik"]] == [4.0, 5.0, 6.0]
+    assert rep["phase_mean_s"]["tik"]["weight_save"] == pytest.approx(5.5)  # steps 1-2 measured
+    md = report.summary_markdown(rep, {"config": CFG})
+    assert "| tik | 0.000 | 0.000 | 0.000 | 8.000 (5.500) |" in md and "| vllm | 0.000 | 0.000 | 0.000 | 8.000 (nan) |" in md
 
 
 def test_vllm_set_across_calls_ratios_against_vllm(tmp_path, monkeypatch):

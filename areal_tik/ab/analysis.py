@@ -43,6 +43,8 @@ def _step_row(rec: dict) -> dict:
     for name, key in PHASES:
         row[name] = sum(float(s.get(k, 0.0)) for k in ((key,) if isinstance(key, str) else key))
     row["other"] = row["wall_s"] - sum(row[n] for n, _ in PHASES)
+    # the trainer's share of a disk weight update (AReaL's HF save, timed by the tik actor); nan when not logged
+    row["weight_save"] = float(s.get("tik/hf_save_s", math.nan))
     tik = rec.get("tik") or []
     row["gen_tokens"] = sum(int(t.get("gen_tokens", 0)) for t in tik)
     row["total_tokens"] = sum(int(t.get("total_tokens", 0)) for t in tik)
@@ -147,6 +149,8 @@ def analyze(steps_by_arm: dict[str, list[dict]]) -> dict:
     for a in arms:
         phase_means[a]["other"] = _spread([rows[a][i]["other"] for i in measured])["mean"]
         phase_means[a]["wall_s"] = _spread([rows[a][i]["wall_s"] for i in measured])["mean"]
+        saves = [rows[a][i].get("weight_save", math.nan) for i in measured]
+        phase_means[a]["weight_save"] = statistics.fmean(saves) if saves else math.nan
     rewards = {a: [rows[a][i]["reward"] for i in range(n)] for a in arms}
     mean_r = {a: (statistics.fmean(rewards[a]) if rewards[a] else math.nan) for a in arms}
 

@@ -79,13 +79,14 @@ def summary_markdown(report: dict, meta: dict) -> str:
             lines.append(f"- {a} packed attention (train + recompute forward): {', '.join(att) or 'not recorded'}")
     crit = _has_critic(r)
     lines += ["", "## Mean seconds per measured step", "",
-              "| arm | rollout | recompute | train step | weight update |" + (" critic |" if crit else "")
-              + " other | step |",
+              "| arm | rollout | recompute | train step | weight update (trainer's save) |"
+              + (" critic |" if crit else "") + " other | step |",
               "|---|---|---|---|---|---|---|" + ("---|" if crit else "")]
     for a in arms:
         p = r["phase_mean_s"][a]
         lines.append(f"| {a} | {_fmt(p['rollout'])} | {_fmt(p['recompute'])} | {_fmt(p['train_step'])} | "
-                     f"{_fmt(p['weight_update'])} |" + (f" {_fmt(p['critic'])} |" if crit else "")
+                     f"{_fmt(p['weight_update'])} ({_fmt(p.get('weight_save'))}) |"
+                     + (f" {_fmt(p['critic'])} |" if crit else "")
                      + f" {_fmt(p['other'])} | {_fmt(p['wall_s'])} |")
     srv_iv = {a: (meta.get("server_intervals") or {}).get(a, []) for a in arms}
     lines += ["", "## Per step", "",

@@ -123,6 +123,15 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
             if th is not None:
                 th.join(timeout=60)
 
+    def _save_model_to_hf(self, path, tokenizer, processor):
+        """AReaL's save, timed: a disk weight update is this save (trainer side) followed by the rollout
+        server's load, so ``timeperf/update_weights - tik/hf_save_s`` is the server's share (``areal-tik ab``
+        reports both). Every arm runs this class, the reference arm included; nothing else changes."""
+        t0 = time.perf_counter()
+        out = super()._save_model_to_hf(path, tokenizer, processor)
+        stats_tracker.scalar(**{"tik/hf_save_s": time.perf_counter() - t0})
+        return out
+
     # ---- log-probs through the one areal-tik function --------------------------------
     def _labels(self, inputs):
         labels = inputs.get("rolled_input_ids", torch.roll(inputs["input_ids"], shifts=-1, dims=-1))
