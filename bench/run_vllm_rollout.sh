@@ -7,6 +7,7 @@
 #   ARMS (STAGE=A): the arms of that call (default "stock tik parity"). The whole table on one warm machine, two calls
 #            (~570 s of arms): ARMS="stock batch_invariant engine engine_async", then ARMS="tik parity" (the work
 #            folder keeps the first call's arms; rollout.json gathers them).
+#   ROLLOUT_ARGS: more bench_rollout.py flags (STAGE=A), e.g. "--repeats 3".
 #   STAGE=P: bench/bench_prefix.py (our engine, prefix sharing off vs on), then bench/probes/probe_vllm_server.py
 #            (AReaL's vLLM server, stock and tik; AReaL's wheels installed in /tmp/site).
 #   STAGE=T: (first, right after the wheel copies) install as in A, then the GPU tests of the rollout-side
@@ -46,7 +47,7 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
     exit 0
   fi
   timeout ${BENCH_S:-470} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model --arms ${ARMS:-stock tik parity} \
-    --budget ${BENCH_S:-470} --arm-timeout 200 --long-reserve 150
+    --budget ${BENCH_S:-470} --arm-timeout 200 --long-reserve 150 ${ROLLOUT_ARGS:-}
 elif [ "$STAGE" = P ]; then
   # prefix sharing on vs off in our engine (GRPO-shaped), then AReaL's vLLM servers (needs AReaL in /tmp/site)
   timeout ${PREFIX_S:-150} python bench/bench_prefix.py --out $OUT/prefix 2>&1 | grep -v "it/s\]" | tail -6
