@@ -8,8 +8,9 @@ random prompts (T = 1, ``ignore_eos``, each sampled token's log-prob returned):
 - ``batch_invariant``: the same with ``VLLM_BATCH_INVARIANT=1``;
 - ``tik``: ``vllm.LLM`` on the tik plugin (``areal_tik.vllm_plugin.llm_kwargs``: the
   ``TikQwen2ForCausalLM`` architecture, the CUSTOM attention backend, decode CUDA graphs);
-- ``engine``: ``areal_tik.engine.LLMEngine`` on the tik-patched HF model;
-- ``engine_async``: the same with ``EngineConfig(async_decode=True)`` (pipelined decode steps).
+- ``engine``: ``areal_tik.engine.LLMEngine`` on the tik-patched HF model, ``EngineConfig(async_decode=False)``
+  (each step's tokens read before the next step is launched);
+- ``engine_async``: the same with ``EngineConfig(async_decode=True)`` (pipelined decode steps, the engine's default).
 
 Workloads: B x (prompt -> generated) = 64/128/256 x (136 -> 256) and 64 x (1024 -> 4096)
 (``--quick``: the first three). Each arm first runs every short workload once unmeasured
@@ -108,6 +109,14 @@ def _vllm_generate(llm, prompts, max_new: int):
     return res
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
 def _engine_setup(model_dir: str, max_model_len: int, async_decode: bool = False):
     from areal_tik.layers.patch import patch_model
     from areal_tik.engine import EngineConfig, LLMEngine
@@ -160,6 +169,9 @@ def run_arm(arm: str, a) -> int:
         gen(_prompts(B, n_in, vocab, seed=7), n_out)
     _sync()
     res["warmup_s"] = round(time.perf_counter() - t0, 2)
+    # the host's 1-minute load average as the timed runs start: the arms are host-bound at small batches, so a
+    # compile or another process on the machine shows up here before it shows up as a slow arm
+    res["loadavg_1m_at_measure"] = round(os.getloadavg()[0], 2)
     keep = {}
     for w in workloads:
         B, n_in, n_out = w
@@ -321,7 +333,8 @@ def main() -> int:
                torch=torch.__version__, quick=a.quick, workloads=[_wl_name(w) for w in _workloads(a)], arms={}, steps={},
                settings=dict(temperature=1.0, ignore_eos=True, logprobs="sampled token only", max_model_len=MAX_MODEL_LEN,
                              max_num_seqs=MAX_NUM_SEQS, vllm_tik="areal_tik.vllm_plugin.llm_kwargs('qwen2')",
-                             engine="EngineConfig(max_num_seqs=256, gpu_memory_utilization=0.5), defaults otherwise"))
+                             engine="EngineConfig(max_num_seqs=256, gpu_memory_utilization=0.5), defaults otherwise"),
+               host=dict(cpus=os.cpu_count(), cpu_model=_cpu_model()))
     try:
         import vllm
         res["vllm"] = vllm.__version__

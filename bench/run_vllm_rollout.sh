@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device job for bench_rollout.py (vLLM 0.24 from wheels copied to /tmp/vw, see ../shared/vllm/README.md).
-#   STAGE=A: install vLLM into /tmp/vsite, the plugin's entry point, the csrc extension (background), then
+#   STAGE=A: install vLLM into /tmp/vsite, the plugin's entry point, the csrc extension (built before any arm), then
 #            stock vLLM, vLLM + tik and the parity check (all four workloads).
 #   STAGE=B: (same warm machine, right after A) vLLM batch-invariant and our engine (the three short
 #            workloads) and our engine's parity; rollout.json/png gather every arm of the work folder.
@@ -21,7 +21,9 @@ mkdir -p $W
 if [ "${STAGE:-A}" = A ] || [ "${STAGE:-A}" = T ]; then
   # vLLM into /tmp/vsite and the plugin's entry point, as `pip install areal-tik[vllm]` declares it (setup.py)
   timeout 300 bash bench/install_vllm_wheels.sh /tmp/vw /tmp/vsite || { echo "vLLM install failed"; exit 1; }
-  (timeout 400 python -c "from areal_tik.kernels.cuda import loader as cuda_ext; print('csrc', cuda_ext.status())" > $W/csrc.log 2>&1 &)
+  # the csrc extension is built before any arm runs: nvcc on every core beside a timed arm would slow that arm's
+  # host side (vLLM's scheduler and ours are host-bound at small batches)
+  timeout 400 python -c "from areal_tik.kernels.cuda import loader as cuda_ext; print('csrc', cuda_ext.status())" > $W/csrc.log 2>&1
   timeout 120 python -c "
 import vllm, importlib.metadata as md
 from areal_tik import vllm_plugin

@@ -31,7 +31,7 @@ __all__ = ["TikServerBackend", "TikRemoteSGLangEngine", "server_args", "server_s
 def server_args(model_path: str, settings: Settings, dtype: str = "bfloat16", seed: int = 0,
                 device: str | None = None, context_length: int | None = None,
                 max_running_requests: int | None = None, disable_cuda_graph: bool = False,
-                cuda_graph_max_bs: int | None = None) -> dict[str, Any]:
+                cuda_graph_max_bs: int | None = None, disable_overlap_schedule: bool = False) -> dict[str, Any]:
     """The dict ``launch_server`` receives (AReaL adds ``host`` and ``port``); ``settings`` reach the
     server as flags (``Settings.server_flags``)."""
     args = {"model_path": model_path, "kernels": settings.kernels, "settings_flags": settings.server_flags(),
@@ -46,6 +46,8 @@ def server_args(model_path: str, settings: Settings, dtype: str = "bfloat16", se
         args["disable_cuda_graph"] = True
     if cuda_graph_max_bs:
         args["cuda_graph_max_bs"] = int(cuda_graph_max_bs)
+    if disable_overlap_schedule:
+        args["disable_overlap_schedule"] = True
     return args
 
 
@@ -53,12 +55,14 @@ def server_settings(config) -> dict[str, Any]:
     """The server's settings from an AReaL experiment config, under SGLang's names: ``context_length``
     (``sglang.context_length``); ``max_running_requests`` (``sglang.max_running_requests``, else
     ``rollout.max_concurrent_rollouts``: what AReaL may send at once); ``disable_cuda_graph`` and
-    ``cuda_graph_max_bs`` (``sglang.*``: no CUDA graphs at all; the largest decode batch captured)."""
+    ``cuda_graph_max_bs`` (``sglang.*``: no CUDA graphs at all; the largest decode batch captured);
+    ``disable_overlap_schedule`` (``sglang.*``: no pipelined decode steps; AReaL's default, False, pipelines)."""
     sg, ro = getattr(config, "sglang", None), getattr(config, "rollout", None)
     mrr = getattr(sg, "max_running_requests", None) or getattr(ro, "max_concurrent_rollouts", None)
     return {"context_length": getattr(sg, "context_length", None), "max_running_requests": mrr,
             "disable_cuda_graph": bool(getattr(sg, "disable_cuda_graph", False)),
-            "cuda_graph_max_bs": getattr(sg, "cuda_graph_max_bs", None)}
+            "cuda_graph_max_bs": getattr(sg, "cuda_graph_max_bs", None),
+            "disable_overlap_schedule": bool(getattr(sg, "disable_overlap_schedule", False))}
 
 
 def serve_cmd(args: dict[str, Any]) -> list[str]:
@@ -76,6 +80,8 @@ def serve_cmd(args: dict[str, Any]) -> list[str]:
         cmd += ["--disable-cuda-graph"]
     if args.get("cuda_graph_max_bs"):
         cmd += ["--cuda-graph-max-bs", str(args["cuda_graph_max_bs"])]
+    if args.get("disable_overlap_schedule"):
+        cmd += ["--disable-overlap-schedule"]
     return cmd
 
 

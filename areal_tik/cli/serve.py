@@ -35,9 +35,9 @@ def add_parser(sub):
                         "engine's, EngineConfig.prefill_graph_max_tokens)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix sharing in the KV cache: every prompt is prefilled in full (SGLang's flag)")
-    p.add_argument("--async-decode", action="store_true",
-                   help="pipelined decode steps (EngineConfig.async_decode): the next step is launched before the "
-                        "current one's tokens are read; same bits, off by default")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="no pipelined decode steps (EngineConfig.async_decode=False): each step's tokens are read "
+                        "before the next step is launched; the bits are the same either way (SGLang's flag)")
     p.set_defaults(func=run)
     return p
 
@@ -73,7 +73,7 @@ def run(args) -> int:
                        max_running_requests=args.max_running_requests, context_length=args.context_length,
                        mem_fraction=args.mem_fraction, disable_cuda_graph=args.disable_cuda_graph,
                        cuda_graph_max_bs=args.cuda_graph_max_bs, prefill_graph_max_tokens=args.prefill_graph_max_tokens,
-                       disable_radix_cache=args.disable_radix_cache, async_decode=args.async_decode)
+                       disable_radix_cache=args.disable_radix_cache, disable_overlap_schedule=args.disable_overlap_schedule)
     server = build(cfg, device=args.device, dtype=args.dtype)
     run_server(server)
     return 0

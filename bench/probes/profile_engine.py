@@ -178,7 +178,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--async-decode", action="store_true",
-                    help="EngineConfig(async_decode=True): the plain ms/step is then the pipelined one")
+                    help="EngineConfig(async_decode=True), the engine's default: the plain ms/step is then the pipelined one "
+                         "(without the flag the profile runs unpipelined, so its phases add up to the step)")
     ap.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="KV page size of every arm's engine")
     ap.add_argument("--prefill", action="store_true",
                     help="also profile a prefill of B fresh prompts per batch size (prefill graphs where the engine uses them)")

@@ -65,16 +65,19 @@ def test_server_settings_from_the_recipe():
     grpo = os.path.join(os.path.dirname(RECIPE), "grpo_qwen2.5-1.5b_gsm8k.yaml")
     c = load_config(["--config", grpo, "stats_logger.fileroot=/tmp/areal_tik/test_cfg"])
     assert server_settings(c) == {"context_length": 2048, "max_running_requests": 256, "disable_cuda_graph": False,
-                                  "cuda_graph_max_bs": None}
+                                  "cuda_graph_max_bs": None, "disable_overlap_schedule": False}
     cmd = serve_cmd({**server_args("/m", Settings(kernels="tik"), **server_settings(c)), "port": 1})
     assert "--disable-cuda-graph" not in cmd and "--cuda-graph-max-bs" not in cmd
+    assert "--disable-overlap-schedule" not in cmd
     c = load_config(["--config", grpo, "stats_logger.fileroot=/tmp/areal_tik/test_cfg", "sglang.context_length=768",
-                     "+sglang.max_running_requests=96", "+sglang.disable_cuda_graph=true", "+sglang.cuda_graph_max_bs=32"])
+                     "+sglang.max_running_requests=96", "+sglang.disable_cuda_graph=true", "+sglang.cuda_graph_max_bs=32",
+                     "+sglang.disable_overlap_schedule=true"])
     assert server_settings(c) == {"context_length": 768, "max_running_requests": 96, "disable_cuda_graph": True,
-                                  "cuda_graph_max_bs": 32}
+                                  "cuda_graph_max_bs": 32, "disable_overlap_schedule": True}
     cmd = serve_cmd({**server_args("/m", Settings(kernels="tik"), **server_settings(c)), "port": 1})
     assert cmd[cmd.index("--context-length") + 1] == "768" and cmd[cmd.index("--max-running-requests") + 1] == "96"
     assert "--disable-cuda-graph" in cmd and cmd[cmd.index("--cuda-graph-max-bs") + 1] == "32"
+    assert "--disable-overlap-schedule" in cmd
 
 
 def test_server_cli_flags_size_the_engine():

@@ -9,7 +9,7 @@ from areal_tik.engine.server import ServerConfig, build
 
 @pytest.mark.parametrize("flag, field, engine_has_it", [
     ("--disable-radix-cache", "disable_radix_cache", lambda eng: not eng.block_manager.prefix_sharing),
-    ("--async-decode", "async_decode", lambda eng: eng.config.async_decode),
+    ("--disable-overlap-schedule", "disable_overlap_schedule", lambda eng: not eng.config.async_decode),
 ])
 def test_serve_flag_reaches_the_engine(flag, field, engine_has_it):
     ap = argparse.ArgumentParser()

@@ -52,7 +52,7 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
                                            enforce_eager=bool(cfg.disable_cuda_graph),
                                            cuda_graph_max_bs=cfg.cuda_graph_max_bs,
                                            enable_prefix_sharing=not cfg.disable_radix_cache,
-                                           async_decode=bool(cfg.async_decode), **graphs))
+                                           async_decode=not cfg.disable_overlap_schedule, **graphs))
     _attach_score(engine, model)
     logger.info("start-up: model built/loaded + patched in %.1fs, engine (KV cache) in %.1fs",
                 t1 - t0, time.perf_counter() - t1)

@@ -17,7 +17,8 @@ class ServerConfig:
     ``disable_cuda_graph`` / ``cuda_graph_max_bs`` (SGLang's names): ``EngineConfig.enforce_eager`` /
     ``cuda_graph_max_bs``; ``prefill_graph_max_tokens``: ``EngineConfig``'s (``None``: its default).
     ``disable_radix_cache`` (SGLang's name): ``EngineConfig.enable_prefix_sharing = False``.
-    ``async_decode``: ``EngineConfig.async_decode`` (pipelined decode steps)."""
+    ``disable_overlap_schedule`` (SGLang's name): ``EngineConfig.async_decode = False`` (no pipelined decode
+    steps)."""
     model: str
     kernels: str = "tik"
     backend: str | None = None          # Settings.backend: the op implementations (bound at patch time)
@@ -33,4 +34,4 @@ class ServerConfig:
     cuda_graph_max_bs: int | None = None
     prefill_graph_max_tokens: int | None = None
     disable_radix_cache: bool = False
-    async_decode: bool = False
+    disable_overlap_schedule: bool = False
