@@ -15,8 +15,8 @@ random prompts (T = 1, ``ignore_eos``, each sampled token's log-prob returned):
 Workloads: B x (prompt -> generated) = 64/128/256 x (136 -> 256) and 64 x (1024 -> 4096)
 (``--quick``: the first three). Each arm first runs every short workload once unmeasured
 (warm-up: JIT, lazily captured graphs), then measures each workload (the short ones ``--repeats``
-times on fresh prompts, median kept): generated tokens over the wall time of the whole batch
-(prefill included).
+times, the long one ``--long-repeats`` times, on fresh prompts, median kept): generated tokens over
+the wall time of the whole batch (prefill included).
 
 Parity (``parity`` step, after the vLLM arms): every generated token's log-prob from the
 ``tik`` and ``stock`` arms is compared with ``torch.equal`` semantics (raw bits) against our
@@ -175,7 +175,7 @@ def run_arm(arm: str, a) -> int:
     keep = {}
     for w in workloads:
         B, n_in, n_out = w
-        reps = a.repeats if n_out <= 256 else 1           # the long workload runs once
+        reps = a.repeats if n_out <= 256 else a.long_repeats
         times, outs = [], None
         for r in range(reps):                               # fresh prompts per repeat; the first one's outputs kept
             prompts_r = _prompts(B, n_in, vocab, seed=1 + r)
@@ -305,6 +305,8 @@ def main() -> int:
     ap.add_argument("--model", default="qwen2.5-1.5b")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs of each short workload (fresh prompts each; the median is reported)")
+    ap.add_argument("--long-repeats", type=int, default=1,
+                    help="timed runs of the long workload (fresh prompts each; the median is reported)")
     ap.add_argument("--model-dir", help="reuse a checkpoint made by an earlier run")
     ap.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per arm process")
     ap.add_argument("--budget", type=float, default=0.0,
@@ -342,7 +344,8 @@ def main() -> int:
         res["vllm"] = f"unavailable: {e}"
     for arm in a.arms:
         cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--out", a.out, "--work", a.work,
-               "--model-dir", a.model_dir, "--repeats", str(a.repeats)]
+               "--model-dir", a.model_dir, "--repeats", str(a.repeats),
+               "--long-repeats", str(a.long_repeats)]
         if arm == "parity":       # the generations present now (our engine's: a positive control)
             have = [x for x in PARITY_ARMS if os.path.exists(os.path.join(a.work, f"{x}_outputs.pt"))]
             if not have:
