@@ -11,7 +11,9 @@
 #   STAGE=P: bench/bench_prefix.py (our engine, prefix sharing off vs on), then bench/probes/probe_vllm_server.py
 #            (AReaL's vLLM server, stock and tik; AReaL's wheels installed in /tmp/site).
 #   STAGE=T: (first, right after the wheel copies) install as in A, then the GPU tests of the rollout-side
-#            stacked projections and `areal-tik verify` at the 1.5B shape (bits of the engine path).
+#            stacked projections, `areal-tik verify` at the 1.5B shape (bits of the engine path) and
+#            `verify --engine vllm` (VERIFY_ARGS; default 32 prompts of 8-3,072 tokens, 1,024 new) and
+#            `--engine vllm-stock` (the negative control), VERIFY_S seconds each.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -40,9 +42,14 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
     timeout 200 python -m areal_tik.cli verify --model qwen2.5-1.5b --json > $OUT/verify.json 2> $W/verify.err \
       || tail -5 $W/verify.err
     python -c "import json; r = json.load(open('$OUT/verify.json')); print({k: v for k, v in r.items() if 'mismatch' in k or k in ('ok', 'passed')})" 2>&1 | tail -2
-    for e in vllm vllm-stock; do   # vLLM's scheduler regimes (batching, chunked prefill, preemption, graphs, abort)
-      timeout ${VERIFY_S:-300} python -m areal_tik.cli verify --engine $e --model qwen2.5-1.5b --prompts 48 \
-        --max-prompt-len 600 --max-new-tokens 64 --json > $OUT/verify_$e.json 2> $W/verify_$e.err \
+    # vLLM's scheduler regimes (batching, chunked prefill, preemption, graphs, abort). vLLM + tik: prompts of 8 to
+    # 3,072 tokens, 1,024 generated each (>= 16k tokens per regime, contexts to 4K); stock vLLM, the negative
+    # control, on a small set (it only has to mismatch)
+    for e in vllm vllm-stock; do
+      if [ $e = vllm ]; then VA=${VERIFY_ARGS:-"--prompts 32 --max-prompt-len 3072 --max-new-tokens 1024"}
+      else VA="--prompts 16 --max-prompt-len 600 --max-new-tokens 64"; fi
+      timeout ${VERIFY_S:-300} python -m areal_tik.cli verify --engine $e --model qwen2.5-1.5b $VA \
+        --json > $OUT/verify_$e.json 2> $W/verify_$e.err \
         || grep -v "it/s\]\|^INFO\|^WARNING" $W/verify_$e.err | tail -5 > $OUT/verify_$e.err
       python -c "import json; r = json.load(open('$OUT/verify_$e.json')); print('$e', r['passed'], r['regimes'])" 2>&1 | tail -1
     done
