@@ -132,16 +132,13 @@ def wait_healthy(addr: str, timeout: float = 300.0, proc: subprocess.Popen | Non
 def launch_local_server(model_path: str, settings: Settings, port: int | None = None, host: str = "127.0.0.1",
                         dtype: str = "bfloat16", seed: int = 0, device: str | None = None,
                         log_path: str | None = None, timeout: float = 600.0,
-                        env: dict | None = None, context_length: int | None = None,
-                        max_running_requests: int | None = None, disable_cuda_graph: bool = False,
-                        cuda_graph_max_bs: int | None = None) -> tuple[subprocess.Popen, str]:
-    """Start ``areal-tik serve`` as a child process and wait for ``/health``; return (proc, "host:port")."""
+                        env: dict | None = None, **sizing) -> tuple[subprocess.Popen, str]:
+    """Start ``areal-tik serve`` as a child process and wait for ``/health``; return (proc, "host:port").
+    ``sizing``: :func:`server_args`'s engine settings (what :func:`server_settings` reads from AReaL's config)."""
     if port is None:
         from areal.utils.network import find_free_ports
         port = find_free_ports(1)[0]
-    args = server_args(model_path, settings, dtype=dtype, seed=seed, device=device, context_length=context_length,
-                       max_running_requests=max_running_requests, disable_cuda_graph=disable_cuda_graph,
-                       cuda_graph_max_bs=cuda_graph_max_bs)
+    args = server_args(model_path, settings, dtype=dtype, seed=seed, device=device, **sizing)
     args.update(host=host, port=port)
     out = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(serve_cmd(args), env={**os.environ, **(env or {})},
