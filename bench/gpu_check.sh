@@ -12,7 +12,8 @@
 #   part "ablations" times copies of the csrc attention kernels with one part removed (bench/probes/csrc_ablations.py);
 #   part "host" measures the host cost per op call and cProfiles an eager engine prefill (bench/probes/host_overhead.py);
 #   part "prefill_graphs" times engine prefill steps eager vs graph-replayed (bench_engine arms pg0 / pg4096);
-#   part "load_paths" times the decode copy paths alone (bench/probes/probe_load_paths.py: cp.async, bulk, TMA boxes);
+#   part "attention_pair" times the attention pair under the split-KV contract vs FA3 num_splits=1 (vLLM on PYTHONPATH;
+#   bench/probes/probe_attention_pair.py); part "load_paths" times the decode copy paths alone (bench/probes/probe_load_paths.py: cp.async, bulk, TMA boxes);
 #   parts "tune_linear" / "tune_attention" run the tile tuners (bench/tune_linear.py, bench/tune_attention.py; BENCH_ARGS
 #   e.g. "--budget-s 110"); bench/device_round.sh tunes, applies and re-tests in one call;
 #   PART_TIMEOUT (s, default 900) bounds each bench/profile part, so one slow part cannot cost the archive; BENCH_ARGS is passed to every bench script (e.g. --quick)
@@ -56,6 +57,7 @@ for part in "${PARTS[@]}"; do
          $B --decode --variants H DECLOAD --heads 12/2 --page-size 64 --table-pages 16 --cells 1x550,64x550 --out "$OUT/ablations/dec_engine" 2>&1 | tail -2
          rm -rf "$OUT/ablation_trees" ;;  # (the variants' bits differ by design: bisect's exit status is not a failure here)
     prefill_graphs) timeout "${PART_TIMEOUT:-900}" python bench/bench_engine.py --arms tik --prefill-graph-max-tokens 0 4096 --batches 1 2 4 8 --out "$OUT/prefill_graphs" 2>&1 | tee "$OUT/prefill_graphs.log" | tail -6; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    attention_pair) timeout "${PART_TIMEOUT:-900}" python bench/probes/probe_attention_pair.py --out "$OUT/attention_pair" 2>&1 | tee "$OUT/attention_pair.log" | tail -24; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     load_paths) timeout "${PART_TIMEOUT:-900}" python bench/probes/probe_load_paths.py --out "$OUT/load_paths" 2>&1 | tee "$OUT/load_paths.log" | tail -4; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     host) timeout "${PART_TIMEOUT:-900}" python bench/probes/host_overhead.py --out "$OUT/host" 2>&1 | tee "$OUT/host_overhead.log" | grep -v "^  self" | tail -14; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     tune_linear|tune_attention) timeout "${PART_TIMEOUT:-900}" python "bench/${part}.py" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/${part}.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
