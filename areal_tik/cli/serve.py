@@ -73,7 +73,8 @@ def run(args) -> int:
                        max_running_requests=args.max_running_requests, context_length=args.context_length,
                        mem_fraction=args.mem_fraction, disable_cuda_graph=args.disable_cuda_graph,
                        cuda_graph_max_bs=args.cuda_graph_max_bs, prefill_graph_max_tokens=args.prefill_graph_max_tokens,
-                       disable_radix_cache=args.disable_radix_cache, disable_overlap_schedule=args.disable_overlap_schedule)
+                       disable_radix_cache=args.disable_radix_cache,
+                       disable_overlap_schedule=args.disable_overlap_schedule)
     server = build(cfg, device=args.device, dtype=args.dtype)
     run_server(server)
     return 0
