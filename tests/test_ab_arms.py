@@ -193,15 +193,17 @@ def test_critic_phase_is_its_own_column():
 
 def test_weight_update_split_into_the_trainers_save():
     """The disk weight update's trainer share (``tik/hf_save_s``, the tik actor's timed HF save) is reported
-    beside the whole update; a log without it reads nan, not 0."""
+    beside the whole update; a log without it reads nan, not 0. Rewards all 0 (a random preset): no reward ratio."""
     def recs(save):
         return [{"global_step": i, "wall_s": 12.0, "tik": [{"gen_tokens": 10}],
-                 "stats": {"timeperf/update_weights": 8.0, **({"tik/hf_save_s": save + i} if save else {})}}
+                 "stats": {"timeperf/update_weights": 8.0, "ppo_actor/task_reward/avg": 0.0,
+                           **({"tik/hf_save_s": save + i} if save else {})}}
                 for i in range(3)]
     rep = analysis.analyze({"vllm": recs(None), "tik": recs(4.0)})
     assert [r["weight_save"] for r in rep["rows"]["tik"]] == [4.0, 5.0, 6.0]
     assert rep["phase_mean_s"]["tik"]["weight_save"] == pytest.approx(5.5)  # steps 1-2 measured
     md = report.summary_markdown(rep, {"config": CFG})
+    assert "reward ratio: none (vllm's mean reward is 0)" in md and "reward ratio nan" not in md
     assert "| tik | 0.000 | 0.000 | 0.000 | 8.000 (5.500) |" in md and "| vllm | 0.000 | 0.000 | 0.000 | 8.000 (nan) |" in md
 
 

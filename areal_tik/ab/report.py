@@ -29,14 +29,18 @@ def _fmt(x, nd=3):
 
 def _ratio_lines(r: dict) -> list[str]:
     ref = r.get("reference", "baseline")
+    ref_reward = (r.get("reward_mean") or {}).get(ref)
     out = []
     for a, v in (r.get("vs_reference") or {}).items():
         st, ci = v["step_time_ratio"], v.get("reward_ratio_ci95", [math.nan, math.nan])
+        if ref_reward == 0.0:   # a random preset earns nothing: there is no ratio to give
+            reward = f"reward ratio: none ({ref}'s mean reward is 0)"
+        else:
+            reward = f"reward ratio {_fmt(v['reward_ratio'])}, 95% CI [{', '.join(_fmt(x) for x in ci)}]"
         out += [f"- **step throughput {a}/{ref}: {_fmt(v['throughput_ratio_total'])}x** "
                 f"(sum of {ref} step times / sum of {a} step times); per-step ratio mean {_fmt(st['mean'])}, "
                 f"min {_fmt(st['min'])}, max {_fmt(st['max'])}, std {_fmt(st['std'])}; generated tokens/s ratio "
-                f"{_fmt(v['tokens_per_s_ratio'])}; reward ratio {_fmt(v['reward_ratio'])}, 95% CI "
-                f"[{', '.join(_fmt(x) for x in ci)}]"]
+                f"{_fmt(v['tokens_per_s_ratio'])}; {reward}"]
     return out
 
 
