@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import http.client
 import json
 import os
@@ -122,26 +123,34 @@ def assert_healthy(S) -> None:
     assert bits(call(S.addr, "/generate", REF)) == S.ref
 
 
+@contextlib.contextmanager
+def serving(server, port: int, ready_timeout: float = 120, join_timeout: float = 30):
+    """``run_server(server)`` on a thread for the block: yields its address once it is ready, stops it after."""
+    ready, stop = threading.Event(), threading.Event()
+    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True)
+    th.start()
+    try:
+        assert ready.wait(ready_timeout)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop.set()
+        th.join(join_timeout)
+
+
 @pytest.fixture(scope="module")
 def S(tmp_path_factory):
     cfg = ServerConfig(model="tiny-qwen2", kernels="tik", port=_free_port(), max_running_requests=8,
                        context_length=CTX)
     server = build(cfg, device="cpu")
-    ready, stop = threading.Event(), threading.Event()
-    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True)
-    th.start()
-    assert ready.wait(120)
-    addr = f"127.0.0.1:{cfg.port}"
-    ckpt = tmp_path_factory.mktemp("orig")
-    server.worker.engine.model.save_pretrained(ckpt)  # nothing in flight yet
-    i0 = info(addr)
-    ns = types.SimpleNamespace(server=server, addr=addr, ckpt=str(ckpt), version=i0["weight_version"],
-                               digest=i0["weights_digest"], ref=bits(call(addr, "/generate", REF)),
-                               long_ref=bits(call(addr, "/generate", LONG)))
-    assert len(ns.ref[0]) == 6 and len(ns.long_ref[0]) == 40
-    yield ns
-    stop.set()
-    th.join(30)
+    with serving(server, cfg.port) as addr:
+        ckpt = tmp_path_factory.mktemp("orig")
+        server.worker.engine.model.save_pretrained(ckpt)  # nothing in flight yet
+        i0 = info(addr)
+        ns = types.SimpleNamespace(server=server, addr=addr, ckpt=str(ckpt), version=i0["weight_version"],
+                                   digest=i0["weights_digest"], ref=bits(call(addr, "/generate", REF)),
+                                   long_ref=bits(call(addr, "/generate", LONG)))
+        assert len(ns.ref[0]) == 6 and len(ns.long_ref[0]) == 40
+        yield ns
 
 
 # ---- hostile values ----------------------------------------------------------------------
@@ -243,12 +252,7 @@ def test_engine_that_raises_or_refuses_leaves_no_stuck_or_phantom_request():
     eng = _FaultyEngine()
     cfg = ServerConfig(model="faulty", port=_free_port())
     server = TikServer(EngineWorker(eng, SamplingParams, model_info=lambda: {"weights_digest": "d"}), cfg, {})
-    ready, stop = threading.Event(), threading.Event()
-    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True)
-    th.start()
-    assert ready.wait(30)
-    addr = f"127.0.0.1:{cfg.port}"
-    try:
+    with serving(server, cfg.port, ready_timeout=30, join_timeout=15) as addr:
         gen = {"input_ids": [5], "sampling_params": {"max_new_tokens": 3}}
         code, _, _ = call(addr, "/generate", {"input_ids": [13], "sampling_params": {"max_new_tokens": 3}})
         assert code == 500
@@ -258,9 +262,6 @@ def test_engine_that_raises_or_refuses_leaves_no_stuck_or_phantom_request():
         assert wait_idle(addr, timeout=10)["active_requests"] == 0
         assert call(addr, "/update_weights_from_disk", {"model_path": "/x"})[2]["success"]  # nothing in flight
         assert call(addr, "/generate", gen)[2]["output_ids"] == [1, 2, 3]
-    finally:
-        stop.set()
-        th.join(15)
 
 
 BAD_PROMPTS = [

@@ -6,17 +6,17 @@ shows it did not)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import sys
-import threading
 import time
 
 import pytest
 
-from areal_tik.engine.server import ServerConfig, build, run_server
+from areal_tik.engine.server import ServerConfig, build
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_faults import _free_port, bits, call, wait_idle  # noqa: E402
+from test_server_faults import _free_port, bits, call, serving, wait_idle  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("graphs")
 
@@ -25,28 +25,18 @@ REQS = [{"input_ids": [3 + i, 5, 7 + 2 * i], "return_logprob": True,
                              "ignore_eos": True}} for i in range(6)]
 
 
-class _Served:
-    def __init__(self, overlap: bool):
-        self.cfg = ServerConfig(model="tiny-qwen2", kernels="tik", port=_free_port(), max_running_requests=8,
-                                context_length=64, precompile=False, disable_overlap_schedule=not overlap)
-        self.server = build(self.cfg, device="cpu")
-        self.ready, self.stop = threading.Event(), threading.Event()
-        self.th = threading.Thread(target=run_server, args=(self.server, self.ready, self.stop), daemon=True)
-        self.th.start()
-        assert self.ready.wait(120)
-        self.addr = f"127.0.0.1:{self.cfg.port}"
+def _serve(stack: contextlib.ExitStack, overlap: bool):
+    """A tiny-qwen2 server with or without the pipelined decode, running until ``stack`` closes: (engine, addr)."""
+    cfg = ServerConfig(model="tiny-qwen2", kernels="tik", port=_free_port(), max_running_requests=8,
+                       context_length=64, precompile=False, disable_overlap_schedule=not overlap)
+    server = build(cfg, device="cpu")
+    return server.worker.engine, stack.enter_context(serving(server, cfg.port))
 
-    def answers(self) -> list:
-        with cf.ThreadPoolExecutor(len(REQS)) as ex:
-            futs = [ex.submit(call, self.addr, "/generate", r) for r in REQS]
-            return [bits(f.result(timeout=300)) for f in futs]
 
-    def pipelined_steps(self) -> int:
-        return self.server.worker.engine.stats()["pipelined_steps"]
-
-    def close(self):
-        self.stop.set()
-        self.th.join(30)
+def _answers(addr: str) -> list:
+    with cf.ThreadPoolExecutor(len(REQS)) as ex:
+        futs = [ex.submit(call, addr, "/generate", r) for r in REQS]
+        return [bits(f.result(timeout=300)) for f in futs]
 
 
 def _is_prefix(a, b) -> bool:
@@ -54,21 +44,21 @@ def _is_prefix(a, b) -> bool:
 
 
 def test_pipelined_server_answers_what_the_unpipelined_server_answers(tmp_path):
-    ref, pip = _Served(overlap=False), _Served(overlap=True)
-    try:
-        assert ref.server.worker.engine.config.async_decode is False
-        assert pip.server.worker.engine.config.async_decode is True
-        truth = ref.answers()
-        assert pip.answers() == truth
-        assert pip.pipelined_steps() > 0 and ref.pipelined_steps() == 0
+    with contextlib.ExitStack() as stack:
+        ref_eng, ref_addr = _serve(stack, overlap=False)
+        pip_eng, pip_addr = _serve(stack, overlap=True)
+        assert ref_eng.config.async_decode is False and pip_eng.config.async_decode is True
+        truth = _answers(ref_addr)
+        assert _answers(pip_addr) == truth
+        assert pip_eng.stats()["pipelined_steps"] > 0 and ref_eng.stats()["pipelined_steps"] == 0
 
         # a disk update (the same weights, a new version) that aborts the requests in flight
         ckpt = tmp_path / "ckpt"
-        pip.server.worker.engine.model.save_pretrained(ckpt)
+        pip_eng.model.save_pretrained(ckpt)
         with cf.ThreadPoolExecutor(len(REQS)) as ex:
-            futs = [ex.submit(call, pip.addr, "/generate", r) for r in REQS]
+            futs = [ex.submit(call, pip_addr, "/generate", r) for r in REQS]
             time.sleep(0.2)
-            code, _, obj = call(pip.addr, "/update_weights_from_disk",
+            code, _, obj = call(pip_addr, "/update_weights_from_disk",
                                 {"model_path": str(ckpt), "abort_all_requests": True})
             assert code == 200 and obj.get("success") is True, obj
             cut = [f.result(timeout=300) for f in futs]
@@ -77,8 +67,5 @@ def test_pipelined_server_answers_what_the_unpipelined_server_answers(tmp_path):
             reason = res[2]["meta_info"]["finish_reason"]["type"]
             assert reason in ("length", "abort") and _is_prefix(got, full), (reason, got)
             assert reason == "abort" or got == full
-        wait_idle(pip.addr)
-        assert pip.answers() == truth     # same weights after the update: the same bits
-    finally:
-        ref.close()
-        pip.close()
+        wait_idle(pip_addr)
+        assert _answers(pip_addr) == truth     # same weights after the update: the same bits
