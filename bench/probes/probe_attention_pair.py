@@ -90,6 +90,16 @@ def _time(fn) -> float:
     return time_ms(fn, "cudagraph", rep_ms=30).p50
 
 
+def _timed(row: dict, name: str, op, args: tuple) -> None:
+    """``row[name]``: ms of ``op(*args)``; None and ``row[name + "_error"]`` when it raises (one arm's failure is a
+    finding, not the end of the probe)."""
+    try:
+        op(*args)
+        row[name] = _time(lambda: op(*args))
+    except Exception as e:  # noqa: BLE001
+        row[name], row[f"{name}_error"] = None, f"{type(e).__name__}: {e}"[:300]
+
+
 def _decode_cells(impls, rows):
     import torch
     from bench_cuda import decode_case
@@ -97,13 +107,7 @@ def _decode_cells(impls, rows):
         q, kc, vc, bt, cq, sk = decode_case(B, ctx, hq=HQ, hkv=HKV, page=PAGE)
         row = dict(kind="decode", B=B, ctx=ctx, kv_bytes=2 * B * ctx * HKV * D * 2)
         for name, (paged, _) in impls.items():
-            def fn(p=paged, args=(q, kc, vc, bt, cq, sk, 1, ctx)):
-                return p(*args)
-            try:
-                fn()
-                row[name] = _time(fn)
-            except Exception as e:  # noqa: BLE001 - one arm's failure is a finding, not the end of the probe
-                row[name], row[f"{name}_error"] = None, f"{type(e).__name__}: {e}"[:300]
+            _timed(row, name, paged, (q, kc, vc, bt, cq, sk, 1, ctx))
         rows.append(row)
         torch.cuda.empty_cache()
 
@@ -118,13 +122,7 @@ def _forward_cells(impls, rows):
         cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
         row = dict(kind="forward", n=n, L=L, tflop=2.0 * HQ * D * L * L * n / 1e12)
         for name, (_, varlen) in impls.items():
-            def fn(f=varlen, args=(q, k, v, cu, L)):
-                return f(*args)
-            try:
-                fn()
-                row[name] = _time(fn)
-            except Exception as e:  # noqa: BLE001
-                row[name], row[f"{name}_error"] = None, f"{type(e).__name__}: {e}"[:300]
+            _timed(row, name, varlen, (q, k, v, cu, L))
         rows.append(row)
         torch.cuda.empty_cache()
 
