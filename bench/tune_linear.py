@@ -155,6 +155,41 @@ def run(args) -> dict:
     return res
 
 
+def set_bucket(buckets: list, M: int, name: str) -> list:
+    """``buckets`` ([[M_max, config], ..., [None, config]], ascending) with ``name`` chosen up to M from the bucket
+    that holds M: that bucket splits at M (its rows above M keep their config); equal neighbours merge."""
+    out, placed = [], False
+    for mx, old in buckets:
+        if not placed and (mx is None or M <= mx):
+            out.append([M, name])
+            placed = True
+            if mx == M:
+                continue
+        out.append([mx, old])
+    merged = []
+    for mx, nm in out:
+        if merged and merged[-1][1] == nm:
+            merged[-1][0] = mx
+        else:
+            merged.append([mx, nm])
+    return merged
+
+
+def merge_winners(table: dict, arch: str, winners: dict) -> dict:
+    """A copy of the tuned ``table`` (format 1) with ``winners`` ({(N, K, M): config}) set by :func:`set_bucket`;
+    an (N, K) without a rule gets one whose other M keep the built-in default."""
+    import copy
+    out = copy.deepcopy(table)
+    entry = out.setdefault("archs", {}).setdefault(arch, {"rules": []})
+    rules = {(r["N"], r["K"]): r for r in entry["rules"]}
+    for (N, K, M), name in sorted(winners.items()):
+        if (N, K) not in rules:
+            rules[(N, K)] = {"N": N, "K": K, "buckets": [[None, configs.default_config_name(M + 1, N, K, arch)]]}
+            entry["rules"].append(rules[(N, K)])
+        rules[(N, K)]["buckets"] = set_bucket(rules[(N, K)]["buckets"], M, name)
+    return out
+
+
 def build_table(res: dict) -> dict:
     """Best valid config per (N, K, M bucket); a bucket ends at its measured M, the last
     one is open-ended. Cells without a winner are left out of the buckets."""

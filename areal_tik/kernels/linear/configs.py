@@ -40,6 +40,17 @@ CONFIGS = {
     "dec16_n128": _cfg(16, 128, 4, 4, unroll=1),
     "dec16_n32_w2": _cfg(16, 32, 2, 5, unroll=2),
     "dec64_n32": _cfg(64, 32, 4, 4, unroll=2),
+    # decode at M 16..128 on layer weights: one 64-row tile (weights read once), narrow N tiles for more
+    # programs, deep pipelines for more weight bytes in flight per program (the step is bound by weight reads)
+    "dec64_n16_s8": _cfg(64, 16, 4, 8),
+    "dec64_n16_s12": _cfg(64, 16, 4, 12),
+    "dec64_n16_u2s6": _cfg(64, 16, 4, 6, unroll=2),
+    "dec64_n32_s8": _cfg(64, 32, 4, 8),
+    "dec64_n64_s8": _cfg(64, 64, 4, 8),
+    "dec32_n16_s10": _cfg(32, 16, 4, 10),
+    "tma64_n16_s8": _cfg(64, 16, 4, 8, kernel="tma"),
+    "tma64_n32_s8": _cfg(64, 32, 4, 8, kernel="tma"),
+    "tma64_n64_s6": _cfg(64, 64, 4, 6, kernel="tma"),
     # medium M (64..512): more, smaller programs to fill 132 SMs
     "mid64_n128": _cfg(64, 128, 4, 4),
     "mid64_n64": _cfg(64, 64, 4, 5),

@@ -1,0 +1,141 @@
+"""The rollout's decode GEMMs at batch M (the stacked q/k/v, o, stacked gate/up and down projections of the 1.5B
+shape): every tile config that fits M, bit-checked against the incumbent, timed in CUDA graphs on weights that are
+not L2-resident (rotating buffers), beside cuBLAS, then the four GEMMs of a layer in sequence (one graph over
+rotating per-layer weight sets) with the table's picks and with the winners.
+
+    python bench/probes/probe_decode_linear.py --out $OUT [--ms 64,128] [--write-table FILE]
+
+``--write-table`` writes ``linear_tuned.json`` with the bucket of each measured M replaced by its winner (only where
+the winner beats the current pick by more than ``--min-gain``; other buckets and shapes unchanged:
+``bench/tune_linear.merge_winners``). Writes ``decode_linear.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(BENCH))
+
+LAYER = ("1.5b_qkv", "1.5b_o", "1.5b_gate_up", "1.5b_down")  # one decoder layer's GEMMs on the rollout side
+
+
+def candidates(M: int) -> list[str]:
+    """Every bf16 config whose row tile is at most M rounded up to 16 (larger tiles only compute zeros)."""
+    from areal_tik.kernels import linear as L
+    cap = max(16, 1 << (M - 1).bit_length())
+    return [n for n, c in L.CONFIGS.items() if c["BLOCK_M"] <= cap]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--ms", default="64,128")
+    ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--min-gain", type=float, default=0.03, help="a winner must beat the pick by this fraction")
+    ap.add_argument("--write-table", help="write the merged linear_tuned.json here")
+    a = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    from areal_tik.kernels import linear as L
+    from areal_tik.kernels.linear import selection
+    from bench.bench_dense import L2_BYTES, SHAPES, bench_graphed, rotating
+    from bench.harness import warm_up_clocks
+    from bench.tune_linear import INCUMBENT, bits_equal, merge_winners
+
+    os.makedirs(a.out, exist_ok=True)
+    dev = torch.device("cuda")
+    arch = selection._device_info(torch.cuda.current_device())[0]
+    deadline = time.time() + a.budget_s
+    warm_up_clocks(1.0)
+    res = {"device": torch.cuda.get_device_name(), "arch": arch, "cells": [], "layer": {}}
+    winners = {}
+    for M in (int(m) for m in a.ms.split(",")):
+        picks, bests = {}, {}
+        for name in LAYER:
+            N, K = SHAPES[name]
+            wbytes = N * K * 2
+            nxt = rotating(lambda: (torch.randn(M, K, device=dev).to(torch.bfloat16),
+                                    (torch.randn(N, K, device=dev) * K ** -0.5).to(torch.bfloat16)),
+                           wbytes + M * K * 2)
+            x, w = nxt.bufs[0]
+            ref = L.linear_fwd(x, w, config=INCUMBENT)
+            picked = L.pick_config(M, N, K, arch)
+            cell = dict(shape=name, N=N, K=K, M=M, picked=picked, cands={},
+                        cublas_us=1e3 * bench_graphed(F.linear, nxt.bufs))
+            for c in dict.fromkeys([picked] + candidates(M)):
+                if cell["cands"] and time.time() > deadline:  # the pick is always timed
+                    cell["cut_by_budget"] = True
+                    break
+                r = cell["cands"][c] = {}
+                try:
+                    ok = bits_equal(L.linear_fwd(x, w, config=c), ref)
+                    ok = ok and bits_equal(L.linear_fwd(x[:1].contiguous(), w, config=c), ref[:1])
+                    ok = ok and bits_equal(L.linear_fwd(x[M - 3:].contiguous(), w, config=c), ref[M - 3:])
+                    torch.cuda.synchronize()
+                    r["bits_equal"] = bool(ok)
+                    if ok:
+                        t = bench_graphed(functools.partial(L.linear_fwd, config=c), nxt.bufs)
+                        if t is not None:
+                            r["us"] = 1e3 * t
+                except Exception as e:  # compile/launch failure: recorded, excluded
+                    r.update(bits_equal=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+                    if "illegal" in str(e).lower():
+                        raise
+            timed = {c: r["us"] for c, r in cell["cands"].items() if "us" in r}
+            best = min(timed, key=timed.get)
+            cell.update(best=best, best_us=timed[best], picked_us=timed.get(picked),
+                        invalid=[c for c, r in cell["cands"].items() if not r.get("bits_equal")])
+            picks[name], bests[name] = picked, best
+            if cell["picked_us"] and timed[best] < (1 - a.min_gain) * cell["picked_us"]:
+                winners[(N, K, M)] = best
+            else:
+                bests[name] = picked
+            res["cells"].append(cell)
+            print(f"M={M:4d} {name:13s} cuBLAS {cell['cublas_us']:6.1f} us  picked {picked:15s} "
+                  f"{cell['picked_us'] or float('nan'):6.1f} us  best {best:15s} {timed[best]:6.1f} us"
+                  + (f"  INVALID {cell['invalid']}" if cell["invalid"] else ""), flush=True)
+            del nxt, x, w, ref
+        # a layer's four GEMMs back to back over rotating per-layer weight sets, picks vs winners vs cuBLAS
+        sets = []
+        for _ in range(8):
+            xs = {n: torch.randn(M, SHAPES[n][1], device=dev).to(torch.bfloat16) for n in LAYER}
+            ws = {n: (torch.randn(*SHAPES[n], device=dev) * SHAPES[n][1] ** -0.5).to(torch.bfloat16) for n in LAYER}
+            sets.append((xs, ws))
+
+        def layer(choice, xs, ws):
+            for n in LAYER:
+                if choice is None:
+                    F.linear(xs[n], ws[n])
+                else:
+                    L.linear_fwd(xs[n], ws[n], config=choice[n])
+        row = {}
+        for label, choice in (("picked", picks), ("best", bests), ("cublas", None)):
+            t = bench_graphed(functools.partial(layer, choice), sets)
+            row[label + "_us"] = None if t is None else 1e3 * t
+        row.update(picked=picks, best=bests, layer_mb=sum(SHAPES[n][0] * SHAPES[n][1] * 2 for n in LAYER) / 1e6)
+        res["layer"][str(M)] = row
+        print(f"M={M:4d} layer of 4 GEMMs ({row['layer_mb']:.1f} MB of weights): picked {row['picked_us']:.1f} us, "
+              f"best {row['best_us']:.1f} us, cuBLAS {row['cublas_us']:.1f} us", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    res["winners"] = [dict(N=N, K=K, M=M, config=c) for (N, K, M), c in sorted(winners.items())]
+    if a.write_table:
+        table = json.load(open(selection.TUNED_TABLE_PATH))
+        merged = merge_winners(table, arch, winners)
+        with open(a.write_table, "w") as f:
+            json.dump(merged, f, indent=1)
+        res["table_written"] = a.write_table
+    json.dump(res, open(os.path.join(a.out, "decode_linear.json"), "w"), indent=1)
+    print("winners:", res["winners"], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
