@@ -107,3 +107,20 @@ def test_console_entry_point_prints_no_traceback():
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.strip().splitlines() == ["areal-tik verify: error: --regimes: unknown 'R9'; choose from R1, R2, "
                                              "R3, R4, R5"]
+
+
+def test_verify_vllm_json_sends_vllm_logging_to_stderr(no_work, monkeypatch, capsys):
+    """With --json, stdout must hold the JSON document alone: vLLM's log lines (stdout by default) are sent to
+    stderr before vLLM is imported; without --json the user's setting is left alone."""
+    from areal_tik import vllm_plugin
+    monkeypatch.setattr(vllm_plugin, "available", lambda: (False, "vLLM is not installed (test)"))
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "unset below")   # monkeypatch restores the caller's value after
+    monkeypatch.delenv("VLLM_LOGGING_STREAM")
+    assert main(["verify", "--engine", "vllm"]) == 2
+    assert "VLLM_LOGGING_STREAM" not in os.environ
+    assert main(["verify", "--engine", "vllm", "--json"]) == 2
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stdout")   # an explicit choice is kept
+    assert main(["verify", "--engine", "vllm", "--json"]) == 2
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stdout"
+    assert "vLLM is not installed (test)" in capsys.readouterr().err

@@ -96,6 +96,9 @@ def _run_vllm(args) -> int:
     from areal_tik.cli.errors import UsageError, need, need_model
     need_model("--model", args.model)
     need(args.kernels == "tik", "--engine vllm compares with the tik trainer: leave --kernels at tik")
+    if args.json:   # vLLM logs to stdout unless told otherwise: keep stdout the JSON document alone
+        import os
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from areal_tik import vllm_plugin
     ok, why = vllm_plugin.available()
     if not ok:
