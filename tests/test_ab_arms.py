@@ -204,6 +204,11 @@ def test_weight_update_split_into_the_trainers_save():
     assert rep["phase_mean_s"]["tik"]["weight_save"] == pytest.approx(5.5)  # steps 1-2 measured
     md = report.summary_markdown(rep, {"config": CFG})
     assert "reward ratio: none (vllm's mean reward is 0)" in md and "reward ratio nan" not in md
+    assert "no headline ratio (vllm's mean reward is 0)" in md and "nan, nan" not in md
+    earning = [{"global_step": i, "wall_s": 12.0, "tik": [{"gen_tokens": 10}],
+                "stats": {"timeperf/update_weights": 8.0, "ppo_actor/task_reward/avg": 0.5}} for i in range(3)]
+    md_earning = report.summary_markdown(analysis.analyze({"vllm": earning, "tik": earning}), {"config": CFG})
+    assert "; headline ratio 1.000, 95% CI [" in md_earning and "no headline ratio" not in md_earning
     assert "| tik | 0.000 | 0.000 | 0.000 | 8.000 (5.500) |" in md and "| vllm | 0.000 | 0.000 | 0.000 | 8.000 (nan) |" in md
 
 

@@ -57,6 +57,12 @@ def summary_markdown(report: dict, meta: dict) -> str:
     lines += ["Arms (rollout engine):", ""]
     lines += [f"- `{a}`{' (reference)' if a == ref else ''}: {engines.get(a) or ARM_ENGINES.get(a, a)}" for a in arms]
     rw = r["reward_mean"]
+    if rw.get(ref) == 0.0:   # as in the ratio lines: no ratio against a reference that earns nothing
+        headline = f"; no headline ratio ({ref}'s mean reward is 0)"
+    else:
+        headline = (f"; headline ratio {_fmt(rw.get('ratio'))}, 95% CI "
+                    f"[{', '.join(_fmt(x) for x in rw.get('ratio_ci95', [math.nan, math.nan]))}] "
+                    "(per-step means as samples, all steps)")
     lines += ["",
               f"{r['n_steps']} steps per arm; ratios against `{ref}` over steps {r['measured_steps']} "
               "(step 0 = warm-up + tik audit, excluded when there are >= 2 steps; so is a step recorded "
@@ -65,9 +71,7 @@ def summary_markdown(report: dict, meta: dict) -> str:
               "- generated tokens/s: " + ", ".join(f"{a} {_fmt(r['tokens_per_s'][a], 1)}" for a in arms),
               "- mean training reward: " + ", ".join(
                   f"{a} {_fmt(rw.get(a))}" + (f" (+- {_fmt(rw[f'se_{a}'])} s.e.)" if f"se_{a}" in rw else "")
-                  for a in arms) + f"; headline ratio {_fmt(rw.get('ratio'))}, 95% CI "
-              f"[{', '.join(_fmt(x) for x in rw.get('ratio_ci95', [math.nan, math.nan]))}] "
-              "(per-step means as samples, all steps)"]
+                  for a in arms) + headline]
     for a, k in (r.get("skip") or {}).items():
         lines.append(f"- {a}: recompute skipped on {k['steps_skipped']}/{r['n_steps']} steps, {k['audits']} audits, "
                      f"{k['audit_mismatch_tokens']}/{k['audit_tokens']} audited tokens mismatching (max |diff| "
