@@ -187,6 +187,8 @@ def merge_winners(table: dict, arch: str, winners: dict) -> dict:
             rules[(N, K)] = {"N": N, "K": K, "buckets": [[None, configs.default_config_name(M + 1, N, K, arch)]]}
             entry["rules"].append(rules[(N, K)])
         rules[(N, K)]["buckets"] = set_bucket(rules[(N, K)]["buckets"], M, name)
+    if winners:   # provenance: which buckets a later probe set
+        entry.setdefault("merged", []).extend(dict(N=N, K=K, M=M, config=c) for (N, K, M), c in sorted(winners.items()))
     return out
 
 

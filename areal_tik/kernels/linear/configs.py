@@ -51,6 +51,9 @@ CONFIGS = {
     "tma64_n16_s8": _cfg(64, 16, 4, 8, kernel="tma"),
     "tma64_n32_s8": _cfg(64, 32, 4, 8, kernel="tma"),
     "tma64_n64_s6": _cfg(64, 64, 4, 6, kernel="tma"),
+    "tma64_n16_s12": _cfg(64, 16, 4, 12, kernel="tma"),
+    "tma64_n32_s12": _cfg(64, 32, 4, 12, kernel="tma"),
+    "tma32_n16_s12": _cfg(32, 16, 4, 12, kernel="tma"),   # two row tiles at M 64: twice the programs on N 1536
     # medium M (64..512): more, smaller programs to fill 132 SMs
     "mid64_n128": _cfg(64, 128, 4, 4),
     "mid64_n64": _cfg(64, 64, 4, 5),
