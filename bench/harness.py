@@ -91,6 +91,9 @@ def time_ms(fn: Callable[[], object], method: str = "events", *, iters: int = 20
     if method == "do_bench":
         q = tt.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES))
     elif method == "cudagraph":
+        # do_bench_cudagraph runs fn on a stream of its own that does not wait for the current one: inputs the
+        # caller just wrote there (block tables, lengths) must be complete before its first call reads them
+        torch.cuda.synchronize()
         with torch.cuda.stream(torch.cuda.Stream()):  # a capture cannot run on the legacy default stream
             q = tt.do_bench_cudagraph(fn, rep=rep_ms, quantiles=list(QUANTILES))
     else:

@@ -71,3 +71,24 @@ def test_collect_results_keeps_summaries_not_raw_files(tmp_path, monkeypatch):
     assert kept == ["COMMAND.md", "loose.json", "rows.csv", "run_meta.json", "sub/result.json", "summary.md"]
     assert "bash bench/gpu_check.sh x" in (results / run / "COMMAND.md").read_text()
     assert len(os.listdir(data)) == 1
+
+
+def test_cudagraph_timing_waits_for_the_callers_inputs(monkeypatch):
+    """triton's do_bench_cudagraph calls fn on a fresh stream that does not wait for the current one: time_ms must
+    synchronize first, or fn may read inputs the caller has not finished writing (a faulting paged-attention
+    probe on the H200 read half-written block tables this way)."""
+    import contextlib
+
+    import torch
+    import triton.testing as tt
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: object())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+    def fake_bench(fn, rep, quantiles):
+        calls.append("bench")
+        return [1.0] * len(quantiles)
+    monkeypatch.setattr(tt, "do_bench_cudagraph", fake_bench)
+    t = harness.time_ms(lambda: None, "cudagraph", rep_ms=5)
+    assert calls == ["synchronize", "bench"] and t.p50 == 1.0
