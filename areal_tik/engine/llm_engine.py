@@ -20,9 +20,13 @@ API (docs/interfaces.md): ``add_request``, ``step``, ``generate``, ``abort``, ``
   is dropped with the old weights (``EngineConfig.enable_prefix_sharing``).
 - A step that raises never stops the engine: its requests are isolated (run alone) until
   one fails alone; that one finishes with reason ``"error"``, the others keep their bits.
+  A pipelined launch that raises changes no request (the next ``step()`` schedules that step
+  as usual). Both are counted in ``stats()`` (``failed_steps``, ``failed_launches``, and the
+  last one's message in ``last_error``); the first failed launch is logged as a warning.
 """
 from __future__ import annotations
 
+import logging
 import numbers
 import random
 
@@ -39,6 +43,8 @@ from areal_tik.engine.sequence import RequestOutput, SamplingParams, Sequence, S
 from areal_tik.engine.sampler import _hash32_py
 
 __all__ = ["LLMEngine"]
+
+logger = logging.getLogger("areal_tik.engine")
 
 
 class _Rows:
@@ -82,6 +88,8 @@ class LLMEngine:
         self.weights_serial = 0  # +1 per update_weights call (a bucketed update is several calls per version)
         self.num_steps = 0
         self.num_failed_steps = 0  # steps whose forward or sampling raised (requests isolated or failed)
+        self.num_failed_launches = 0  # async_decode: continuation launches that raised (the step ran later)
+        self.last_error = ""  # the message of the last failed step or launch
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_pipelined_steps = 0  # async_decode: steps launched before the previous step's tokens were read
@@ -185,7 +193,8 @@ class LLMEngine:
                 try:
                     nxt_pending = self.runner.launch_sampled(nxt, t, ids_from=pending)
                     self.num_pipelined_steps += 1
-                except Exception:  # noqa: BLE001 - the next step() schedules it normally (and meets the fault there)
+                except Exception as e:  # noqa: BLE001 - the next step() schedules it (and meets the fault there)
+                    self._launch_failed(e)
                     nxt = None
         done = self._resolve(batch, pending)
         if nxt is not None:   # (after a failed step its sequences wait again: settling drops every row)
@@ -193,6 +202,17 @@ class LLMEngine:
             if nxt.chunks:
                 self._inflight = (nxt, _Rows(nxt_pending, rows), t)
         return done
+
+    def _launch_failed(self, exc: Exception) -> None:
+        """A continuation launch raised (e.g. its graph capture failed). No request is affected: its sequences
+        keep the pages it was given and the next ``step()`` schedules the same step. It is counted
+        (``stats()["failed_launches"]``, ``last_error``) and the first one per engine is logged as a warning,
+        since none fails on a healthy device."""
+        self.num_failed_launches += 1
+        self.last_error = _message(exc)
+        if self.num_failed_launches == 1:
+            logger.warning("pipelined decode: launching the next step failed (%s); it runs unpipelined "
+                           "(further failures are counted in stats()['failed_launches'])", self.last_error)
 
     def drain(self) -> list[Sequence]:
         """Finish the decode step in flight, if any (``async_decode``): its tokens are recorded and the samples
@@ -220,6 +240,7 @@ class LLMEngine:
         removed and its samples finish with reason ``"error"`` (returned). Otherwise each
         is isolated (runs alone from now on), so a second failure names the culprit."""
         self.num_failed_steps += 1
+        self.last_error = _message(exc)
         self.scheduler.unschedule(batch)
         seqs = list(dict.fromkeys(c.seq for c in batch.chunks))
         rids = list(dict.fromkeys(s.request_id for s in seqs))
@@ -228,7 +249,7 @@ class LLMEngine:
                 seq.isolated = True
             self.scheduler.isolating = True
             return []
-        msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        msg = self.last_error
         failed = []
         for seq in self._requests.pop(rids[0], []):
             if seq.is_finished:
@@ -343,7 +364,9 @@ class LLMEngine:
         return packed_logprobs(self.model, ids, temperature=temperature)[:-1].tolist()
 
     def stats(self) -> dict:
-        return dict(steps=self.num_steps, pipelined_steps=self.num_pipelined_steps, prefill_tokens=self.num_prefill_tokens,
+        return dict(steps=self.num_steps, pipelined_steps=self.num_pipelined_steps,
+                    failed_steps=self.num_failed_steps, failed_launches=self.num_failed_launches,
+                    last_error=self.last_error, prefill_tokens=self.num_prefill_tokens,
                     decode_tokens=self.num_decode_tokens, preemptions=self.scheduler.num_preemptions,
                     graph_steps=self.runner.num_graph_steps, prefill_graph_steps=self.runner.num_prefill_graph_steps,
                     eager_steps=self.runner.num_eager_steps, graphs=len(self.runner._graphs),
@@ -357,3 +380,7 @@ class LLMEngine:
                     cached_pages=self.block_manager.num_cached_pages,
                     evicted_pages=self.block_manager.num_evictions)
 
+
+def _message(exc: Exception) -> str:
+    """An exception's type and first line, at most 500 characters."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]

@@ -18,11 +18,15 @@
   other rows (DESIGN section 2), so the real rows' bits are the eager step's; the padding
   rows' values are never read. Larger prefill steps, and the default kernels (their prefill
   attention needs host lengths), run eagerly. On a CPU everything is eager.
+- Captures run with Python's cyclic garbage collector paused (:func:`_gc_paused`), and a failed capture leaves
+  the device's current stream as it was and makes the next capture start a fresh memory pool
+  (:meth:`ModelRunner._capturing`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import time
 
@@ -47,6 +51,22 @@ _MIN_PREFILL_BUCKET = 16   # token buckets: powers of two from here to prefill_g
 # static-buffer / bucket logic is exercised by CPU tests with the same side effects as on
 # the GPU (the eager warm-up before a capture runs for real, as it does there).
 EMULATE_GRAPHS_ON_CPU = False
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector off inside the block, then as it was before. A collection inside a
+    CUDA graph capture may free objects that only a reference cycle kept alive -- a dead engine's CUDA graphs
+    (torch >= 2.9 no longer collects before a capture) -- and destroying a graph is not permitted while this
+    thread captures: torch warns "operation not permitted when stream is capturing (function reset)" and the
+    capture is invalidated (its capture_end raises). Explicit ``gc.collect()`` calls still run."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _EmulatedGraph:
@@ -246,17 +266,35 @@ class ModelRunner:
             return torch.stack([tokens.to(torch.float64), lps.to(torch.float64)])
         return self._record((bs, width, temperature), ctx, warm, fwd)
 
+    @contextlib.contextmanager
+    def _capturing(self):
+        """The context of one capture. Python's GC is paused (:func:`_gc_paused`). On a GPU the runner's device is
+        current and, after the block, the device's current stream is the one before it, also when the capture
+        raised (``torch.cuda.graph`` leaves its capture stream current when ``capture_end`` raises). If the block
+        raises, the next capture starts a fresh memory pool: torch's ``capture_end`` raises before it ends the
+        pool's allocation recording, and every later capture into that pool would fail ("beginAllocateToPool:
+        already recording to mempool_id"). The graphs captured before keep their pool."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_gc_paused())
+            if not self.emulate_graphs:
+                stack.enter_context(torch.cuda.device(self.device))
+                stack.enter_context(torch.cuda.stream(torch.cuda.current_stream(self.device)))
+            try:
+                yield
+            except BaseException:
+                self._pool = None
+                raise
+
     def _record(self, key, ctx: AttentionContext, warm: AttentionContext, fwd, warm_fwd=None):
         """Warm up ``warm_fwd`` (default ``fwd``) eagerly under ``warm`` (which must not store K/V), then capture
-        ``fwd`` under ``ctx`` into ``self._graphs[key]`` (an emulated graph on a CPU). Returns (graph, static
-        output)."""
+        ``fwd`` under ``ctx`` into ``self._graphs[key]`` (an emulated graph on a CPU) in :meth:`_capturing`.
+        Returns (graph, static output)."""
         warm_fwd = warm_fwd or fwd
         t0 = time.perf_counter()
         set_context(warm)
         try:
             if self.emulate_graphs:
                 out = warm_fwd()   # warm-up (runs for real, as on the GPU)
-                out = torch.empty_like(out)
 
                 def fn(ctx=ctx):
                     set_context(ctx)
@@ -264,7 +302,9 @@ class ModelRunner:
                         return fwd()
                     finally:
                         reset_context()
-                graph = _EmulatedGraph(fn, out)
+                with self._capturing():
+                    graph = _EmulatedGraph(fn, torch.empty_like(out))
+                out = graph.out
             else:
                 stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -277,7 +317,7 @@ class ModelRunner:
                 # next to a trainer on cuda:0) captured nothing and failed ("operation not permitted
                 # when stream is capturing", seen on 2x H200). thread_local: other threads' CUDA
                 # calls (the NCCL watchdog of an xccl weight-update group) cannot invalidate it.
-                with torch.cuda.device(self.device):
+                with self._capturing():
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                         out = fwd()

@@ -10,9 +10,12 @@ every sequence in flight whenever a new graph was captured mid-generation (e.g. 
 sequence crossing 256 tokens moves the table width from 16 to 32 pages). Every later token
 of every sequence then mismatched training (R2 16124/16384 at the 1.5B shape).
 """
+import gc
+
 import pytest
 import torch
 
+import areal_tik.engine.model_runner as mr
 from areal_tik.layers.logprob_head import packed_logprobs
 from areal_tik.layers.patch import patch_model
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
@@ -74,6 +77,76 @@ def test_capture_warmup_leaves_kv_cache_untouched(graphs, model, seed_rng):
         assert torch.equal(k0, k1) and torch.equal(v0, v1), "graph capture wrote the KV cache"
 
 
+def _gc_state_in_captures(runner, monkeypatch) -> list[bool]:
+    """``gc.isenabled()`` inside each capture of ``runner`` from now on (GPU: each forward run while the stream
+    captures; CPU: each emulated graph made)."""
+    seen = []
+    if HAS_GPU:
+        forward = runner._forward
+
+        def probe(*args, **kw):
+            if torch.cuda.is_current_stream_capturing():
+                seen.append(gc.isenabled())
+            return forward(*args, **kw)
+        monkeypatch.setitem(runner.__dict__, "_forward", probe)
+    else:
+        class Probe(mr._EmulatedGraph):
+            def __init__(self, fn, out):
+                seen.append(gc.isenabled())
+                super().__init__(fn, out)
+        monkeypatch.setattr(mr, "_EmulatedGraph", Probe)
+    return seen
+
+
+def test_captures_pause_garbage_collection(graphs, model, monkeypatch):
+    """Python's cyclic GC is off while a graph is captured, then as before. Regression (H200, torch 2.11): a GC
+    pass inside a capture freed the CUDA graphs of a dead engine kept by a reference cycle; destroying a graph
+    while the thread captures fails ("operation not permitted when stream is capturing (function reset)") and
+    invalidates the capture, so a step failed (its requests isolated) or a pipelined launch was dropped."""
+    eng = _engine(model, eager=False)
+    seen = _gc_state_in_captures(eng.runner, monkeypatch)
+    _run(eng, _prompts([20, 9]), [SamplingParams(temperature=1.0, max_new_tokens=6, seed=i, ignore_eos=True)
+                                   for i in range(2)])
+    assert len(seen) >= 2 and not any(seen), seen          # a prefill graph and decode graphs
+    assert gc.isenabled()
+    gc.disable()                                            # disabled by the caller: still disabled after
+    try:
+        eng.runner._capture(8, 4)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert eng.stats()["failed_steps"] == 0
+
+
+@pytest.mark.gpu
+def test_failed_capture_keeps_the_stream_and_later_captures(model, monkeypatch):
+    """A capture that fails leaves the device's current stream as it was (``torch.cuda.graph`` leaves its
+    capture stream current when capture_end raises) and does not stop later captures (torch's capture_end
+    raises before it ends the pool's allocation recording, so every later capture into that shared pool failed
+    with "beginAllocateToPool: already recording to mempool_id"): the next capture starts a fresh pool."""
+    eng = _engine(model, eager=False)
+    prompts = _prompts([14, 31])
+    params = [SamplingParams(temperature=1.0, max_new_tokens=40, seed=i, ignore_eos=True) for i in range(2)]
+    _run(eng, prompts[:1], params[:1])
+    runner = eng.runner
+    assert runner._pool is not None
+    forward = runner._forward
+
+    def forward_syncing(*args, **kw):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()     # not permitted while capturing: the capture fails
+        return forward(*args, **kw)
+    stream = torch.cuda.current_stream()
+    with monkeypatch.context() as m:
+        m.setitem(runner.__dict__, "_forward", forward_syncing)
+        with pytest.raises(Exception):
+            runner._capture(8, 8)
+    assert torch.cuda.current_stream() == stream and runner._pool is None and (8, 8) not in runner._graphs
+    got = _run(eng, prompts, params)               # captures new graphs (a fresh pool), same bits as eager
+    assert eng.stats()["failed_steps"] == 0 and runner._pool is not None
+    assert got == _run(_engine(model, eager=True), prompts, params)
+
+
 def test_graphs_equal_eager_and_training_across_width_buckets(graphs, model, seed_rng):
     """Contexts cross table-width buckets (1->2->4->8 pages) and batch buckets change as
     requests finish: graph decode == eager decode == training, bit for bit."""
@@ -101,7 +174,9 @@ def test_sampling_graphs_equal_sampling_after_the_graph(graphs, model, seed_rng,
     fused_keys = [k for k in e_fused.runner._graphs if len(k) == 3 and k[0] != "prefill"]
     assert fused_keys and all(k[2] == 0.8 for k in fused_keys), list(e_fused.runner._graphs)
     e_split = _engine(model, eager=False)
-    monkeypatch.setattr(e_split.runner, "fused_temperature", lambda batch: None)
+    # on the instance dict: its undo deletes the key (setattr's undo would leave a bound method there, a reference
+    # cycle that keeps the engine's CUDA graphs alive until some later GC pass, which could land in a capture)
+    monkeypatch.setitem(e_split.runner.__dict__, "fused_temperature", lambda batch: None)
     split = _run(e_split, prompts, params)
     assert not [k for k in e_split.runner._graphs if len(k) == 3 and k[0] != "prefill"]
     assert e_split.runner.num_graph_steps > 0
