@@ -45,7 +45,7 @@ def main() -> int:
 
     from areal_tik.kernels import linear as L
     from areal_tik.kernels.linear import selection
-    from bench.bench_dense import L2_BYTES, SHAPES, bench_graphed, rotating
+    from bench.bench_dense import SHAPES, bench_graphed, rotating
     from bench.harness import warm_up_clocks
     from bench.tune_linear import INCUMBENT, bits_equal, merge_winners
 
