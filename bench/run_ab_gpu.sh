@@ -136,8 +136,15 @@ echo "run_ab_gpu: recipes=[$RECIPES] arms=$RUN_ARMS of set=$SET (reference $REF)
 
 if [ "${WARMSTART_STEPS:-0}" -gt 0 ]; then  # a preset that earns reward: the A/B's reward comparison
   WARM_DIR=${WARM_DIR:-/tmp/areal_tik_warm}
-  python3 -m areal_tik.cli warmstart --model "${WARM_MODEL:-qwen2.5-1.5b}" --task mix --steps "$WARMSTART_STEPS" \
-      --lr "${WARMSTART_LR:-3e-4}" --out "$WARM_DIR" --no-progress | tee "$AB_OUT/warmstart.json"
+  # one arm per call on a warm machine: the later calls reuse the earlier call's warm start (same model, steps, lr)
+  STAMP="${WARM_MODEL:-qwen2.5-1.5b} steps=$WARMSTART_STEPS lr=${WARMSTART_LR:-3e-4}"
+  if [ -f "$WARM_DIR/config.json" ] && [ "$(cat "$WARM_DIR/.warmstart_stamp" 2>/dev/null)" = "$STAMP" ]; then
+    echo "run_ab_gpu: reusing the warm start in $WARM_DIR ($STAMP)"
+  else
+    python3 -m areal_tik.cli warmstart --model "${WARM_MODEL:-qwen2.5-1.5b}" --task mix --steps "$WARMSTART_STEPS" \
+        --lr "${WARMSTART_LR:-3e-4}" --out "$WARM_DIR" --no-progress | tee "$AB_OUT/warmstart.json"
+    [ "${PIPESTATUS[0]}" -eq 0 ] && echo "$STAMP" > "$WARM_DIR/.warmstart_stamp"
+  fi
   QWEN_DIR=$WARM_DIR
 fi
 if [ -n "${QWEN_DIR:-}" ]; then  # real weights + tokenizer available locally (or the warm start)

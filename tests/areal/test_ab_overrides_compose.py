@@ -51,3 +51,26 @@ def test_every_arm_config_composes(tmp_path, layout):
             else:
                 assert c.actor.weight_update_mode == "xccl" and c.vllm.gpu_memory_utilization == 0.9
             assert c.vllm.skip_tokenizer_init is True   # the char tokenizer cannot detokenize a random model
+
+
+def test_warm_start_is_reused_by_the_next_call_only_when_it_matches(tmp_path):
+    """One arm per device call: the second call with the same warm-start settings reuses the first call's model
+    (no retraining on the device's clock), a call with other settings trains again; every call's arms load it."""
+    warm = tmp_path / "warm"
+    env = {"WARMSTART_STEPS": "2", "WARM_MODEL": "tiny-qwen2", "WARM_DIR": str(warm)}
+
+    def run(**more):
+        e = {**os.environ, "DRY_RUN": "1", "SET": "vllm,tik", "RECIPES": "grpo", "AB_OUT": str(tmp_path / "ab"),
+             **env, **more}
+        p = subprocess.run(["bash", os.path.join(ROOT, "bench", "run_ab_gpu.sh")], env=e, capture_output=True,
+                           text=True, timeout=300, cwd=ROOT)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        (recipe,) = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("[")]
+        assert f"actor.path={warm}" in recipe, recipe
+        return p.stdout
+    first = run()
+    assert "reusing the warm start" not in first and (warm / "config.json").exists()
+    stamp = (warm / ".warmstart_stamp").read_text()
+    assert "reusing the warm start" in run()
+    assert "reusing the warm start" not in run(WARMSTART_STEPS="3")   # other settings: trained again
+    assert (warm / ".warmstart_stamp").read_text() != stamp
