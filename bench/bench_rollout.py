@@ -13,7 +13,9 @@ random prompts (T = 1, ``ignore_eos``, each sampled token's log-prob returned):
 - ``engine_async``: the same with ``EngineConfig(async_decode=True)`` (pipelined decode steps, the engine's default).
 
 Workloads: B x (prompt -> generated) = 64/128/256 x (136 -> 256) and 64 x (1024 -> 4096)
-(``--quick``: the first three). Each arm first runs every short workload once unmeasured
+(``--quick``: the first three); ``--workloads 128x136x256@8`` admits 8 requests per engine step instead of all at
+once (a server receiving requests while it decodes: steps mix prefill and decode), the same prompts and seeds as
+``128x136x256``, so each row's ``outputs_sha1`` must match that row's. Each arm first runs every short workload once unmeasured
 (warm-up: JIT, lazily captured graphs), then measures each workload (the short ones ``--repeats``
 times, the long one ``--long-repeats`` times, on fresh prompts, median kept): generated tokens over
 the wall time of the whole batch (prefill included).
@@ -43,8 +45,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-SHORT = [(64, 136, 256), (128, 136, 256), (256, 136, 256)]
-LONG = [(64, 1024, 4096)]
+SHORT = [(64, 136, 256, 0), (128, 136, 256, 0), (256, 136, 256, 0)]   # (batch, prompt, new, arrivals per step)
+LONG = [(64, 1024, 4096, 0)]
 ARMS = ("stock", "tik", "batch_invariant", "engine", "engine_async", "parity")
 ENGINE_ARMS = ("engine", "engine_async")
 VLLM_ARMS = ("stock", "batch_invariant", "tik")
@@ -65,11 +67,17 @@ def _prompts(B: int, n: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _wl_name(w) -> str:
-    return f"B{w[0]}_{w[1]}to{w[2]}"
+    return f"B{w[0]}_{w[1]}to{w[2]}" + (f"_arr{w[3]}" if w[3] else "")
 
 
-def _parse_workloads(specs) -> list[tuple[int, int, int]]:
-    return [tuple(int(x) for x in s.split("x")) for s in specs]
+def _parse_workloads(specs) -> list[tuple[int, int, int, int]]:
+    """``BxPROMPTxNEW`` (every request at once) or ``BxPROMPTxNEW@K`` (K requests admitted per engine step)."""
+    out = []
+    for spec in specs:
+        dims, _, arr = spec.partition("@")
+        b, n_in, n_out = (int(x) for x in dims.split("x"))
+        out.append((b, n_in, n_out, int(arr or 0)))
+    return out
 
 
 def _device() -> str:
@@ -95,18 +103,47 @@ def _vllm_llm(arm: str, model_dir: str, model_type: str, max_model_len: int):
     return LLM(**kw)
 
 
-def _vllm_generate(llm, prompts, max_new: int):
+def _vllm_sampling(max_new: int):
     from vllm import SamplingParams
-    sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_new, ignore_eos=True, logprobs=0,
-                        detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    res = []
-    for o in outs:
-        c = o.outputs[0]
-        toks = list(c.token_ids)
-        lps = [d[t].logprob for d, t in zip(c.logprobs, toks)]
-        res.append((list(o.prompt_token_ids), toks, lps))
-    return res
+    return SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_new, ignore_eos=True, logprobs=0,
+                          detokenize=False)
+
+
+def _vllm_record(o) -> tuple[list[int], list[int], list[float]]:
+    c = o.outputs[0]
+    toks = list(c.token_ids)
+    return list(o.prompt_token_ids), toks, [d[t].logprob for d, t in zip(c.logprobs, toks)]
+
+
+def _vllm_generate(llm, prompts, max_new: int, arrivals: int = 0):
+    """``arrivals`` 0: every prompt at once (``LLM.generate``); K > 0: K requests added per engine step, as a
+    server receives requests while it decodes (steps then mix prefill and decode)."""
+    if not arrivals:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _vllm_sampling(max_new), use_tqdm=False)
+        return [_vllm_record(o) for o in outs]
+    eng, sp = llm.llm_engine, _vllm_sampling(max_new)
+    rids = [f"arr-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    queue, done = list(zip(rids, prompts)), {}
+    while queue or eng.has_unfinished_requests():
+        for rid, p in queue[:arrivals]:
+            eng.add_request(rid, {"prompt_token_ids": p}, sp)
+        queue = queue[arrivals:]
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = _vllm_record(o)
+    return [done[r] for r in rids]
+
+
+def _digest(outs) -> str:
+    """SHA-1 of the first repeat's generated tokens and log-prob bits (float32), in prompt order: two rows with the
+    same prompts and seeds (e.g. all at once vs staggered arrivals) must have the same digest."""
+    import hashlib
+    import struct
+    h = hashlib.sha1()
+    for _, toks, lps in outs:
+        h.update(struct.pack(f"<{len(toks)}q", *toks))
+        h.update(struct.pack(f"<{len(lps)}f", *lps))
+    return h.hexdigest()
 
 
 def _cpu_model() -> str:
@@ -128,11 +165,23 @@ def _engine_setup(model_dir: str, max_model_len: int, async_decode: bool = False
     return eng
 
 
-def _engine_generate(eng, prompts, max_new: int, seed: int):
+def _engine_generate(eng, prompts, max_new: int, seed: int, arrivals: int = 0):
+    """As :func:`_vllm_generate`: every prompt at once (``LLMEngine.generate``), or ``arrivals`` per step."""
     from areal_tik.engine import SamplingParams
     params = [SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True, seed=seed * 100003 + i)
               for i in range(len(prompts))]
-    outs = eng.generate(prompts, params)
+    if not arrivals:
+        outs = eng.generate(prompts, params)
+    else:
+        rids = [f"arr-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        queue, done = list(zip(rids, prompts, params)), {}
+        while queue or eng.has_unfinished():
+            for rid, p, sp in queue[:arrivals]:
+                eng.add_request(rid, p, sp)
+            queue = queue[arrivals:]
+            for o in eng.step():
+                done[o.request_id] = o
+        outs = [done[r] for r in rids]
     return [(list(o.prompt_ids), list(o.output_ids), list(o.output_logprobs)) for o in outs]
 
 
@@ -158,15 +207,15 @@ def run_arm(arm: str, a) -> int:
     t0 = time.perf_counter()
     if arm in ENGINE_ARMS:
         eng = _engine_setup(a.model_dir, meta["max_model_len"], async_decode=arm == "engine_async")
-        gen = lambda prompts, n: _engine_generate(eng, prompts, n, seed=len(prompts))
+        gen = lambda prompts, n, arr: _engine_generate(eng, prompts, n, seed=len(prompts), arrivals=arr)
     else:
         llm = _vllm_llm(arm, a.model_dir, model_type, meta["max_model_len"])
-        gen = lambda prompts, n: _vllm_generate(llm, prompts, n)
+        gen = lambda prompts, n, arr: _vllm_generate(llm, prompts, n, arrivals=arr)
     res["startup_s"] = round(time.perf_counter() - t0, 2)
     _log(arm, "started in", res["startup_s"], "s")
     t0 = time.perf_counter()
-    for B, n_in, n_out in [w for w in workloads if w[2] <= 256]:     # warm-up on other prompts
-        gen(_prompts(B, n_in, vocab, seed=7), n_out)
+    for B, n_in, n_out, arr in [w for w in workloads if w[2] <= 256]:     # warm-up on other prompts
+        gen(_prompts(B, n_in, vocab, seed=7), n_out, arr)
     _sync()
     res["warmup_s"] = round(time.perf_counter() - t0, 2)
     # the host's 1-minute load average as the timed runs start: the arms are host-bound at small batches, so a
@@ -174,14 +223,14 @@ def run_arm(arm: str, a) -> int:
     res["loadavg_1m_at_measure"] = round(os.getloadavg()[0], 2)
     keep = {}
     for w in workloads:
-        B, n_in, n_out = w
+        B, n_in, n_out, arr = w
         reps = a.repeats if n_out <= 256 else a.long_repeats
         times, outs = [], None
         for r in range(reps):                               # fresh prompts per repeat; the first one's outputs kept
             prompts_r = _prompts(B, n_in, vocab, seed=1 + r)
             _sync()
             t0 = time.perf_counter()
-            o = gen(prompts_r, n_out)
+            o = gen(prompts_r, n_out, arr)
             _sync()
             times.append(time.perf_counter() - t0)
             if r == 0:
@@ -189,7 +238,8 @@ def run_arm(arm: str, a) -> int:
         dt = sorted(times)[len(times) // 2]
         n_gen = sum(len(o[1]) for o in outs)
         ok_prompts = all(o[0] == p for o, p in zip(outs, prompts))
-        row = dict(batch=B, prompt_len=n_in, max_new=n_out, generated_tokens=n_gen, seconds=round(dt, 4),
+        row = dict(batch=B, prompt_len=n_in, max_new=n_out, arrivals_per_step=arr, generated_tokens=n_gen,
+                   outputs_sha1=_digest(outs), seconds=round(dt, 4),
                    tokens_per_s=round(n_gen / dt, 1), prompts_match=ok_prompts,
                    all_full_length=all(len(o[1]) == n_out for o in outs),
                    seconds_per_repeat=[round(t, 4) for t in times])
