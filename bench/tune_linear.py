@@ -73,6 +73,17 @@ def bits_equal(a, b) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def same_bits_as_incumbent(x, w, ref, config: str, out=None) -> bool:
+    """Whether ``config`` gives ``ref`` (the incumbent's output on ``x``) bit for bit: the whole output, the first
+    row computed alone and (M >= 4) the last 3 rows alone (row-subset invariance)."""
+    M = x.shape[0]
+    ok = bits_equal(L.linear_fwd(x, w, config=config, out=out), ref)
+    ok = ok and bits_equal(L.linear_fwd(x[:1].contiguous(), w, config=config), ref[:1])
+    if M >= 4:
+        ok = ok and bits_equal(L.linear_fwd(x[M - 3:].contiguous(), w, config=config), ref[M - 3:])
+    return bool(ok)
+
+
 def run(args) -> dict:
     dev = torch.device("cuda")
     arch, n_sms = selection._device_info(torch.cuda.current_device())
@@ -116,13 +127,7 @@ def run(args) -> dict:
                     break
                 r = cell["cands"][cname] = {}
                 try:
-                    y = L.linear_fwd(x, w, config=cname, out=buf)
-                    ok = bits_equal(y, ref)
-                    y1 = L.linear_fwd(x[:1].contiguous(), w, config=cname)
-                    ok = ok and bits_equal(y1, ref[:1])
-                    if M >= 4:
-                        yt = L.linear_fwd(x[M - 3:].contiguous(), w, config=cname)
-                        ok = ok and bits_equal(yt, ref[M - 3:])
+                    ok = same_bits_as_incumbent(x, w, ref, cname, out=buf)
                     torch.cuda.synchronize()
                     r["bits_equal"] = bool(ok)
                     if ok:
@@ -166,18 +171,24 @@ def set_bucket(buckets: list, M: int, name: str) -> list:
             if mx == M:
                 continue
         out.append([mx, old])
+    return _merge_equal_neighbours(out)
+
+
+def _merge_equal_neighbours(buckets: list) -> list:
+    """Neighbouring buckets with the same config become one (ending at the later bound)."""
     merged = []
-    for mx, nm in out:
-        if merged and merged[-1][1] == nm:
+    for mx, name in buckets:
+        if merged and merged[-1][1] == name:
             merged[-1][0] = mx
         else:
-            merged.append([mx, nm])
+            merged.append([mx, name])
     return merged
 
 
-def merge_winners(table: dict, arch: str, winners: dict) -> dict:
+def merge_winners(table: dict, arch: str, winners: dict, by: str) -> dict:
     """A copy of the tuned ``table`` (format 1) with ``winners`` ({(N, K, M): config}) set by :func:`set_bucket`;
-    an (N, K) without a rule gets one whose other M keep the built-in default."""
+    an (N, K) without a rule gets one whose other M keep the built-in default. ``by`` (the script that measured
+    the winners) goes into the entry's ``merged`` provenance list."""
     import copy
     out = copy.deepcopy(table)
     entry = out.setdefault("archs", {}).setdefault(arch, {"rules": []})
@@ -188,7 +199,8 @@ def merge_winners(table: dict, arch: str, winners: dict) -> dict:
             entry["rules"].append(rules[(N, K)])
         rules[(N, K)]["buckets"] = set_bucket(rules[(N, K)]["buckets"], M, name)
     if winners:   # provenance: which buckets a later probe set
-        entry.setdefault("merged", []).extend(dict(N=N, K=K, M=M, config=c) for (N, K, M), c in sorted(winners.items()))
+        entry.setdefault("merged", []).extend(dict(N=N, K=K, M=M, config=c, by=by)
+                                              for (N, K, M), c in sorted(winners.items()))
     return out
 
 
@@ -203,13 +215,7 @@ def build_table(res: dict) -> dict:
     for (N, K), lst in sorted(by_nk.items()):
         lst.sort()
         buckets = [[m, name] for m, name in lst[:-1]] + [[None, lst[-1][1]]]
-        merged = []  # merge neighbouring buckets with the same winner
-        for mx, name in buckets:
-            if merged and merged[-1][1] == name:
-                merged[-1][0] = mx
-            else:
-                merged.append([mx, name])
-        rules.append({"N": N, "K": K, "buckets": merged})
+        rules.append({"N": N, "K": K, "buckets": _merge_equal_neighbours(buckets)})
     entry = {"rules": rules, "device": res["device"], "triton": res["triton"], "torch": res["torch"],
              "note": "written by bench/tune_linear.py; every config passed the bit-equality check"}
     return {"format": 1, "archs": {res["arch"]: entry}}
