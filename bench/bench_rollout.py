@@ -122,15 +122,22 @@ def _vllm_generate(llm, prompts, max_new: int, arrivals: int = 0):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _vllm_sampling(max_new), use_tqdm=False)
         return [_vllm_record(o) for o in outs]
     eng, sp = llm.llm_engine, _vllm_sampling(max_new)
+    return _staggered(prompts, [sp] * len(prompts), arrivals,
+                      add=lambda rid, p, params: eng.add_request(rid, {"prompt_token_ids": p}, params),
+                      step=lambda: [(o.request_id, _vllm_record(o)) for o in eng.step() if o.finished],
+                      unfinished=eng.has_unfinished_requests)
+
+
+def _staggered(prompts, params, arrivals: int, add, step, unfinished) -> list:
+    """Drive an engine with ``arrivals`` new requests per step until all are done: ``add(rid, prompt, params)``,
+    ``step()`` -> [(rid, finished output)], ``unfinished()``. The outputs in prompt order."""
     rids = [f"arr-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    queue, done = list(zip(rids, prompts)), {}
-    while queue or eng.has_unfinished_requests():
-        for rid, p in queue[:arrivals]:
-            eng.add_request(rid, {"prompt_token_ids": p}, sp)
+    queue, done = list(zip(rids, prompts, params)), {}
+    while queue or unfinished():
+        for req in queue[:arrivals]:
+            add(*req)
         queue = queue[arrivals:]
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = _vllm_record(o)
+        done.update(step())
     return [done[r] for r in rids]
 
 
@@ -173,15 +180,8 @@ def _engine_generate(eng, prompts, max_new: int, seed: int, arrivals: int = 0):
     if not arrivals:
         outs = eng.generate(prompts, params)
     else:
-        rids = [f"arr-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        queue, done = list(zip(rids, prompts, params)), {}
-        while queue or eng.has_unfinished():
-            for rid, p, sp in queue[:arrivals]:
-                eng.add_request(rid, p, sp)
-            queue = queue[arrivals:]
-            for o in eng.step():
-                done[o.request_id] = o
-        outs = [done[r] for r in rids]
+        outs = _staggered(prompts, params, arrivals, add=eng.add_request,
+                          step=lambda: [(o.request_id, o) for o in eng.step()], unfinished=eng.has_unfinished)
     return [(list(o.prompt_ids), list(o.output_ids), list(o.output_logprobs)) for o in outs]
 
 
