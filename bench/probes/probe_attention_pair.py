@@ -209,9 +209,9 @@ def _error_text(step: str, e: BaseException) -> str:
 
 def _timed(progress: Progress, unit: int, op, args: tuple) -> dict:
     """``{"ms": ...}`` of ``op(*args)``, or ``{"ms": None, "error": ...}`` when it raises (one arm's failure is a
-    finding, not the end of the probe). The eager call is synchronized before the timing: the cudagraph timer
-    runs ``op`` on a fresh stream that does not wait for the default stream, where the inputs were just made, and
-    the synchronize also puts an eager fault on the eager step."""
+    finding, not the end of the probe). The eager call is synchronized before the timing, so that a fault in it
+    is reported as the eager step's (``harness.time_ms`` itself waits for the inputs before its own stream runs
+    ``op``)."""
     import torch
     step = "eager"
     try:
