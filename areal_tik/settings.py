@@ -5,10 +5,12 @@
 - ``kernels``: ``"tik"`` (rollout and training on the same batch-invariant kernels) or
   ``"default"`` (HF's own math, the baseline). AReaL users set it as ``actor.kernel_backend``;
   inside the package the axis is always called ``kernels``.
-- ``backend``: which implementation family runs each op, ``triton`` | ``cuda`` | ``torch_ref``,
-  as a spec: ``None`` (each op takes its measured default), ``"triton"`` (every op), or
-  ``"attention_varlen=triton,attention_paged=triton"`` (per op). The environment variable
-  ``AREAL_TIK_BACKEND`` is the one documented override; :meth:`Settings.from_env` reads it.
+- ``backend``: which implementation family runs each op, ``triton`` | ``cuda`` | ``torch_ref`` |
+  ``fa3`` (the attention pair only: FlashAttention-3 from vLLM, one walk over the keys), as a spec:
+  ``None`` (each op takes its measured default), ``"triton"`` (every op), or
+  ``"attention_varlen=triton,attention_paged=triton"`` (per op; ``attention=`` names both ops of the
+  attention pair, e.g. ``"attention=fa3"``). The environment variable ``AREAL_TIK_BACKEND`` is the one
+  documented override; :meth:`Settings.from_env` reads it.
 - ``attention_backward``: the training attention's backward kernel, ``auto`` | ``flash`` |
   ``triton`` (``auto``: PyTorch's flash backward where it runs and deterministic algorithms are
   off, else our bitwise-repeatable Triton backward). Not under the bit contract.
@@ -27,12 +29,14 @@ import dataclasses
 import os
 from typing import Mapping
 
-__all__ = ["Settings", "SettingsError", "BACKEND_ENV", "KERNELS", "BACKENDS", "ATTENTION_BACKWARDS",
+__all__ = ["Settings", "SettingsError", "BACKEND_ENV", "KERNELS", "BACKENDS", "OP_GROUPS", "ATTENTION_BACKWARDS",
            "parse_backend_spec"]
 
 BACKEND_ENV = "AREAL_TIK_BACKEND"
 KERNELS = ("tik", "default")
-BACKENDS = ("triton", "cuda", "torch_ref")
+BACKENDS = ("triton", "cuda", "torch_ref", "fa3")
+# A spec's group names: one name for ops that must run on one backend (their bits agree between rollout and training)
+OP_GROUPS = {"attention": ("attention_varlen", "attention_paged")}
 ATTENTION_BACKWARDS = ("auto", "flash", "triton")
 
 
@@ -42,7 +46,9 @@ class SettingsError(ValueError):
 
 def parse_backend_spec(spec: str | None) -> dict[str, str]:
     """``None``/``""`` -> {}; ``"triton"`` -> ``{"*": "triton"}``; ``"linear=cuda, rms_norm=triton"``
-    -> per op. Raises :class:`SettingsError` on an unknown backend name or an empty op name."""
+    -> per op; a group name (:data:`OP_GROUPS`: ``"attention=fa3"``) -> each of its ops. Raises
+    :class:`SettingsError` on an unknown backend name, an empty op name, or a spec that gives the ops of one
+    group different backends (a group's ops compute bits that must agree with each other)."""
     out: dict[str, str] = {}
     for part in (spec or "").split(","):
         part = part.strip()
@@ -55,7 +61,15 @@ def parse_backend_spec(spec: str | None) -> dict[str, str]:
         if be not in BACKENDS:
             raise SettingsError(f"backend spec {spec!r} names unknown backend {be!r}; choose from "
                                 f"{', '.join(BACKENDS)} (e.g. 'triton' or 'attention_paged=triton')")
-        out[op or "*"] = be
+        for name in OP_GROUPS.get(op, (op or "*",)):
+            out[name] = be
+    for group, members in OP_GROUPS.items():
+        chosen = {m: out.get(m, out.get("*")) for m in members}
+        if len(set(chosen.values())) > 1:
+            named = ", ".join(f"{m}={b or 'its default'}" for m, b in chosen.items())
+            raise SettingsError(f"backend spec {spec!r} splits the {group} pair ({named}): its ops must run on one "
+                                f"backend, their bits must agree between rollout and training (write "
+                                f"'{group}=<backend>')")
     return out
 
 

@@ -10,7 +10,9 @@ random prompts (T = 1, ``ignore_eos``, each sampled token's log-prob returned):
   ``TikQwen2ForCausalLM`` architecture, the CUSTOM attention backend, decode CUDA graphs);
 - ``engine``: ``areal_tik.engine.LLMEngine`` on the tik-patched HF model, ``EngineConfig(async_decode=False)``
   (each step's tokens read before the next step is launched);
-- ``engine_async``: the same with ``EngineConfig(async_decode=True)`` (pipelined decode steps, the engine's default).
+- ``engine_async``: the same with ``EngineConfig(async_decode=True)`` (pipelined decode steps, the engine's default);
+- ``engine_fa3``: ``engine_async`` with the attention pair on the ``fa3`` backend (``attention=fa3``: vLLM's
+  FlashAttention-3, one walk over the keys) in the engine and in the parity step's trainer.
 
 Workloads: B x (prompt -> generated) = 64/128/256 x (136 -> 256) and 64 x (1024 -> 4096)
 (``--quick``: the first three); ``--workloads 128x136x256@8`` admits 8 requests per engine step instead of all at
@@ -26,7 +28,7 @@ trainer's forward on the generated sequences (``packed_logprobs`` on the tik-pat
 model, packed micro-batches of <= 16k tokens). vLLM + tik must give 0 mismatches; stock
 vLLM is the negative control.
 
-    python bench/bench_rollout.py --out DIR [--quick] [--arms stock tik batch_invariant engine engine_async parity]
+    python bench/bench_rollout.py --out DIR [--quick] [--arms stock tik batch_invariant engine engine_async engine_fa3 parity]
 
 Writes ``rollout.json`` (tok/s per arm and workload, parity counts, settings) and
 ``rollout.png``. Needs vLLM 0.24 and the plugin's entry point installed for the vLLM arms
@@ -47,13 +49,14 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 SHORT = [(64, 136, 256, 0), (128, 136, 256, 0), (256, 136, 256, 0)]   # (batch, prompt, new, arrivals per step)
 LONG = [(64, 1024, 4096, 0)]
-ARMS = ("stock", "tik", "batch_invariant", "engine", "engine_async", "parity")
-ENGINE_ARMS = ("engine", "engine_async")
+ARMS = ("stock", "tik", "batch_invariant", "engine", "engine_async", "engine_fa3", "parity")
+ENGINE_ARMS = ("engine", "engine_async", "engine_fa3")
+ENGINE_BACKEND = {"engine_fa3": "attention=fa3"}     # Settings.backend of an engine arm (and its parity trainer)
 VLLM_ARMS = ("stock", "batch_invariant", "tik")
 MAX_MODEL_LEN = 5248          # 1024 + 4096 + room, a multiple of 64
 MAX_NUM_SEQS = 256
 PARITY_MB_TOKENS = 16384
-PARITY_ARMS = ("tik", "stock", "engine", "engine_async")    # arms whose generations the parity step checks
+PARITY_ARMS = ("tik", "stock", "engine", "engine_async", "engine_fa3")    # arms whose generations the parity step checks
 
 
 def _log(*a):
@@ -161,11 +164,11 @@ def _cpu_model() -> str:
         return "unknown"
 
 
-def _engine_setup(model_dir: str, max_model_len: int, async_decode: bool = False):
+def _engine_setup(model_dir: str, max_model_len: int, async_decode: bool = False, backend: str | None = None):
     from areal_tik.layers.patch import patch_model
     from areal_tik.engine import EngineConfig, LLMEngine
     from areal_tik.layers.models import build_model
-    model = patch_model(build_model(model_dir, device=_device()), kernels="tik")
+    model = patch_model(build_model(model_dir, device=_device()), kernels="tik", backend=backend)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_model_len=max_model_len,
                                         gpu_memory_utilization=0.5, async_decode=async_decode))
     _sync()
@@ -206,7 +209,8 @@ def run_arm(arm: str, a) -> int:
     out_json = os.path.join(a.work, f"{arm}.json")
     t0 = time.perf_counter()
     if arm in ENGINE_ARMS:
-        eng = _engine_setup(a.model_dir, meta["max_model_len"], async_decode=arm == "engine_async")
+        eng = _engine_setup(a.model_dir, meta["max_model_len"], async_decode=arm != "engine",
+                            backend=ENGINE_BACKEND.get(arm))
         gen = lambda prompts, n, arr: _engine_generate(eng, prompts, n, seed=len(prompts), arrivals=arr)
     else:
         llm = _vllm_llm(arm, a.model_dir, model_type, meta["max_model_len"])
@@ -257,7 +261,8 @@ def run_arm(arm: str, a) -> int:
 # ---------------------------------------------------------------------------------------------- parity
 
 def run_parity(a) -> int:
-    """Trainer forward (packed_logprobs, tik-patched HF model) on each arm's generated sequences."""
+    """Trainer forward (packed_logprobs, tik-patched HF model, on the arm's backend) on each arm's generated
+    sequences."""
     import torch
     from areal_tik.verify import contract
     from areal_tik.layers.logprob_head import generated_logprobs
@@ -265,9 +270,13 @@ def run_parity(a) -> int:
     from areal_tik.layers.models import build_model
 
     dev = _device()
-    model = patch_model(build_model(a.model_dir, device=dev), kernels="tik")
+    models = {}
     res = {}
     for arm in a.parity_arms:
+        spec = ENGINE_BACKEND.get(arm)
+        if spec not in models:
+            models = {spec: patch_model(build_model(a.model_dir, device=dev), kernels="tik", backend=spec)}
+        model = models[spec]
         path = os.path.join(a.work, f"{arm}_outputs.pt")
         if not os.path.exists(path):
             res[arm] = dict(error="no outputs (arm did not run or failed)")
@@ -316,7 +325,7 @@ def plot(res: dict, path: str) -> None:
     arms = [a for a in ("stock", "batch_invariant", "tik") + ENGINE_ARMS if a in res["arms"] and res["arms"][a].get("workloads")]
     wls = [w for w in res["workloads"] if any(w in res["arms"][a]["workloads"] for a in arms)]
     labels = {"stock": "vLLM", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "engine": "our engine (tik)",
-              "engine_async": "our engine, pipelined decode"}
+              "engine_async": "our engine, pipelined decode", "engine_fa3": "our engine, FA3 attention"}
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / max(1, len(arms))
     for j, arm in enumerate(arms):

@@ -61,11 +61,12 @@ def test_env_json_reports_versions_backends_fingerprint():
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["versions"]["torch"] == torch.__version__
-    assert set(info["backends"]) == {"triton", "cuda", "torch_ref"}
+    assert set(info["backends"]) == {"triton", "cuda", "torch_ref", "fa3"}
     assert info["backends"]["torch_ref"]["available"] is True
     if not torch.cuda.is_available():
         assert info["gpu"] == "no GPU"
         assert info["backends"]["cuda"]["available"] is False and info["backends"]["cuda"]["reason"]
+        assert info["backends"]["fa3"] == {"available": False, "reason": "no CUDA GPU"}
     assert len(info["fingerprint"]) == 16
     assert run_cli("--help").returncode == 0
 

@@ -1,4 +1,4 @@
-"""Whether the triton and cuda backends can run on this machine, and why not."""
+"""Whether the triton, cuda and fa3 backends can run on this machine, and why not."""
 from __future__ import annotations
 
 import functools
@@ -31,3 +31,21 @@ def cuda_status() -> tuple[bool, str]:
     except Exception as e:
         return False, f"cuda extension loader failed: {e}"
     return cuda_ext.status()
+
+
+@functools.lru_cache(maxsize=None)
+def fa3_status() -> tuple[bool, str]:
+    """FlashAttention-3 as vLLM bundles it (``vllm.vllm_flash_attn``, the ``vllm`` extra): a CUDA GPU of compute
+    capability 9.x and an importable vLLM whose FA3 supports it. Imports vLLM only where a GPU is present."""
+    import torch
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU"
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface as fa
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to report, not to raise
+        return False, (f"vLLM's FlashAttention is not importable ({type(e).__name__}: {e}); "
+                       "install the vllm extra: pip install 'areal-tik[vllm]'")
+    if not fa.is_fa_version_supported(3):
+        return False, f"FlashAttention-3 cannot run here: {fa.fa_version_unsupported_reason(3)}"
+    from importlib import metadata
+    return True, f"FlashAttention-3 from vLLM {metadata.version('vllm')} on {torch.cuda.get_device_name()}"

@@ -1,4 +1,5 @@
-"""Registry of op implementations: triton, cuda (csrc/) and torch_ref.
+"""Registry of op implementations: triton, cuda (csrc/), torch_ref, and fa3 (the attention pair on vLLM's
+FlashAttention-3, selectable only).
 
 Every op the model uses (``linear``, ``rms_norm``, ``attention``, ...) has one or more
 implementations, each registered with an :class:`ImplInfo`. :func:`select_impl` picks
@@ -10,7 +11,8 @@ Selection: an explicit request (``Settings.backend``, e.g. ``triton`` or
 that cannot be met raises :class:`BackendUnavailable` — never a silent fallback to a
 different numerical path. Without a request, ops take their architecture's preferred
 backend (``ARCH_PREFERRED``, where measured faster) when it is available, else the first
-available backend of ``DEFAULT_ORDER`` (GPU) or ``torch_ref`` (no GPU). Ops whose bits must
+available backend of ``DEFAULT_ORDER`` (GPU) or ``torch_ref`` (no GPU). ``fa3`` is in neither: it runs only
+when a spec names it (``attention=fa3``; docs/design.md says why it is not a default). Ops whose bits must
 agree across rollout and training (the attention pair) are listed together, so they move
 together; availability is per backend, so they fall back together too.
 
@@ -94,10 +96,11 @@ def _ensure_loaded() -> None:
     from areal_tik.dispatch import availability
     from areal_tik.kernels import module_sources, op_modules
 
-    avail = {
-        "triton": availability.triton_status,
-        "cuda": availability.cuda_status,
+    avail = {   # looked up at call time, so a test can stand in for a machine's availability
+        "triton": lambda: availability.triton_status(),
+        "cuda": lambda: availability.cuda_status(),
         "torch_ref": lambda: (True, ""),
+        "fa3": lambda: availability.fa3_status(),
     }
     for name in op_modules():
         mod = importlib.import_module(name)
@@ -172,9 +175,15 @@ def parse_backend_spec(spec: str | None) -> dict[str, str]:
 @functools.lru_cache(maxsize=64)
 def _parsed_spec(spec: str | None) -> tuple[tuple[str, str], ...]:
     try:
-        return tuple(_parse(spec).items())
+        parsed = _parse(spec)
     except SettingsError as e:
         raise BackendUnavailable(str(e)) from None
+    _ensure_loaded()
+    unknown = sorted(op for op in parsed if op != "*" and op not in _REGISTRY)
+    if unknown:
+        raise BackendUnavailable(f"backend spec {spec!r} names unknown op(s) {', '.join(unknown)}; ops: "
+                                 f"{', '.join(sorted(_REGISTRY))} (and 'attention' for the attention pair)")
+    return tuple(parsed.items())
 
 
 def select_impl(op: str, backend: str | None = None) -> ImplInfo:
@@ -250,4 +259,5 @@ def backend_status() -> dict[str, tuple[bool, str]]:
         "triton": availability.triton_status(),
         "cuda": availability.cuda_status(),
         "torch_ref": (True, "pure PyTorch, runs on any device"),
+        "fa3": availability.fa3_status(),
     }
