@@ -14,13 +14,16 @@
 #            stacked projections, `areal-tik verify` at the 1.5B shape (bits of the engine path) and
 #            `verify --engine vllm` (VERIFY_ARGS; default 32 prompts of 8-3,072 tokens, 1,024 new) and
 #            `--engine vllm-stock` (the negative control), VERIFY_S seconds each.
+#   STAGE=F: install as in A, then the fa3 backend (the attention pair on vLLM's FA3, one walk): its GPU tests,
+#            `verify` at the 1.5B shape with AREAL_TIK_BACKEND=attention=fa3, and our engine on the split pair vs on
+#            fa3 over the table's workloads with the parity step (ROLLOUT_ARGS, default "--repeats 3 --long-repeats 2").
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PYTHONPATH=$PWD:/tmp/vsite
 W=/tmp/brw
 mkdir -p $W
-if [ "${STAGE:-A}" = A ] || [ "${STAGE:-A}" = T ]; then
+if [ "${STAGE:-A}" = A ] || [ "${STAGE:-A}" = T ] || [ "${STAGE:-A}" = F ]; then
   # vLLM into /tmp/vsite and the plugin's entry point, as `pip install areal-tik[vllm]` declares it (setup.py)
   timeout 300 bash bench/install_vllm_wheels.sh /tmp/vw /tmp/vsite || { echo "vLLM install failed"; exit 1; }
   # the csrc extension is built before any arm runs: nvcc on every core beside a timed arm would slow that arm's
@@ -35,6 +38,16 @@ from areal_tik.vllm_plugin.register import register; register()
 from vllm import ModelRegistry; print(sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith('Tik')))
 from areal_tik.vllm_plugin import attention, model; print('plugin modules import')
 " || echo "plugin import check failed"
+  if [ "$STAGE" = F ]; then
+    timeout 200 python -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/kernels/test_fa3_backend.py 2>&1 | tail -6
+    AREAL_TIK_BACKEND=attention=fa3 timeout 200 python -m areal_tik.cli verify --model qwen2.5-1.5b --json \
+      > $OUT/verify_fa3.json 2> $W/verify_fa3.err || tail -5 $W/verify_fa3.err
+    python -c "import json; r = json.load(open('$OUT/verify_fa3.json')); print('verify fa3', r['passed'], r['n_mismatch_total'])" 2>&1 | tail -1
+    timeout ${BENCH_S:-330} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model \
+      --arms engine_async engine_fa3 parity --budget ${BENCH_S:-330} --arm-timeout 150 --long-reserve 100 \
+      ${ROLLOUT_ARGS:---repeats 3 --long-repeats 2}
+    exit 0
+  fi
   if [ "$STAGE" = T ]; then
     timeout 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py::test_gpu_stacked_projections_equal_separate \
       tests/kernels/test_silu_mul_packed.py tests/engine/test_stacking.py tests/engine/test_graph_capture.py 2>&1 | tail -5
