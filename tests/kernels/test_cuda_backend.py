@@ -28,8 +28,6 @@ import itertools
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -54,15 +52,13 @@ def _attn():
 # CPU: the sources compile
 # ---------------------------------------------------------------------------------------
 
-def test_csrc_compiles_for_sm80_and_sm90a():
+def test_csrc_compiles_for_sm80_and_sm90a(csrc_compile_check):
     import shutil
     # Not a skip: this is the suite's only nvcc pass, and CI must compile every .cu (install a CUDA toolkit).
     assert shutil.which("nvcc") is not None, "nvcc not found: the csrc compile check needs a CUDA toolkit"
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-m", "areal_tik.cli", "compile-check", "--skip-triton", "--json"],
-                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
-    info = json.loads(r.stdout)
+    # `areal-tik compile-check --skip-triton --json`, started with the first kernel test (tests/kernels/conftest.py)
+    stdout, _ = csrc_compile_check.result(timeout=900)
+    info = json.loads(stdout)
     rows = {(c["source"], c["arch"]): c for c in info["cuda"]}
     every_cu = sorted(f for f in os.listdir(os.path.join(ROOT, "csrc")) if f.endswith(".cu"))
     assert {"tik_attention.cu", "tik_attention_prefill.cu", "tik_attention_decode.cu", "tik_elementwise.cu"} <= set(every_cu)
