@@ -110,19 +110,13 @@ def test_profiled_step_and_compile_counts(ab_dir):
     assert "| tik | 1 (profiled) |" in open(os.path.join(ab_dir, "summary.md")).read()
 
 
-def test_tik_arm_with_xccl_weight_updates(tmp_path):
+def test_tik_arm_with_xccl_weight_updates(warm_xccl_run):
     """AReaL's default weight transfer (``xccl``: trainer rank 0 broadcasts every parameter to the
     rollout server; gloo on a CPU) instead of the disk round trip: the server's bf16 weights after
-    each update equal the trainer's (digest), so step 1 still skips the recompute."""
+    each update equal the trainer's (digest), so step 1 still skips the recompute. The run (the tiny
+    recipe from a warm start, tik kernels, 2 steps) is tests/areal/conftest.py's warm_xccl_run."""
     import glob
-    import subprocess
-    import sys
-    log = tmp_path / "steps.jsonl"
-    cmd = [sys.executable, "-m", "areal_tik.areal.train", "--config", os.path.abspath(RECIPE), "actor.kernel_backend=tik",
-           "actor.weight_update_mode=xccl", "total_train_steps=2", "trial_name=xccl", "experiment_name=tiktest-xccl",
-           f"cluster.fileroot={tmp_path}", "actor.tik.audit_interval=2", "--step-log", str(log)]
-    env = {k: v for k, v in os.environ.items() if k not in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT")}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    tmp_path, log, r = warm_xccl_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = load_steps(str(log))
     assert [s["global_step"] for s in steps] == [0, 1]

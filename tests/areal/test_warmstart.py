@@ -1,10 +1,8 @@
 """Warm start on the built-in arithmetic task: the saved model answers, and a recipe that loads it
 has a nonzero training reward (what the A/B's reward comparison needs on a machine without
-pretrained weights)."""
+pretrained weights). The warm start and the recipe run are tests/areal/conftest.py's warm_model and
+warm_xccl_run."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,20 +12,12 @@ pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself 
 from areal_tik.areal import arith  # noqa: E402
 from areal_tik.areal.warmstart import greedy_accuracy, warm_start  # noqa: E402
 
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
 pytestmark = pytest.mark.areal
 
 
-@pytest.fixture(scope="module")
-def warm_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("warm")
-    rec = warm_start("tiny-qwen2", str(out), task="add1", steps=150, batch=64, lr=3e-3, progress=False)
-    return out, rec
-
-
-def test_saved_model_answers(warm_dir):
+def test_saved_model_answers(warm_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    out, rec = warm_dir
+    out, rec = warm_model
     assert rec["greedy_accuracy_before"] <= 0.05 and rec["loss_last"] < rec["loss_first"]
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -38,14 +28,9 @@ def test_saved_model_answers(warm_dir):
     assert json.load(open(out / "warmstart.json"))["greedy_accuracy_after"] == acc
 
 
-def test_recipe_from_warm_start_has_reward(warm_dir, tmp_path):
-    out, _ = warm_dir
-    log = tmp_path / "steps.jsonl"
-    cmd = [sys.executable, "-m", "areal_tik.areal.train", "--config", os.path.abspath(RECIPE), "actor.kernel_backend=tik",
-           f"actor.path={out}", f"tokenizer_path={out}", "total_train_steps=2", "trial_name=warm",
-           "experiment_name=tiktest-warm", f"cluster.fileroot={tmp_path}", "--step-log", str(log)]
-    env = {k: v for k, v in os.environ.items() if k not in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT")}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+def test_recipe_from_warm_start_has_reward(warm_xccl_run):
+    """The tiny recipe loading the warm start (tik kernels, xccl weight updates: tests/areal/conftest.py)."""
+    _, log, r = warm_xccl_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(x) for x in open(log)]
     rewards = [t["reward_mean"] for row in rows for t in row["tik"]]
