@@ -270,17 +270,18 @@ def run_parity(a) -> int:
     from areal_tik.layers.models import build_model
 
     dev = _device()
-    models = {}
+    model, model_spec = None, None      # one trainer model at a time, rebuilt when an arm's backend differs
     res = {}
     for arm in a.parity_arms:
-        spec = ENGINE_BACKEND.get(arm)
-        if spec not in models:
-            models = {spec: patch_model(build_model(a.model_dir, device=dev), kernels="tik", backend=spec)}
-        model = models[spec]
         path = os.path.join(a.work, f"{arm}_outputs.pt")
         if not os.path.exists(path):
             res[arm] = dict(error="no outputs (arm did not run or failed)")
             continue
+        spec = ENGINE_BACKEND.get(arm)
+        if model is None or spec != model_spec:
+            model = None                # free the previous model before building the next
+            model = patch_model(build_model(a.model_dir, device=dev), kernels="tik", backend=spec)
+            model_spec = spec
         data = torch.load(path)
         res[arm] = {}
         for wl, outs in data.items():

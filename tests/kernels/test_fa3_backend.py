@@ -179,7 +179,7 @@ def test_paged_prefill_decode_and_chunk_reach_fa3_as_its_interface_names_them(st
 
 
 def test_scale_is_passed_through(stand_in, seed_rng):
-    q, k, v, kc, vc, table, cu, sk = _paged_inputs([9, 4], 16, seed_rng)
+    q, k, v, *_, cu, _ = _paged_inputs([9, 4], 16, seed_rng)
     a = fa3.attention_varlen_fa3(q, k, v, cu, 9, scale=0.3)
     assert stand_in.calls[-1]["softmax_scale"] == pytest.approx(0.3)
     assert not torch.equal(a, fa3.attention_varlen_fa3(q, k, v, cu, 9))
@@ -288,7 +288,7 @@ def test_gpu_backward_close_to_float64(seed_rng):
 def test_gpu_decode_graph_replays_equal_eager(seed_rng):
     _need_fa3()
     lens = [500, 64, 1200]
-    q, k, v, kc, vc, table, cu, sk = _gpu_inputs(lens, 64, seed_rng)
+    q, _, _, kc, vc, table, cu, sk = _gpu_inputs(lens, 64, seed_rng)
     last = (cu[1:] - 1).long()
     qd = q[last].contiguous()
     cq = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
