@@ -22,6 +22,8 @@ from areal_tik.kernels.fa3 import attention as fa3
 from areal_tik.settings import Settings, SettingsError, parse_backend_spec
 
 HQ, HKV = 4, 2
+# the tiny presets (head dim 64) widened to the head dim the fa3 backend accepts
+HEAD_DIM_128 = {"tiny-qwen2": {"hidden_size": 256, "head_dim": 128}, "tiny-qwen3": {"head_dim": 128}}
 
 
 class StandInFA3:
@@ -78,7 +80,7 @@ def stand_in(monkeypatch):
     return fake
 
 
-def _paged_inputs(lens, page, seed, D=64, hq=HQ, hkv=HKV, device="cpu"):
+def _paged_inputs(lens, page, seed, D=128, hq=HQ, hkv=HKV, device="cpu"):
     """Sequences of ``lens`` tokens: q/k/v packed, and k/v on shuffled pages of a cache (unused slots NaN) with its
     block table (one spare column), all on ``device``."""
     g = torch.Generator().manual_seed(seed)
@@ -198,6 +200,22 @@ def test_bad_input_fails_before_fa3_is_called(stand_in):
     assert not stand_in.calls
 
 
+def test_shapes_fa3_is_not_invariant_on_are_refused_before_fa3_is_called(stand_in, seed_rng):
+    """Head dim 64 (decode rows differ from prefill rows) and pages of 128+ (reads past a sequence's keys) are
+    refused with one line each (measured on the H200: the module docstring; the GPU tests below keep both facts)."""
+    q, k, v, kc, vc, table, cu, sk = _paged_inputs([9, 4], 16, seed_rng, D=64)
+    with pytest.raises(ValueError, match="head dim 64 is not supported.*default attention backend"):
+        fa3.attention_varlen_fa3(q, k, v, cu, 9)
+    with pytest.raises(ValueError, match="head dim 64 is not supported"):
+        fa3.attention_paged_fa3(q, kc, vc, table, cu, sk, 9)
+    q, k, v, kc, vc, table, cu, sk = _paged_inputs([9, 4], 128, seed_rng)
+    with pytest.raises(ValueError, match="page size 128 is not supported.*16, 32, 64"):
+        fa3.attention_paged_fa3(q, kc, vc, table, cu, sk, 9)
+    assert not stand_in.calls
+    fa3.attention_varlen_fa3(q, k, v, cu, 9)   # the same head dim 128 inputs pass the packed entry
+    assert len(stand_in.calls) == 1
+
+
 def test_varlen_backward_runs_on_the_lse_fa3_returns(stand_in, seed_rng):
     """The autograd path converts FA3's natural-log lse [Hq, T] to the shared backward's base-2 [T, Hq]; a wrong
     conversion gives wrong gradients (the float64 autograd reference is the judge)."""
@@ -220,7 +238,8 @@ def test_engine_and_trainer_stay_bitwise_on_the_fa3_wrappers(stand_in, seed_rng)
     from areal_tik.layers.models import build_model
     from areal_tik.layers.patch import patch_model
     from areal_tik.verify.parity import ParityConfig, run_parity
-    m = patch_model(build_model("tiny-qwen2", device="cpu", seed=seed_rng % 1000), backend="attention=fa3")
+    m = patch_model(build_model("tiny-qwen2", device="cpu", seed=seed_rng % 1000, **HEAD_DIM_128["tiny-qwen2"]),
+                    backend="attention=fa3")
     rep = run_parity(m, ParityConfig(n_prompts=4, max_prompt_len=20, max_new_tokens=6, pad_to=32, seed=seed_rng,
                                      regimes=("R1", "R2", "R3", "R4")))
     assert rep["passed"], rep["regimes"]
@@ -241,7 +260,7 @@ def _gpu_inputs(lens, page, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("page", fa3.PAGE_SIZES)
 def test_gpu_every_row_equal_across_prefill_decode_chunks_and_batches(page, seed_rng):
     _need_fa3()
     lens = [1000, 37, 300, 129]
@@ -315,7 +334,46 @@ def test_gpu_parity_all_regimes_with_graphs_on_fa3(name):
     from areal_tik.layers.models import build_model
     from areal_tik.layers.patch import patch_model
     from areal_tik.verify.parity import ParityConfig, run_parity
-    m = patch_model(build_model(name, device="cuda"), backend="attention=fa3")
+    m = patch_model(build_model(name, device="cuda", **HEAD_DIM_128[name]), backend="attention=fa3")
+    assert m.model.layers[0].self_attn.head_dim == 128
     rep = run_parity(m, ParityConfig(n_prompts=16, max_prompt_len=300, max_new_tokens=64, seed=5))
     assert rep["passed"], {r: (v["n_mismatch"], v["max_abs_diff"]) for r, v in rep["regimes"].items()}
     assert rep["regimes"]["R2"]["engine"]["graph_steps"] > 0
+
+
+# ---------------------------------------------------------------- why the refused shapes are refused (raw FA3)
+
+def _raw_paged(q, kc, vc, table, cu, sk, max_q):
+    return fa3.flash_fn()(q, kc, vc, max_seqlen_q=max_q, cu_seqlens_q=cu, max_seqlen_k=table.shape[1] * kc.shape[1],
+                          seqused_k=sk, block_table=table, causal=True, num_splits=1, fa_version=3)
+
+
+@pytest.mark.gpu
+def test_gpu_fa3_decode_rows_differ_from_prefill_rows_at_head_dim_64(seed_rng):
+    """Negative control for the head-dim limit: at head dim 64 FA3's decode launch changes some row's bits (at 128
+    it does not: test_gpu_every_row_equal_...). If a vLLM build fixes this, this test fails and HEAD_DIMS can grow."""
+    _need_fa3()
+    lens = [1000, 37, 300, 129]
+    for d, must_differ in ((64, True), (128, False)):
+        q, _, _, kc, vc, table, cu, sk = _paged_inputs(lens, 64, seed_rng, D=d, hq=12, hkv=2, device="cuda")
+        full = _raw_paged(q, kc, vc, table, cu, sk, max(lens))
+        last = (cu[1:] - 1).long()
+        dec = _raw_paged(q[last].contiguous(), kc, vc, table, torch.arange(len(lens) + 1, dtype=torch.int32,
+                                                                          device="cuda"), sk, 1)
+        assert torch.equal(dec, full[last]) != must_differ, d
+
+
+@pytest.mark.gpu
+def test_gpu_fa3_pages_of_128_read_past_the_keys(seed_rng):
+    """Negative control for the page-size limit: with pages of 128, NaN in the unused slots of a sequence's last page
+    reaches its rows (pages of 64 with the same poison: none; the same pages zero-filled: bitwise equal)."""
+    _need_fa3()
+    lens = [1000, 37, 300, 129]
+    for page, leaks in ((128, True), (64, False)):
+        q, k, v, kc, vc, table, cu, sk = _gpu_inputs(lens, page, seed_rng)   # unused slots NaN
+        out = _raw_paged(q, kc, vc, table, cu, sk, max(lens))
+        assert bool(out.isnan().any()) == leaks, page
+        if leaks:
+            zc, zv = kc.nan_to_num(0.0), vc.nan_to_num(0.0)
+            assert torch.equal(_raw_paged(q, zc, zv, table, cu, sk, max(lens)),
+                               fa3.attention_varlen_fa3(q, k, v, cu, max(lens)))

@@ -15,8 +15,16 @@ the same for every entry point, batch mix, page size and chunking; the H200 meas
 sequence's row equal across its whole prefill, one decode query over shuffled pages of 64 and a chunk over the
 cached prefix, at the 1.5B shape; the GPU tests check every row, several page sizes and batch mixes. FA3 with its
 own split heuristic (``num_splits=0``) breaks this (measured), so the split count is pinned here and recorded in
-the fingerprint (``META``) with vLLM's version. Shapes and dtypes: bf16, head dim 64 or 128, Hq a multiple of
-Hkv, causal, pages of 16-256 positions (a power of two); sm_90 (H100/H200) only (FA3's own requirement).
+the fingerprint (``META``) with vLLM's version. Shapes and dtypes: bf16, head dim 128, Hq a multiple of Hkv,
+causal, pages of 16, 32 or 64 positions; sm_90 (H100/H200) only (FA3's own requirement).
+
+Both limits are measured (``bench/probes/probe_fa3_invariance.py``, H200, vLLM 0.24.0; docs/results.md): at head dim
+64 FA3's decode launch (one query per sequence) computes rows whose bits differ from the same rows of a prefill,
+packed or paged, so the engine's log-probs would not equal the trainer's (a tiny model's R2-R5 parity: ~680 of ~690
+tokens differ); at head dim 128 every row is equal across the three. With pages of 128 or more positions the paged
+launch reads positions past a sequence's ``seqlens_k`` in its last page into the output (NaN in an unused cache slot
+reaches the row; zeros leave it bitwise equal), which breaks the pair's "reads only the sequence's own keys"
+contract; pages of 16-64 never do. Both are refused with one line naming the limit.
 
 Against the default csrc pair on an H200 (12/2 heads, D 128, pages of 64; docs/results.md): the packed forward
 1.33-1.39x faster, decode at batch 64 and contexts 1K-5K 1.02-1.16x faster, at batch 128-256 and short contexts
@@ -35,10 +43,13 @@ import torch
 
 from areal_tik.kernels.attention.checks import _check_window, _paged_checks, _qk_scale, _varlen_checks
 
-__all__ = ["attention_varlen_fa3", "attention_paged_fa3", "flash_fn", "OPS", "META", "NUM_SPLITS", "FA_VERSION"]
+__all__ = ["attention_varlen_fa3", "attention_paged_fa3", "flash_fn", "OPS", "META", "NUM_SPLITS", "FA_VERSION",
+           "HEAD_DIMS", "PAGE_SIZES"]
 
 NUM_SPLITS = 1      # one walk over the keys per query tile: the batch-invariant setting
 FA_VERSION = 3
+HEAD_DIMS = (128,)           # head dims whose rows are equal across prefill, decode and chunks (measured)
+PAGE_SIZES = (16, 32, 64)    # page sizes whose launch reads nothing past a sequence's keys (measured)
 _LN2 = math.log(2.0)
 
 
@@ -59,6 +70,12 @@ def flash_fn():
     """vLLM's ``flash_attn_varlen_func`` (imported on first use: importing vLLM takes seconds)."""
     from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
     return flash_attn_varlen_func
+
+
+def _check_head_dim(q, name):
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"{name} (fa3): head dim {q.shape[-1]} is not supported: FA3's rows are batch-invariant "
+                         f"only at head dim {', '.join(map(str, HEAD_DIMS))}; use the default attention backend")
 
 
 def _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, scale, out=None, want_lse=False):
@@ -95,6 +112,7 @@ def attention_varlen_fa3(q, k, v, cu_seqlens, max_seqlen, scale=None, window_siz
     bitwise equal to :func:`attention_paged_fa3` for the same positions. ``out``: optional buffer (no autograd)."""
     _check_window(window_size)
     _varlen_checks(q, k, v, cu_seqlens, max_seqlen, triton_path=False)
+    _check_head_dim(q, "attention_varlen")
     sc, _ = _qk_scale(scale, q.shape[-1])
     m = int(max_seqlen)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -113,6 +131,10 @@ def attention_paged_fa3(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_
     ``out``: optional ``[Tq, Hq, D]`` buffer to write."""
     _check_window(window_size)
     _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, triton_path=False)
+    _check_head_dim(q, "attention_paged")
+    if k_cache.shape[1] not in PAGE_SIZES:
+        raise ValueError(f"attention_paged (fa3): page size {k_cache.shape[1]} is not supported: FA3 reads past a "
+                         f"sequence's keys in pages of 128 or more; use pages of {', '.join(map(str, PAGE_SIZES))}")
     sc, _ = _qk_scale(scale, q.shape[-1])
     return flash_fn()(q, k_cache, v_cache, max_seqlen_q=int(max_seqlen_q), cu_seqlens_q=cu_seqlens_q,
                       max_seqlen_k=block_table.shape[1] * k_cache.shape[1], seqused_k=seqlens_k,
