@@ -51,14 +51,6 @@ CONFIGS = {
     "tma64_n16_s8": _cfg(64, 16, 4, 8, kernel="tma"),
     "tma64_n32_s8": _cfg(64, 32, 4, 8, kernel="tma"),
     "tma64_n64_s6": _cfg(64, 64, 4, 6, kernel="tma"),
-    "tma64_n16_s12": _cfg(64, 16, 4, 12, kernel="tma"),
-    "tma64_n32_s12": _cfg(64, 32, 4, 12, kernel="tma"),
-    "tma32_n16_s12": _cfg(32, 16, 4, 12, kernel="tma"),   # two row tiles at M 64: twice the programs on N 1536
-    # deeper still (one program per SM, up to ~200 KB of stages): the long-K down projection at M 64 ran ~175 ns
-    # per K step whatever the N tile (16, 32 or 64), i.e. bound by the loads in flight per program
-    "tma64_n16_s20": _cfg(64, 16, 4, 20, kernel="tma"),
-    "tma64_n32_s16": _cfg(64, 32, 4, 16, kernel="tma"),
-    "tma64_n64_s10": _cfg(64, 64, 4, 10, kernel="tma"),
     # medium M (64..512): more, smaller programs to fill 132 SMs
     "mid64_n128": _cfg(64, 128, 4, 4),
     "mid64_n64": _cfg(64, 64, 4, 5),
