@@ -11,7 +11,8 @@ of sequences (1,000, 37, 300 and 129 tokens on shuffled pages) is computed by
 calling FA3's op directly (vLLM's Python wrapper always passes ``pack_gqa=None``). Each paged result is compared
 bit for bit (``torch.equal``) with each packed result, NaNs counted. Then (``--parity``) the R1-R5 parity run of
 tiny models patched with ``attention=fa3``, at their head dim 64 and widened to head dim 128. Prints one line per
-shape and per model and writes the JSON.
+shape and per model and writes the JSON. Without FA3 (no GPU, no vLLM, not sm_90) it writes and prints why and
+exits with status 2.
 """
 from __future__ import annotations
 
@@ -98,6 +99,13 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--parity", action="store_true", help="also the tiny models' R1-R5 parity run on fa3")
     a = ap.parse_args()
+    from areal_tik.dispatch.availability import fa3_status
+    ok, why = fa3_status()
+    if not ok:
+        with open(a.out, "w") as f:
+            json.dump({"unavailable": why}, f)
+        print(f"FA3 unavailable: {why}")
+        return 2
     rows = []
     for d, (hq, hkv), page, fill in itertools.product((64, 128), ((2, 1), (4, 1), (12, 2)), (16, 32, 64, 128, 256),
                                                       (float("nan"), 0.0)):
@@ -120,4 +128,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
