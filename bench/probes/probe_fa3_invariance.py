@@ -33,29 +33,9 @@ def fa3_fwd(q, k, v, cu_q, max_q, max_k, *, cu_k=None, seqused_k=None, table=Non
     return out
 
 
-def inputs(lens, page, d, hq, hkv, fill, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lens)
-    q, k, v = (torch.randn(t, h, d, generator=g).bfloat16() for h in (hq, hkv, hkv))
-    pages = [-(-n // page) for n in lens]
-    order = torch.randperm(sum(pages) + 3, generator=g)[:sum(pages)].to(torch.int32)
-    kc = torch.full((sum(pages) + 3, page, hkv, d), fill).bfloat16()
-    vc = kc.clone()
-    table = torch.zeros(len(lens), max(pages) + 1, dtype=torch.int32)
-    at = t0 = 0
-    for i, n in enumerate(lens):
-        table[i, :pages[i]] = order[at:at + pages[i]]
-        pos = torch.arange(n)
-        slots = table[i].long()[pos // page] * page + pos % page
-        kc.view(-1, hkv, d)[slots] = k[t0:t0 + n]
-        vc.view(-1, hkv, d)[slots] = v[t0:t0 + n]
-        at, t0 = at + pages[i], t0 + n
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    return [x.cuda() for x in (q, k, v, kc, vc, table, cu, torch.tensor(lens, dtype=torch.int32))]
-
-
 def one_shape(d, hq, hkv, page, fill, lens=(1000, 37, 300, 129)):
-    q, k, v, kc, vc, table, cu, sk = inputs(list(lens), page, d, hq, hkv, fill)
+    from areal_tik.kernels.attention.reference import paged_case
+    q, k, v, kc, vc, table, cu, sk = paged_case(list(lens), page, 0, d=d, hq=hq, hkv=hkv, fill=fill, device="cuda")
     m = max(lens)
     width = table.shape[1] * page
     packs = {"auto": None, "packT": True, "packF": False}

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from areal_tik.dispatch import availability, fingerprint, registry
-from areal_tik.kernels.attention.reference import attention_reference
+from areal_tik.kernels.attention.reference import attention_reference, paged_case
 from areal_tik.kernels.attention.torch_ref import attention_paged_torch, attention_varlen_torch
 from areal_tik.kernels.fa3 import attention as fa3
 from areal_tik.settings import Settings, SettingsError, parse_backend_spec
@@ -83,26 +83,7 @@ def stand_in(monkeypatch):
 def _paged_inputs(lens, page, seed, D=128, hq=HQ, hkv=HKV, device="cpu"):
     """Sequences of ``lens`` tokens: q/k/v packed, and k/v on shuffled pages of a cache (unused slots NaN) with its
     block table (one spare column), all on ``device``."""
-    g = torch.Generator().manual_seed(seed)
-    T = sum(lens)
-    q = torch.randn(T, hq, D, generator=g).bfloat16()
-    k = torch.randn(T, hkv, D, generator=g).bfloat16()
-    v = torch.randn(T, hkv, D, generator=g).bfloat16()
-    pages = [-(-n // page) for n in lens]
-    order = torch.randperm(sum(pages) + 3, generator=g)[:sum(pages)].to(torch.int32)
-    kc = torch.full((sum(pages) + 3, page, hkv, D), float("nan")).bfloat16()
-    vc = kc.clone()
-    table = torch.zeros(len(lens), max(pages) + 1, dtype=torch.int32)
-    at, t0 = 0, 0
-    for i, n in enumerate(lens):
-        table[i, :pages[i]] = order[at:at + pages[i]]
-        pos = torch.arange(n)
-        slots = table[i].long()[pos // page] * page + pos % page
-        kc.view(-1, hkv, D)[slots] = k[t0:t0 + n]
-        vc.view(-1, hkv, D)[slots] = v[t0:t0 + n]
-        at, t0 = at + pages[i], t0 + n
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    return [t.to(device) for t in (q, k, v, kc, vc, table, cu, torch.tensor(lens, dtype=torch.int32))]
+    return paged_case(lens, page, seed, d=D, hq=hq, hkv=hkv, device=device)
 
 
 # ---------------------------------------------------------------- the spec, availability, the fingerprint

@@ -1,4 +1,6 @@
-"""Float64 causal GQA attention: the accuracy reference every implementation is measured against."""
+"""Float64 causal GQA attention: the accuracy reference every implementation is measured against; and
+:func:`paged_case`, packed sequences with the same keys on shuffled pages of a poisoned cache (the inputs that
+check a paged entry against the packed one)."""
 from __future__ import annotations
 
 import math
@@ -27,3 +29,28 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k=None, scale=None):
         s = s.masked_fill(~mask, -math.inf)
         out[cq[i]:cq[i + 1]] = (torch.softmax(s, -1) @ vd).transpose(0, 1)
     return out
+
+
+def paged_case(lens, page, seed, d=128, hq=4, hkv=2, fill=float("nan"), device="cpu"):
+    """Random bf16 sequences of ``lens`` tokens, packed and paged: ``(q, k, v, k_cache, v_cache, block_table,
+    cu_seqlens, seqlens)``. Each sequence's keys/values sit on its own shuffled pages of caches
+    ``[pages + 3, page, hkv, d]`` whose every other slot holds ``fill`` (NaN: a kernel that reads past a sequence's
+    keys shows it); ``block_table`` has one spare column. Same ``seed``, same tensors."""
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=g).bfloat16() for h in (hq, hkv, hkv))
+    pages = [-(-n // page) for n in lens]
+    order = torch.randperm(sum(pages) + 3, generator=g)[:sum(pages)].to(torch.int32)
+    kc = torch.full((sum(pages) + 3, page, hkv, d), fill).bfloat16()
+    vc = kc.clone()
+    table = torch.zeros(len(lens), max(pages) + 1, dtype=torch.int32)
+    at = t0 = 0
+    for i, n in enumerate(lens):
+        table[i, :pages[i]] = order[at:at + pages[i]]
+        pos = torch.arange(n)
+        slots = table[i].long()[pos // page] * page + pos % page
+        kc.view(-1, hkv, d)[slots] = k[t0:t0 + n]
+        vc.view(-1, hkv, d)[slots] = v[t0:t0 + n]
+        at, t0 = at + pages[i], t0 + n
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return [x.to(device) for x in (q, k, v, kc, vc, table, cu, torch.tensor(lens, dtype=torch.int32))]
