@@ -120,12 +120,15 @@ class ModelRunner:
         self.num_kv_heads = hf.num_key_value_heads
         self.vocab_size = model.lm_head.weight.shape[0]
         self.page_size = cfg.page_size
+        model_ops = ops_of(model)
+        if model_ops is not None and model_ops.selection["attention_paged"] == "fa3":
+            from areal_tik.kernels.fa3.attention import check_shapes
+            check_shapes(self.head_dim, self.page_size)   # before any cache is allocated
         self.max_width = math.ceil(max_model_len / cfg.page_size)
         self.num_pages = self._num_pages()
         shape = (self.num_pages + 1, self.page_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
-        model_ops = ops_of(model)
         self.sampler = Sampler(self.vocab_size, self.device, model_ops or bind(), model_ops)
         self.emulate_graphs = self.device.type != "cuda" and EMULATE_GRAPHS_ON_CPU
         self.use_graphs = (self.device.type == "cuda" or self.emulate_graphs) and not cfg.enforce_eager

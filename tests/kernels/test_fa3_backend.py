@@ -197,6 +197,24 @@ def test_shapes_fa3_is_not_invariant_on_are_refused_before_fa3_is_called(stand_i
     assert len(stand_in.calls) == 1
 
 
+def test_patch_model_and_engine_refuse_those_shapes_up_front(stand_in):
+    """A model of head dim 64 is refused when patched with ``attention=fa3``, an engine with pages of 128 when built:
+    one line each, before a layer is swapped or a cache allocated (not per request at the first forward)."""
+    from areal_tik.engine.config import EngineConfig
+    from areal_tik.engine.llm_engine import LLMEngine
+    from areal_tik.layers.models import build_model
+    from areal_tik.layers.patch import kernels_of, patch_model
+    m = build_model("tiny-qwen2", device="cpu")
+    with pytest.raises(ValueError, match=r"attention \(fa3\): head dim 64 is not supported"):
+        patch_model(m, backend="attention=fa3")
+    assert kernels_of(m) is None                                    # nothing was swapped
+    m = patch_model(build_model("tiny-qwen2", device="cpu", **HEAD_DIM_128["tiny-qwen2"]), backend="attention=fa3")
+    with pytest.raises(ValueError, match=r"page size 128 is not supported.*16, 32, 64"):
+        LLMEngine(m, EngineConfig(page_size=128, num_pages=8))
+    out = LLMEngine(m, EngineConfig(page_size=64, num_pages=8)).generate([[1, 2, 3]])
+    assert out[0].finish_reason != "error" and out[0].output_ids and stand_in.calls
+
+
 def test_varlen_backward_runs_on_the_lse_fa3_returns(stand_in, seed_rng):
     """The autograd path converts FA3's natural-log lse [Hq, T] to the shared backward's base-2 [T, Hq]; a wrong
     conversion gives wrong gradients (the float64 autograd reference is the judge)."""

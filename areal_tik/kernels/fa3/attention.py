@@ -44,7 +44,7 @@ import torch
 from areal_tik.kernels.attention.checks import _check_window, _paged_checks, _qk_scale, _varlen_checks
 
 __all__ = ["attention_varlen_fa3", "attention_paged_fa3", "flash_fn", "OPS", "META", "NUM_SPLITS", "FA_VERSION",
-           "HEAD_DIMS", "PAGE_SIZES"]
+           "HEAD_DIMS", "PAGE_SIZES", "check_shapes"]
 
 NUM_SPLITS = 1      # one walk over the keys per query tile: the batch-invariant setting
 FA_VERSION = 3
@@ -72,10 +72,15 @@ def flash_fn():
     return flash_attn_varlen_func
 
 
-def _check_head_dim(q, name):
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"{name} (fa3): head dim {q.shape[-1]} is not supported: FA3's rows are batch-invariant "
+def check_shapes(head_dim: int, page_size: int | None = None, name: str = "attention") -> None:
+    """Raise ``ValueError`` (one line naming the limit) unless the pair keeps its contract at this head dim and page
+    size (``HEAD_DIMS``, ``PAGE_SIZES``; module docstring). ``patch_model`` and the engine call it up front."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{name} (fa3): head dim {head_dim} is not supported: FA3's rows are batch-invariant "
                          f"only at head dim {', '.join(map(str, HEAD_DIMS))}; use the default attention backend")
+    if page_size is not None and page_size not in PAGE_SIZES:
+        raise ValueError(f"{name} (fa3): page size {page_size} is not supported: FA3 reads past a sequence's keys "
+                         f"in pages of 128 or more; use pages of {', '.join(map(str, PAGE_SIZES))}")
 
 
 def _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, scale, out=None, want_lse=False):
@@ -112,7 +117,7 @@ def attention_varlen_fa3(q, k, v, cu_seqlens, max_seqlen, scale=None, window_siz
     bitwise equal to :func:`attention_paged_fa3` for the same positions. ``out``: optional buffer (no autograd)."""
     _check_window(window_size)
     _varlen_checks(q, k, v, cu_seqlens, max_seqlen, triton_path=False)
-    _check_head_dim(q, "attention_varlen")
+    check_shapes(q.shape[-1], name="attention_varlen")
     sc, _ = _qk_scale(scale, q.shape[-1])
     m = int(max_seqlen)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -131,10 +136,7 @@ def attention_paged_fa3(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_
     ``out``: optional ``[Tq, Hq, D]`` buffer to write."""
     _check_window(window_size)
     _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, triton_path=False)
-    _check_head_dim(q, "attention_paged")
-    if k_cache.shape[1] not in PAGE_SIZES:
-        raise ValueError(f"attention_paged (fa3): page size {k_cache.shape[1]} is not supported: FA3 reads past a "
-                         f"sequence's keys in pages of 128 or more; use pages of {', '.join(map(str, PAGE_SIZES))}")
+    check_shapes(q.shape[-1], k_cache.shape[1], name="attention_paged")
     sc, _ = _qk_scale(scale, q.shape[-1])
     return flash_fn()(q, k_cache, v_cache, max_seqlen_q=int(max_seqlen_q), cu_seqlens_q=cu_seqlens_q,
                       max_seqlen_k=block_table.shape[1] * k_cache.shape[1], seqused_k=seqlens_k,
