@@ -10,8 +10,9 @@ Entry points (``OPS``), the signatures of the other backends (docs/interfaces.md
 Contract (within this backend): with ``num_splits=1`` FA3 computes each query row in one program that walks its
 keys block by block and never splits them across programs, so nothing merges partial softmaxes and a row's
 reduction order depends on its position and the kernel's tiles alone; the tiles depend on the head dim, the
-dtype and causality, not on the batch, the packing, the page placement or the chunking. Hence a row's bits are
-the same for every entry point, batch mix, page size and chunking; the H200 measurement (docs/results.md): one
+dtype and causality, not on the batch, the packing, the page placement or the chunking. Hence, at the shapes
+accepted below, a row's bits are the same for every entry point, batch mix, page size and chunking (at head dim 64
+FA3's decode launch breaks this: next paragraph); the H200 measurement (docs/results.md): one
 sequence's row equal across its whole prefill, one decode query over shuffled pages of 64 and a chunk over the
 cached prefix, at the 1.5B shape; the GPU tests check every row, several page sizes and batch mixes. FA3 with its
 own split heuristic (``num_splits=0``) breaks this (measured), so the split count is pinned here and recorded in
