@@ -31,6 +31,12 @@ class BoundOps:
     def __getattr__(self, name: str) -> Callable:   # only reached for names not bound above
         raise AttributeError(f"no op {name!r}; bound ops: {sorted(self.impls)}")
 
+    def check_shapes(self, head_dim: int, page_size: int | None = None) -> None:
+        """Raise ``ValueError`` (one line) if a bound implementation cannot keep its contract at this head dim
+        (and KV page size): ``patch_model`` and the engine call it before touching a layer or allocating a cache."""
+        for check in dict.fromkeys(i.check_shapes for i in self.impls.values() if i.check_shapes is not None):
+            check(head_dim, page_size)
+
     @property
     def selection(self) -> dict[str, str]:
         """op -> backend name."""

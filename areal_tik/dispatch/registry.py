@@ -56,7 +56,9 @@ class ImplInfo:
 
     ``sources`` are files whose text defines the numerics (hashed into the fingerprint);
     ``meta`` holds meta-parameters that change bits (block sizes of reductions);
-    ``available`` returns ``(ok, reason)``.
+    ``available`` returns ``(ok, reason)``; ``check_shapes(head_dim, page_size=None)``, when the
+    implementation has shape limits beyond its call-time checks, raises ``ValueError`` (one line) for a
+    model or cache it cannot keep its contract on (``BoundOps.check_shapes`` runs it up front).
     """
 
     op: str
@@ -66,6 +68,7 @@ class ImplInfo:
     meta: tuple[tuple[str, object], ...] = ()
     available: Callable[[], tuple[bool, str]] = lambda: (True, "")
     doc: str = ""
+    check_shapes: Callable | None = None
 
 
 _REGISTRY: dict[str, dict[str, ImplInfo]] = {}
@@ -85,8 +88,9 @@ def _ensure_loaded() -> None:
     """Discover every kernel module's ``OPS`` table (kernels never import the backend).
 
     A kernel module declares ``OPS = {op_name: {backend_name: callable}}`` and optionally
-    ``META`` (bit-defining meta-parameters) and ``CUDA_SOURCES`` (csrc files its cuda
-    implementation is built from).
+    ``META`` (bit-defining meta-parameters), ``CUDA_SOURCES`` (csrc files its cuda
+    implementation is built from) and ``CHECK_SHAPES`` (its implementations' shape limits,
+    :attr:`ImplInfo.check_shapes`).
     """
     global _LOADED
     if _LOADED:
@@ -111,7 +115,8 @@ def _ensure_loaded() -> None:
                     srcs += list(getattr(mod, "CUDA_SOURCES", ()))
                 meta = tuple(sorted(getattr(mod, "META", {}).items()))
                 register(ImplInfo(op=op, backend=be, fn=fn, sources=tuple(srcs), meta=meta,
-                                  available=avail[be], doc=(fn.__doc__ or "")))
+                                  available=avail[be], doc=(fn.__doc__ or ""),
+                                  check_shapes=getattr(mod, "CHECK_SHAPES", None)))
     _load_exported(avail)
     _LOADED = True
 
@@ -159,7 +164,8 @@ def _load_exported(avail: dict) -> None:
                 srcs = (mod.__file__,) + (prev.sources if prev else ())
                 meta = tuple(sorted({**dict(prev.meta if prev else ()), **getattr(mod, "META", {})}.items()))
                 register(ImplInfo(op=op, backend=be, fn=fn, sources=srcs, meta=meta, available=avail[be],
-                                  doc=(fn.__doc__ or "")))
+                                  doc=(fn.__doc__ or ""),
+                                  check_shapes=getattr(mod, "CHECK_SHAPES", prev.check_shapes if prev else None)))
 
 
 def implementations() -> dict[str, dict[str, ImplInfo]]:

@@ -121,9 +121,8 @@ class ModelRunner:
         self.vocab_size = model.lm_head.weight.shape[0]
         self.page_size = cfg.page_size
         model_ops = ops_of(model)
-        if model_ops is not None and model_ops.selection["attention_paged"] == "fa3":
-            from areal_tik.kernels.fa3.attention import check_shapes
-            check_shapes(self.head_dim, self.page_size)   # before any cache is allocated
+        if model_ops is not None:
+            model_ops.check_shapes(self.head_dim, self.page_size)   # before any cache is allocated
         self.max_width = math.ceil(max_model_len / cfg.page_size)
         self.num_pages = self._num_pages()
         shape = (self.num_pages + 1, self.page_size, self.num_kv_heads, self.head_dim)

@@ -191,9 +191,8 @@ def patch_model(model: nn.Module, kernels: str = "tik", backend: str | None = No
     base, cfg = _validate(model)
     ops = bind(backend) if kernels == "tik" else None
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if ops is not None and ops.selection["attention_varlen"] == "fa3":   # refused shapes fail before anything is touched
-        from areal_tik.kernels.fa3.attention import check_shapes
-        check_shapes(head_dim)
+    if ops is not None:
+        ops.check_shapes(head_dim)     # a shape an implementation refuses fails before anything is touched
     hf_module = type(base.layers[0].self_attn).__module__
     tik = kernels == "tik"
 

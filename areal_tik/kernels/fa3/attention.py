@@ -45,7 +45,7 @@ import torch
 from areal_tik.kernels.attention.checks import _check_window, _paged_checks, _qk_scale, _varlen_checks
 
 __all__ = ["attention_varlen_fa3", "attention_paged_fa3", "flash_fn", "OPS", "META", "NUM_SPLITS", "FA_VERSION",
-           "HEAD_DIMS", "PAGE_SIZES", "check_shapes"]
+           "HEAD_DIMS", "PAGE_SIZES", "check_shapes", "CHECK_SHAPES"]
 
 NUM_SPLITS = 1      # one walk over the keys per query tile: the batch-invariant setting
 FA_VERSION = 3
@@ -75,7 +75,8 @@ def flash_fn():
 
 def check_shapes(head_dim: int, page_size: int | None = None, name: str = "attention") -> None:
     """Raise ``ValueError`` (one line naming the limit) unless the pair keeps its contract at this head dim and page
-    size (``HEAD_DIMS``, ``PAGE_SIZES``; module docstring). ``patch_model`` and the engine call it up front."""
+    size (``HEAD_DIMS``, ``PAGE_SIZES``; module docstring). ``patch_model`` and the engine run it up front
+    through ``BoundOps.check_shapes``; the entry points run it per call."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"{name} (fa3): head dim {head_dim} is not supported: FA3's rows are batch-invariant "
                          f"only at head dim {', '.join(map(str, HEAD_DIMS))}; use the default attention backend")
@@ -149,3 +150,4 @@ OPS = {
     "attention_varlen": {"fa3": attention_varlen_fa3},
     "attention_paged": {"fa3": attention_paged_fa3},
 }
+CHECK_SHAPES = check_shapes      # the registry's up-front shape check for both ops (BoundOps.check_shapes)
