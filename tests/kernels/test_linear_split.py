@@ -99,8 +99,8 @@ SHAPES = {"7b_o": (3584, 3584), "7b_qkv": (4608, 3584), "7b_down": (3584, 18944)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("n_splits", [2, 4, 6])
+@pytest.mark.parametrize("shape", ["7b_down", "7b_o", "1.5b_down"])
+@pytest.mark.parametrize("n_splits", [2, 4])
 def test_gpu_every_config_same_bits_under_a_split(shape, n_splits, seed_rng):
     """Every config of the table (pointer, TMA, persistent TMA, split kernel) reduces the same fixed split:
     equal bits at decode and training M; rows alone equal rows in the batch."""

@@ -16,8 +16,8 @@ not on M, on the other rows, on where row m sits in the batch, on padding rows, 
 stacked weight or a slice of the rows gives the same columns). K is cut into a fixed number
 of chunks that depends on K alone (:mod:`.splits`; one chunk for most K); each chunk of an
 output tile is reduced as ``acc = tl.dot(x_tile, w_tile^T, acc)`` over its K in ascending
-BLOCK_K=64 steps from a fresh fp32 accumulator, and the chunk sums are added in ascending
-order, either in the tile's program or, in the split kernel (one program per tile and
+BLOCK_K=64 steps from a fresh fp32 accumulator, and the chunk sums are added to +0.0 in
+ascending order (one chunk: its sum alone), either in the tile's program or, in the split kernel (one program per tile and
 chunk, for decode-sized M on narrow outputs), by the tile's last program to finish
 (fp32 partials through a workspace: the same adds, the same bits). The tile sizes in M and N (and warps,
 stages, K-loop unrolling) are chosen per problem size from :data:`CONFIGS`; on the H200

@@ -58,16 +58,20 @@ def _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_lo, k_hi, acc,
 def _ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    K_UNROLL: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
-    """The fixed split of K in one program: chunk c = [c*K_CHUNK, min((c+1)*K_CHUNK, K)) reduced from a
-    fresh fp32 accumulator, the chunk sums added in ascending c (the first one is the running total, so
-    no ``0 + p0``). SPLITS == 1 is the plain ascending chain over all of K."""
-    total = _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, 0, tl.minimum(K_CHUNK, K),
-                       tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, K_UNROLL, PRECISION)
-    for c in tl.static_range(1, SPLITS):
-        lo = c * K_CHUNK
-        part = _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, lo, tl.minimum(lo + K_CHUNK, K),
-                          tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, K_UNROLL, PRECISION)
-        total = total + part
+    """The fixed split of K in one program. SPLITS == 1: the plain ascending chain over all of K. Otherwise
+    chunk c = [c*K_CHUNK, min((c+1)*K_CHUNK, K)) is reduced from a fresh fp32 accumulator and the chunk sums
+    are added to a total that starts at +0.0, in ascending c (a loop over the chunks, so the inner chain is
+    one software-pipelined loop)."""
+    if SPLITS == 1:
+        total = _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, 0, K,
+                           tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, K_UNROLL, PRECISION)
+    else:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c in range(0, SPLITS):
+            lo = c * K_CHUNK
+            part = _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, lo, tl.minimum(lo + K_CHUNK, K),
+                              tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, K_UNROLL, PRECISION)
+            total = total + part
     return total
 
 
@@ -110,7 +114,7 @@ def _linear_fwd_splitk_kernel(
 ):
     """The same fixed split of K as :func:`_linear_fwd_kernel`, one program per (tile, chunk): more
     programs for a decode-sized M. Each writes its chunk's fp32 sum to ``ws[chunk]`` and counts itself
-    in with an atomic; the tile's last chunk to arrive adds the chunk sums in ascending order (the
+    in with an atomic; the tile's last chunk to arrive adds the chunk sums to +0.0 in ascending order (the
     in-program kernel's adds: the same bits), adds the bias, stores, and resets the counter to 0."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
@@ -134,8 +138,8 @@ def _linear_fwd_splitk_kernel(
     tl.debug_barrier()      # every thread's partial stores precede the release below
     arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLITS - 1:
-        total = tl.load(ws_ptr + ws_tile, mask=mn_mask, other=0.0, cache_modifier=".cg")
-        for j in tl.static_range(1, SPLITS):
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in range(0, SPLITS):
             total = total + tl.load(ws_ptr + j * plane + ws_tile, mask=mn_mask, other=0.0, cache_modifier=".cg")
         _store_tile(total, b_ptr, y_ptr, pid_m, pid_n, M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N)
         tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
@@ -159,13 +163,16 @@ def _tma_split_sum(x_desc, w_desc, off_m, off_n, k_tiles, CHUNK_TILES,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRECISION: tl.constexpr, SPLITS: tl.constexpr):
     """:func:`_ptr_split_sum` with TMA loads: chunk c = tiles [c*CHUNK_TILES, (c+1)*CHUNK_TILES) of K, each
-    from a fresh accumulator, summed in ascending c."""
-    total = _tma_chain(x_desc, w_desc, off_m, off_n, 0, tl.minimum(CHUNK_TILES, k_tiles),
-                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    for c in tl.static_range(1, SPLITS):
-        lo = c * CHUNK_TILES
-        total = total + _tma_chain(x_desc, w_desc, off_m, off_n, lo, tl.minimum(lo + CHUNK_TILES, k_tiles),
-                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    from a fresh accumulator, added to a total that starts at +0.0 in ascending c (SPLITS == 1: the plain
+    chain)."""
+    if SPLITS == 1:
+        total = _tma_chain(x_desc, w_desc, off_m, off_n, 0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    else:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c in range(0, SPLITS):
+            lo = c * CHUNK_TILES
+            total = total + _tma_chain(x_desc, w_desc, off_m, off_n, lo, tl.minimum(lo + CHUNK_TILES, k_tiles),
+                                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     return total
 
 
@@ -212,13 +219,6 @@ def _linear_fwd_tma_persistent_kernel(
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        if SPLITS == 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, k_tiles):
-                a = x_desc.load([off_m, k * BLOCK_K])
-                b = w_desc.load([off_n, k * BLOCK_K])
-                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-        else:
-            acc = _tma_split_sum(x_desc, w_desc, off_m, off_n, k_tiles, K_CHUNK // BLOCK_K,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, SPLITS)
+        acc = _tma_split_sum(x_desc, w_desc, off_m, off_n, k_tiles, K_CHUNK // BLOCK_K,
+                             BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, SPLITS)
         _store_tile(acc, b_ptr, y_ptr, pid_m, pid_n, M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N)
