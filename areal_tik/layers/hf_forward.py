@@ -121,4 +121,4 @@ def base_model_forward(self, input_ids=None, attention_mask=None, position_ids=N
     position_ids = position_ids.reshape(B, L) if position_ids.dim() == 2 else position_ids.view(B, L)
     packing = None if ctx is not None else _packing(B, L, position_ids, kwargs, h.device)
     h = decoder_forward(self, h, self._tik_step(h, position_ids, ctx, packing))
-    return BaseModelOutputWithPast(last_hidden_state=h.view(B, L, h.shape[-1]))
+    return BaseModelOutputWithPast(last_hidden_state=h.reshape(B, L, h.shape[-1]))
