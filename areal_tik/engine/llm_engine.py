@@ -369,7 +369,7 @@ class LLMEngine:
                     last_error=self.last_error, prefill_tokens=self.num_prefill_tokens,
                     decode_tokens=self.num_decode_tokens, preemptions=self.scheduler.num_preemptions,
                     graph_steps=self.runner.num_graph_steps, prefill_graph_steps=self.runner.num_prefill_graph_steps,
-                    eager_steps=self.runner.num_eager_steps, graphs=len(self.runner._graphs),
+                    eager_steps=self.runner.num_eager_steps, graphs=self.runner.num_graphs,
                     graph_capture_s=round(self.runner.graph_capture_seconds, 3),
                     num_pages=self.runner.num_pages, free_pages=self.block_manager.num_free,
                     prefix_sharing=self.block_manager.prefix_sharing,

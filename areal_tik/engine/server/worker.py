@@ -78,7 +78,7 @@ class EngineWorker(WeightUpdateCommands):
         return int(getattr(getattr(self.engine, "runner", None), name, 0) or 0)
 
     def _graph_count(self) -> int:
-        return len(getattr(getattr(self.engine, "runner", None), "_graphs", None) or ())
+        return self._runner_counter("num_graphs")
 
     def interval_stats(self) -> dict:
         """Also: eager steps (prefill, or decode past the graph buckets) and their seconds, the
