@@ -328,9 +328,12 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         if agreed.details:
             logger.info("tik: version %d, recompute needed: %s", version, "; ".join(agreed.details))
         skipping = forward != "all"
-        rec.update(skip_seq_frac=total["seqs_current"] / max(1, total["seqs"]) if skipping else 0.0,
-                   skip_token_frac=total["gen_tokens_current"] / max(1, total["gen_tokens"]) if skipping else 0.0,
+        rec.update(seqs_total=total["seqs"], gen_tokens_total=total["gen_tokens"],
+                   seqs_skipped=total["seqs_current"] if skipping else 0,
+                   gen_tokens_skipped=total["gen_tokens_current"] if skipping else 0,
                    recompute_saved_s=self._rate.saved(share["tokens_current"]) if skipping else 0.0)
+        rec.update(skip_seq_frac=rec["seqs_skipped"] / max(1, total["seqs"]),
+                   skip_token_frac=rec["gen_tokens_skipped"] / max(1, total["gen_tokens"]))
         t0 = time.perf_counter()
         if forward == "none":
             rec.update(recompute_forward_s=0.0)
