@@ -318,7 +318,9 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         audit = self._is_audit_step(version) and not self.fallback
         total = global_counts(agreed.shares)
         seq_codes = [c for c in SEQUENCE_REASONS if total[c]]
-        forward = "all" if agreed.reasons or audit else ("rows" if total["micro_batches"] else "none")
+        # nothing current on any rank: AReaL's own forward over everything (one call, its own micro-batches)
+        forward = "all" if agreed.reasons or audit or not total["seqs_current"] else (
+            "rows" if total["micro_batches"] else "none")
         rec.update(reasons=agreed.reasons + seq_codes, reason_details=agreed.details, audit=audit, local_reasons=mine,
                    forward=forward, skipped=forward == "none", forward_micro_batches=max(
                        s["micro_batches"] for s in agreed.shares) if forward == "rows" else None,
@@ -340,9 +342,10 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
             self._record(rec)
             return merge(data, {})
         if forward == "rows":
+            spec = self.config.mb_spec
             with self._one_micro_batch_per_call():
                 fresh, ran = forward_rows(lambda part: super(TikFSDPPPOActor, self).compute_logp(part, *args, **kwargs),
-                                          data, units, rec["forward_micro_batches"], self.config.mb_spec)
+                                          data, units, rec["forward_micro_batches"], spec)
             rec.update(recompute_forward_s=time.perf_counter() - t0, forward_seqs=len(units), forward_tokens=ran)
             self._record(rec)
             return merge(data, fresh)
@@ -372,10 +375,11 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
 
     @contextmanager
     def _one_micro_batch_per_call(self):
-        """AReaL's forward packs a call's rows into at least ``mb_spec.n_mbs`` micro-batches; the row
-        forward plans its calls as one micro-batch each (:mod:`areal_tik.areal.row_forward`)."""
+        """AReaL's forward packs a call's rows into at least ``mb_spec.n_mbs`` micro-batches (groups of
+        ``granularity`` rows); the row forward plans its calls as one micro-batch each
+        (:mod:`areal_tik.areal.row_forward`)."""
         spec = self.config.mb_spec
-        self.config.mb_spec = MicroBatchSpec.new(spec, n_mbs=1, n_mbs_divisor=1)
+        self.config.mb_spec = MicroBatchSpec.new(spec, n_mbs=1, n_mbs_divisor=1, granularity=1)
         try:
             yield
         finally:

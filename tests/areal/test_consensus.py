@@ -145,7 +145,7 @@ def _rank_main(rank, world, port, out_dir):
     FSDPPPOActor.compute_logp = fake_forward
     actor = object.__new__(TikFSDPPPOActor)
     actor.kernels, actor.fallback, actor.tik_records, actor._rate = "tik", False, [], ForwardRate()
-    actor.tik_cfg = TikConfig(audit_interval=5, decision_log_dir=os.path.join(out_dir, "decisions"))
+    actor.tik_cfg = TikConfig(audit_interval=6, decision_log_dir=os.path.join(out_dir, "decisions"))
     actor.config = types.SimpleNamespace(mb_spec=MicroBatchSpec(max_tokens_per_mb=4096))
     actor._fingerprint, actor._cpu_group = "fp", dist.new_group(backend="gloo")
     actor.own_digest = lambda: "d"
@@ -188,13 +188,15 @@ def _rank_main(rank, world, port, out_dir):
     run("stale_on_rank1", 2, rows={1: [[2, 1], [2, [1, 1, 2, 2]]]})
     # 8-token micro-batches: rank 1's three recomputed rows fill three, rank 0 has none and joins three times
     run("three_micro_batches", 3, rows={1: [[2, 2], [3, [2, 3, 3, 3]]]}, max_tokens=8)
-    run("one_server_disagrees", 4, servers=[{"addr": "s0:1", "info": {**GOOD, "weight_version": 4}},
-                                             {"addr": "s1:2", "info": {**GOOD, "weight_version": 4,
+    # nothing current on either rank: AReaL's own forward over everything, one call
+    run("all_stale", 4, rows={0: [[3, 3], [3, 3]], 1: [[3, [2, 3, 3, 4]], [3, 3]]})
+    run("one_server_disagrees", 5, servers=[{"addr": "s0:1", "info": {**GOOD, "weight_version": 5}},
+                                             {"addr": "s1:2", "info": {**GOOD, "weight_version": 5,
                                                                        "kernel_fingerprint": "zz"}}])
     # audit step with a stale row on rank 0: the forward runs on every row; only current rows are compared
-    run("mismatch_on_rank1", 5, rows={0: [[5, 4], [5, 5]]}, perturb_rank=1)
-    run("after_fallback", 6)
-    run("dead_server", 7, servers=[{"addr": "s0:1", "info": {**GOOD, "weight_version": 7}},
+    run("mismatch_on_rank1", 6, rows={0: [[6, 5], [6, 6]]}, perturb_rank=1)
+    run("after_fallback", 7)
+    run("dead_server", 8, servers=[{"addr": "s0:1", "info": {**GOOD, "weight_version": 8}},
                                    {"addr": "s1:2", "error": "no answer within 30 s (ConnectionRefusedError)",
                                     "dead": True}])
     with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:
@@ -228,6 +230,9 @@ def test_two_ranks_one_decision(tmp_path):
     m0, m1 = r0["three_micro_batches"], r1["three_micro_batches"]
     assert m0["forward"] == m1["forward"] == 3 and m1["rows"] == 3 and m1["lowered"] == [[0, 1], [1]]
     assert m0["lowered"] == [[], []] and m0["skip_seq_frac"] == 5 / 8
+    al = r0["all_stale"]
+    assert al["mode"] == "all" and al["forward"] == r1["all_stale"]["forward"] == 1 and al["skip_seq_frac"] == 0.0
+    assert al["reasons"] == ["stale_version", "mixed_versions"] and al["lowered"] == [[0, 1], [0, 1]]
     dis = r0["one_server_disagrees"]
     assert not dis["skipped"] and dis["mode"] == "all" and dis["reasons"] == ["fingerprint"] and "s1:2" in dis["details"][0]
     mm = r0["mismatch_on_rank1"]
@@ -236,4 +241,4 @@ def test_two_ranks_one_decision(tmp_path):
     assert r0["after_fallback"]["reasons"] == ["fallback_after_mismatch"] and r0["after_fallback"]["forward"] == 1
     assert r0["dead_server"]["error"].startswith("TikServerError") and "s1:2" in r0["dead_server"]["error"]
     logs = [[json.loads(l) for l in open(tmp_path / "decisions" / f"rank{i}.jsonl")] for i in range(2)]
-    assert [x["skipped"] for x in logs[0]] == [x["skipped"] for x in logs[1]] and len(logs[0]) == 7
+    assert [x["skipped"] for x in logs[0]] == [x["skipped"] for x in logs[1]] and len(logs[0]) == 8
