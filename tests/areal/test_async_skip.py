@@ -4,8 +4,8 @@ tik actor (AReaL's FSDP actor, gloo world of one, CPU) and rollouts from the tik
 The batch mixes what AReaL's asynchronous mode produces: sequences the engine generated with the
 version-0 weights (stale once the actor trained a step), sequences a weight update interrupted (the
 engine re-prefills them under version 1: mixed versions) and sequences generated under version 1
-(current), several kinds inside one trajectory dict. One module fixture builds it (about 20 s); the
-tests then check:
+(current), several kinds inside one trajectory dict, each dict carrying a critic's ``values`` as PPO's
+do. One module fixture builds it (about 12 s); the tests then check:
 
 - the current-version sequences' proximal log-probs are their rollout log-probs, bitwise equal to a
   forced recompute (``torch.equal``) on every generated token; the stale and mixed sequences, and only
@@ -123,6 +123,8 @@ def mixed(tmp_path_factory):
     order += [i for i in range(len(rows)) if i not in order]
     batch = [_group([rows[i] for i in order[j:j + 4]]) for j in range(0, len(order), 4)]
     kinds = [[kinds[i] for i in order[j:j + 4]] for j in range(0, len(order), 4)]
+    for traj in batch:  # the PPO critic's values (AReaL adds them before compute_logp): carried and sliced too
+        traj["values"] = torch.randn(traj["attention_mask"].shape, generator=g) * traj["attention_mask"]
     flat = sum(kinds, [])
     assert flat.count("mixed") >= 1 and flat.count("stale") >= 4 and flat.count("current") >= 4, flat
     yield actor, batch, kinds
