@@ -4,6 +4,8 @@ Each arm is one ``python -m areal_tik.areal.train`` process (AReaL's real traine
 
 - ``vllm``: stock vLLM through AReaL's vLLM path (``rollout.backend=vllm:...``,
   ``actor.kernel_backend=default``: recompute every step): the reference users run;
+- ``vllm_loglinear``: ``vllm`` with ``actor.prox_logp_method=loglinear`` (AReaL's approximation of the
+  proximal log-probs for the decoupled loss, no recompute forward; asynchronous recipes);
 - ``baseline``: ``areal-tik serve`` on default kernels, recompute every step (diagnostic: our
   engine without our kernels; the reference when there is no ``vllm`` arm);
 - ``tik``: ``areal-tik serve`` on tik kernels (recompute skipped when docs/design.md section 6
@@ -32,8 +34,8 @@ from areal_tik.ab.analysis import ARM_ENGINES, ARMS, analyze, load_steps, server
 from areal_tik.ab.report import REPORT_FILES, write_report
 
 DEFAULT_SET = ("baseline", "tik")     # runs anywhere (no vLLM needed): the CPU quick start
-VLLM_ARMS = ("vllm", "vllm_tik")
-KERNELS = {"vllm": "default", "baseline": "default", "tik": "tik", "vllm_tik": "tik"}
+VLLM_ARMS = ("vllm", "vllm_loglinear", "vllm_tik")
+KERNELS = {"vllm": "default", "vllm_loglinear": "default", "baseline": "default", "tik": "tik", "vllm_tik": "tik"}
 
 __all__ = ["run_arm", "run_ab", "load_arm", "arm_overrides", "arm_engine", "parse_arms", "DEFAULT_SET", "VLLM_ARMS"]
 
@@ -51,11 +53,14 @@ def _recipe_rollout_backend(config: str) -> str:
 
 def arm_overrides(arm: str, config: str) -> list[str]:
     """What makes an arm: ``actor.kernel_backend`` and, for the vLLM arms, ``rollout.backend=vllm:<the
-    recipe's layout>`` (the same data-parallel layout as the recipe's SGLang servers)."""
+    recipe's layout>`` (the same data-parallel layout as the recipe's SGLang servers); ``vllm_loglinear``
+    also ``actor.prox_logp_method=loglinear``."""
     out = [f"actor.kernel_backend={KERNELS[arm]}"]
     if arm in VLLM_ARMS:
         layout = _recipe_rollout_backend(config).split(":", 1)
         out.append(f"rollout.backend=vllm:{layout[1] if len(layout) > 1 else 'd1p1t1'}")
+    if arm == "vllm_loglinear":
+        out.append("actor.prox_logp_method=loglinear")
     return out
 
 

@@ -6,7 +6,8 @@ import os
 
 def add_parser(sub):
     p = sub.add_parser("ab", help="throughput A/B of AReaL runs (same recipe, seed, data): stock vLLM (vllm), our engine "
-                                  "on default kernels (baseline), tik, vLLM + tik (vllm_tik)")
+                                  "on default kernels (baseline), tik, vLLM + tik (vllm_tik), stock vLLM with AReaL's "
+                                  "loglinear proximal log-probs (vllm_loglinear)")
     p.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/tiny.yaml")
     p.add_argument("--steps", type=int, default=2, help="training steps per arm")
     p.add_argument("--out", default=None, help="report directory (default ab_reports/<recipe>-<time>)")
@@ -18,9 +19,9 @@ def add_parser(sub):
     p.add_argument("--runs-dir", default=None,
                    help="AReaL cluster.fileroot for both arms (model dirs, checkpoints); default <out>/runs")
     p.add_argument("--set", dest="arm_set", default="baseline,tik",
-                   help="the arms compared, comma-separated from vllm, baseline, tik, vllm_tik (default baseline,tik; "
-                        "vllm,tik,vllm_tik compares with stock vLLM); ratios are taken against vllm when it is in the "
-                        "set, else baseline")
+                   help="the arms compared, comma-separated from vllm, vllm_loglinear, baseline, tik, vllm_tik "
+                        "(default baseline,tik; vllm,tik,vllm_tik compares with stock vLLM); ratios are taken against "
+                        "vllm when it is in the set, else baseline")
     p.add_argument("--arms", default="both",
                    help="which arms of --set to run now: both/all (every arm), a comma-separated subset (the others are "
                         "read from --out, written by earlier calls; the report is written once all are there), or "
