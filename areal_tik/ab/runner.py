@@ -347,8 +347,8 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
             "arms_run_here": list(to_run),
             "server_intervals": {a: server_intervals(out, a) for a in arm_set}}
     try:
-        from areal_tik.dispatch.fingerprint import compute
-        meta["environment"] = compute()["environment"]
+        from areal_tik.dispatch.fingerprint import environment
+        meta["environment"] = environment()
     except Exception:  # noqa: BLE001
         pass
     written = write_report(report, out, meta)

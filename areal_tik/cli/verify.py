@@ -59,7 +59,7 @@ def run(args) -> int:
     regimes = check_args(args)
     import torch
 
-    from areal_tik.layers.patch import patch_model
+    from areal_tik.layers.patch import ops_of, patch_model
     from areal_tik.verify.parity import ParityConfig, run_parity
     from areal_tik.layers.models import build_model
 
@@ -81,7 +81,7 @@ def run(args) -> int:
     rep.update(model=args.model, kernels=args.kernels, device=str(next(model.parameters()).device))
     if args.kernels == "tik":  # which backend ran each op (AREAL_TIK_BACKEND may pick one per op)
         from areal_tik.dispatch.fingerprint import compute
-        fp = compute(settings.backend)
+        fp = compute(ops_of(model))
         rep.update(kernel_fingerprint=fp["fingerprint"], kernel_selection=fp["selection"])
     if args.json:
         from areal_tik.cli.output import print_json

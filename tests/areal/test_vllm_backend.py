@@ -347,11 +347,12 @@ def _bump(m):
 
 
 def test_worker_facts_digest_equals_the_trainers():
+    from areal_tik.dispatch.bound import bind
     from areal_tik.dispatch.fingerprint import compute
     from areal_tik.layers.weights_digest import model_digest
     m, ops, hf = _tik_vllm_like_model()
     facts = vllm_info.worker_facts(m, ops, hook_installed=True)
-    assert facts["tik_model"] and facts["kernel_fingerprint"] == compute(None)["fingerprint"]
+    assert facts["tik_model"] and facts["kernel_fingerprint"] == compute(bind(None))["fingerprint"]
     assert facts["weights_digest"] == model_digest(hf)          # the trainer's digest of the same weights
     _bump(m)
     assert vllm_info.worker_facts(m, ops, True)["weights_digest"] != model_digest(hf)

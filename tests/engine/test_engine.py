@@ -117,3 +117,14 @@ def test_score_matches_engine_logprobs(model):
     sc = eng.score(o.prompt_ids + o.output_ids, 1.0)
     assert sc[len(o.prompt_ids) - 1:] == o.output_logprobs
     assert all(math.isfinite(x) for x in sc)
+
+
+def test_greedy_scores_at_temperature_one(model):
+    """Greedy (T = 0) log-probs are taken at T = 1, by the log-prob head's one rule, for generated tokens and for
+    scored ones alike (the server passes the request's temperature through unchanged)."""
+    eng = _eng(model)
+    o = eng.generate([[3, 4, 5, 6]], SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True))[0]
+    ids = o.prompt_ids + o.output_ids
+    assert eng.score(ids, 0.0) == eng.score(ids, 1.0)
+    assert eng.score(ids, 0.0)[len(o.prompt_ids) - 1:] == o.output_logprobs
+    assert eng.score(ids, 0.5) != eng.score(ids, 1.0)      # the temperature does reach the scores
