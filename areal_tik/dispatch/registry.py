@@ -26,6 +26,7 @@ import functools
 import logging
 from typing import Callable
 
+from areal_tik.dispatch import availability
 from areal_tik.settings import BACKEND_ENV, BACKENDS, SettingsError
 from areal_tik.settings import parse_backend_spec as _parse
 
@@ -97,15 +98,9 @@ def _ensure_loaded() -> None:
         return
     import importlib
 
-    from areal_tik.dispatch import availability
     from areal_tik.kernels import module_sources, op_modules
 
-    avail = {   # looked up at call time, so a test can stand in for a machine's availability
-        "triton": lambda: availability.triton_status(),
-        "cuda": lambda: availability.cuda_status(),
-        "torch_ref": lambda: (True, ""),
-        "fa3": lambda: availability.fa3_status(),
-    }
+    avail = {be: functools.partial(availability.status, be) for be in BACKENDS}
     for name in op_modules():
         mod = importlib.import_module(name)
         for op, impls in getattr(mod, "OPS", {}).items():
@@ -260,10 +255,4 @@ def _cuda_available() -> bool:
 
 def backend_status() -> dict[str, tuple[bool, str]]:
     """Whether each backend can run here, with the reason when it cannot."""
-    from areal_tik.dispatch import availability
-    return {
-        "triton": availability.triton_status(),
-        "cuda": availability.cuda_status(),
-        "torch_ref": (True, "pure PyTorch, runs on any device"),
-        "fa3": availability.fa3_status(),
-    }
+    return {be: availability.status(be) for be in BACKENDS}

@@ -155,7 +155,7 @@ def _r1(backend, seqs, rng, block_m):
     cu = cu_of(plens, device)
     q, k, v = (torch.cat([p[j] for p in parts]) for j in range(3))
     if block_m is not None and backend == "triton":
-        out = TO._varlen_fwd(q, k, v, cu, max(plens), CHK._qk_scale(None, d)[1], False, block_m=block_m)[0]
+        out = TO._varlen_fwd(q, k, v, cu, max(plens), CHK.softmax_scales(None, d)[1], False, block_m=block_m)[0]
     else:
         out = varlen(q, k, v, cu, max(plens))
     r1 = [None] * len(seqs)
@@ -429,6 +429,28 @@ def test_errors_are_clear(tiny_meta):
             paged(x, kc, kc, torch.zeros(1, 2, dtype=torch.int32), cu, torch.tensor([4, 4], dtype=torch.int32), 4)
 
 
+def test_every_backend_checks_arguments_through_one_module(monkeypatch):
+    """The csrc wrappers validate through ``kernels/attention/checks.py`` like the Triton and torch_ref ones: the
+    same mistake gets the same message (the CUDA-device check, which runs first, is stood in for on a CPU)."""
+    from areal_tik.kernels.attention.torch_ref import attention_paged_torch, attention_varlen_torch
+    from areal_tik.kernels.cuda import attention as CU
+    monkeypatch.setattr(CU, "_need_cuda", lambda *a: None)
+    x, cu = torch.randn(4, 2, 64).bfloat16(), torch.tensor([0, 4], dtype=torch.int32)
+    kc, bt, sk = torch.zeros(2, 16, 2, 64).bfloat16(), torch.zeros(1, 2, dtype=torch.int32), torch.tensor([4, 4], dtype=torch.int32)
+    bad = [(attention_varlen_torch, CU.attention_varlen_cuda, (torch.randn(4, 2, 96).bfloat16(),) * 3 + (cu, 4), {}),
+           (attention_varlen_torch, CU.attention_varlen_cuda, (x, x[:3], x, cu, 4), {}),
+           (attention_varlen_torch, CU.attention_varlen_cuda, (x, x, x, cu, 4), {"scale": -1.0}),
+           (attention_paged_torch, CU.attention_paged_cuda, (x, kc, kc, bt, cu, sk, 4), {})]
+    for ref, cuda, args, kw in bad:
+        with pytest.raises((ValueError, TypeError)) as want:
+            ref(*args, **kw)
+        with pytest.raises(type(want.value)) as got:
+            cuda(*args, **kw)
+        assert str(got.value) == str(want.value)
+    with pytest.raises(ValueError, match="contiguous"):   # csrc reads the caches by raw strides
+        CU.attention_paged_cuda(x, kc.transpose(0, 1).contiguous().transpose(0, 1), kc, bt, cu, sk[:1], 4)
+
+
 def test_registered_ops_dispatch(tiny_meta):
     from areal_tik.dispatch import ops
     from areal_tik.dispatch import registry
@@ -517,7 +539,7 @@ def test_tuned_json_is_applied_and_fingerprinted(tmp_path, restore_config, monke
              "decode": {"num_stages": 2}, "_source": "test"}
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"sm90": entry}))
-    monkeypatch.setattr(A.tuning, "_interpreting", lambda: False)
+    monkeypatch.setattr(A.tuning, "interpreting", lambda: False)
     assert not A.load_tuned(str(path), arch="sm80")
     assert A.load_tuned(str(path), arch="sm90")
     assert (A.tuning.BLOCK_N, A.tuning.KV_PARTITION) == (128, 512)

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from areal_tik.kernels._dense_common import interpreting
+from areal_tik.kernels import interpreting
 from areal_tik.kernels.linear.configs import (
     CONFIGS, CONFIGS_FP32, INTERPRETER_CONFIG, TMA_KERNELS, arch_has_tma, default_config_name,
 )
