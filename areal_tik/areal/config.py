@@ -81,8 +81,9 @@ class TikConfig:
     )
     backend: Optional[str] = field(
         default=None,
-        metadata={"help": "Kernel implementation per op: null (measured defaults), 'triton', or "
-                          "'attention_varlen=triton,attention_paged=triton'. AREAL_TIK_BACKEND overrides it."},
+        metadata={"help": "Kernel implementation per op: null (AREAL_TIK_BACKEND when set, else the measured "
+                          "defaults), 'triton', or 'attention_varlen=triton,attention_paged=triton'. A value set "
+                          "here wins over AREAL_TIK_BACKEND."},
     )
     attention_backward: str = field(
         default="auto",
@@ -129,8 +130,8 @@ class TikConfig:
             raise ConfigError(f"actor.tik: {e}") from None
 
     def settings(self, kernels: str) -> Settings:
-        """The process's :class:`~areal_tik.settings.Settings` (``AREAL_TIK_BACKEND`` overrides
-        ``backend``)."""
+        """The process's :class:`~areal_tik.settings.Settings`: ``backend`` when set, else
+        ``AREAL_TIK_BACKEND`` (``Settings.from_env`` reads the variable only for a field the caller left None)."""
         return Settings.from_env(kernels=kernels, backend=self.backend, attention_backward=self.attention_backward,
                                  precompile=self.precompile, profile_step=self.profile_step,
                                  server_device=self.server_device)
