@@ -87,7 +87,6 @@ def _copy_server_log(out: str, arm: str, runs_dir: str | None) -> None:
 
 # a server that logs one of these answers every request with an error from then on (areal-tik serve; vLLM)
 SERVER_FATAL = ("engine.step failed", "EngineCore encountered a fatal error", "EngineDeadError")
-SERVER_LOGS = tuple(e.server_log for e in engines.all_engines() if e.server_log)
 
 
 def _server_logs(out: str, arm: str, runs_dir: str | None) -> dict[str, int]:
@@ -95,7 +94,8 @@ def _server_logs(out: str, arm: str, runs_dir: str | None) -> dict[str, int]:
     earlier run in the same runs dir must not count against this one)."""
     import glob
     sizes = {}
-    for p in sorted(q for name in SERVER_LOGS for q in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, name))):
+    logs = {e.server_log for e in engines.all_engines() if e.server_log}     # each rollout engine's server log
+    for p in sorted(q for name in logs for q in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, name))):
         try:
             sizes[p] = os.path.getsize(p)
         except OSError:
