@@ -34,6 +34,8 @@ import sys
 import time
 import urllib.parse
 
+from areal_tik.areal import engines
+
 BUILTIN_TOKENIZER = "builtin:tiny-char"
 
 
@@ -167,7 +169,6 @@ def check_xccl_layout(weight_update_mode: str, server_device: str | None) -> Non
 def launch_rollout_server(config, log_dir: str):
     """SPMD mode without ``AREAL_LLM_SERVER_ADDRS``: start one server of the run's rollout engine (its ``launch``
     hook) and return ``(Popen, "host:port")``; ``SystemExit`` for an engine this entry point does not start."""
-    from areal_tik.areal import engines
     engine = engines.for_config(config)
     launch = engine.hook("launch")
     if launch is None:

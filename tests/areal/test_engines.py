@@ -183,3 +183,13 @@ def test_a_registered_engine_is_used_everywhere(toy, tmp_path, monkeypatch, caps
     assert calls["offline"] == ("/a/model", "tik", {"max_model_len": 64, "max_num_seqs": bench.MAX_NUM_SEQS,
                                                     "async_decode": True})
     sys.modules.pop("bench_rollout", None)
+
+
+def test_an_engine_without_launch_is_refused_in_spmd_mode(tmp_path):
+    """AReaL's SGLang client only connects in SPMD mode: the entry point refuses to run it without a server
+    instead of letting the trainer wait for one nobody starts."""
+    pytest.importorskip("areal.api")
+    from areal_tik.areal.train import launch_rollout_server
+    c = _load(tmp_path, "++actor.tik.rollout_engine=sglang")
+    with pytest.raises(SystemExit, match="sglang rollout engine .*AREAL_LLM_SERVER_ADDRS"):
+        launch_rollout_server(c, str(tmp_path))
