@@ -23,10 +23,11 @@ def no_work(monkeypatch):
     import areal_tik.areal.warmstart as ws
     import areal_tik.ab.runner as ab
     import areal_tik.verify.parity as parity
+    import areal_tik.verify.request as request
     import areal_tik.engine.server as server
     import areal_tik.layers.models as models
     for mod, name in ((ab, "run_ab"), (models, "build_model"), (server, "build"), (parity, "run_parity"),
-                      (ws, "warm_start")):
+                      (request, "verify_ours"), (ws, "warm_start")):
         monkeypatch.setattr(mod, name, boom)
 
 

@@ -32,12 +32,14 @@ import time
 
 from areal_tik.ab.analysis import ARM_ENGINES, ARMS, analyze, load_steps, server_intervals
 from areal_tik.ab.report import REPORT_FILES, write_report
+from areal_tik.areal import engines
 
 DEFAULT_SET = ("baseline", "tik")     # runs anywhere (no vLLM needed): the CPU quick start
-VLLM_ARMS = ("vllm", "vllm_loglinear", "vllm_tik")
-KERNELS = {"vllm": "default", "vllm_loglinear": "default", "baseline": "default", "tik": "tik", "vllm_tik": "tik"}
+# what makes each arm: (its rollout engine in areal_tik.areal.engines, its kernels)
+ARM_WIRING = {"vllm": ("vllm", "default"), "vllm_loglinear": ("vllm", "default"), "baseline": ("tik", "default"),
+              "tik": ("tik", "tik"), "vllm_tik": ("vllm", "tik")}
 
-__all__ = ["run_arm", "run_ab", "load_arm", "arm_overrides", "arm_engine", "parse_arms", "DEFAULT_SET", "VLLM_ARMS"]
+__all__ = ["run_arm", "run_ab", "load_arm", "arm_overrides", "arm_engine", "parse_arms", "DEFAULT_SET", "ARM_WIRING"]
 
 
 def _recipe_rollout_backend(config: str) -> str:
@@ -52,16 +54,18 @@ def _recipe_rollout_backend(config: str) -> str:
 
 
 def arm_overrides(arm: str, config: str) -> list[str]:
-    """What makes an arm: ``actor.kernel_backend`` and, for the vLLM arms, ``rollout.backend=vllm:<the
-    recipe's layout>`` (the same data-parallel layout as the recipe's SGLang servers); ``vllm_loglinear``
-    also ``actor.prox_logp_method=loglinear``."""
-    out = [f"actor.kernel_backend={KERNELS[arm]}"]
-    if arm in VLLM_ARMS:
-        layout = _recipe_rollout_backend(config).split(":", 1)
-        out.append(f"rollout.backend=vllm:{layout[1] if len(layout) > 1 else 'd1p1t1'}")
+    """What makes an arm (:data:`ARM_WIRING`): ``actor.kernel_backend``, ``rollout.backend=<its engine's client
+    family>:<the recipe's layout>`` when the recipe names another family (the same data-parallel layout as the
+    recipe's servers), and ``actor.tik.rollout_engine``; ``vllm_loglinear`` also
+    ``actor.prox_logp_method=loglinear`` (AReaL's approximation of the proximal log-probs)."""
+    engine, kernels = engines.get(ARM_WIRING[arm][0]), ARM_WIRING[arm][1]
+    out = [f"actor.kernel_backend={kernels}"]
+    family, _, layout = _recipe_rollout_backend(config).partition(":")
+    if family != engine.rollout_backend:
+        out.append(f"rollout.backend={engine.rollout_backend}:{layout or 'd1p1t1'}")
     if arm == "vllm_loglinear":
         out.append("actor.prox_logp_method=loglinear")
-    return out
+    return out + [f"++actor.tik.rollout_engine={engine.name}"]   # ++: set whether or not the recipe lists the key
 
 
 def _runs_dir(out: str, runs_dir: str | None) -> str:
@@ -88,7 +92,6 @@ def _copy_server_log(out: str, arm: str, runs_dir: str | None) -> None:
 
 # a server that logs one of these answers every request with an error from then on (areal-tik serve; vLLM)
 SERVER_FATAL = ("engine.step failed", "EngineCore encountered a fatal error", "EngineDeadError")
-SERVER_LOGS = ("tik_server.log", "vllm_server.log")
 
 
 def _server_logs(out: str, arm: str, runs_dir: str | None) -> dict[str, int]:
@@ -96,7 +99,8 @@ def _server_logs(out: str, arm: str, runs_dir: str | None) -> dict[str, int]:
     earlier run in the same runs dir must not count against this one)."""
     import glob
     sizes = {}
-    for p in sorted(q for name in SERVER_LOGS for q in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, name))):
+    logs = {e.server_log for e in engines.all_engines() if e.server_log}     # each rollout engine's server log
+    for p in sorted(q for name in logs for q in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, name))):
         try:
             sizes[p] = os.path.getsize(p)
         except OSError:
@@ -228,14 +232,15 @@ def load_arm(out: str, arm: str) -> dict | None:
 
 
 def arm_engine(arm: str) -> str:
-    """The arm's rollout engine in words, with the installed vLLM's version for the vLLM arms."""
+    """The arm's rollout engine in words, with the installed version of an engine from another package (vLLM)."""
     import importlib.metadata as md
     text = ARM_ENGINES.get(arm, arm)
-    if arm in VLLM_ARMS:
+    pkg = engines.get(ARM_WIRING[arm][0]).package if arm in ARM_WIRING else None
+    if pkg:
         try:
-            text += f"; vllm {md.version('vllm')}"
+            text += f"; {pkg} {md.version(pkg)}"
         except md.PackageNotFoundError:
-            text += "; vllm not installed here"
+            text += f"; {pkg} not installed here"
     return text
 
 
@@ -352,8 +357,8 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
             "arms_run_here": list(to_run),
             "server_intervals": {a: server_intervals(out, a) for a in arm_set}}
     try:
-        from areal_tik.dispatch.fingerprint import compute
-        meta["environment"] = compute()["environment"]
+        from areal_tik.dispatch.fingerprint import environment
+        meta["environment"] = environment()
     except Exception:  # noqa: BLE001
         pass
     written = write_report(report, out, meta)

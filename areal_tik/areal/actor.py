@@ -180,7 +180,7 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
     def own_fingerprint(self) -> str:
         if self._fingerprint is None:
             from areal_tik.dispatch.fingerprint import compute
-            self._fingerprint = compute(self.settings.backend)["fingerprint"]
+            self._fingerprint = compute(self.tik_ops)["fingerprint"]   # the ops patch_model bound
         return self._fingerprint
 
     def _digest_now(self) -> str:

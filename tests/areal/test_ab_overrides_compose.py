@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 
-from areal_tik.ab.runner import arm_overrides  # noqa: E402
+from areal_tik.ab.runner import ARM_WIRING, arm_overrides  # noqa: E402
+from areal_tik.areal import engines  # noqa: E402
 from areal_tik.areal.train import load_config  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -50,6 +51,7 @@ def test_every_arm_config_composes(tmp_path, layout):
                 assert c.rollout.max_head_offpolicyness >= 2 and c.actor.use_decoupled_loss
             assert c.rollout.backend.startswith("vllm:") == arm.startswith("vllm"), (arm, c.rollout.backend)
             assert c.actor.kernel_backend == ("tik" if "tik" in arm else "default"), arm
+            assert engines.for_config(c).name == ARM_WIRING[arm][0], arm      # the arm's rollout engine, by name
             assert c.train_dataset.batch_size == 16
             if layout == "one_gpu":
                 assert c.actor.weight_update_mode == "disk" and c.vllm.gpu_memory_utilization == 0.35

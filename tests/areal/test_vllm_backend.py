@@ -331,11 +331,12 @@ def _bump(m):
 
 
 def test_worker_facts_digest_equals_the_trainers():
+    from areal_tik.dispatch.bound import bind
     from areal_tik.dispatch.fingerprint import compute
     from areal_tik.layers.weights_digest import model_digest
     m, ops, hf = _tik_vllm_like_model()
     facts = vllm_info.worker_facts(m, ops, hook_installed=True)
-    assert facts["tik_model"] and facts["kernel_fingerprint"] == compute(None)["fingerprint"]
+    assert facts["tik_model"] and facts["kernel_fingerprint"] == compute(bind(None))["fingerprint"]
     assert facts["weights_digest"] == model_digest(hf)          # the trainer's digest of the same weights
     _bump(m)
     assert vllm_info.worker_facts(m, ops, True)["weights_digest"] != model_digest(hf)
@@ -465,8 +466,8 @@ def test_backend_launches_our_module(model_dir, monkeypatch):
 
 
 def test_config_accepts_vllm_with_tik_and_names_what_it_refuses():
+    from areal_tik.areal import engines
     from areal_tik.areal.config import ConfigError
-    from areal_tik.areal.rollout import rollout_server_kind
     from areal_tik.areal.train import load_config
     import os
     recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
@@ -474,9 +475,9 @@ def test_config_accepts_vllm_with_tik_and_names_what_it_refuses():
     def load(*ov):
         return load_config(["--config", recipe, "stats_logger.fileroot=/tmp/areal_tik/test_cfg", *ov])
     c = load("actor.kernel_backend=tik", "rollout.backend=vllm:d1p1t1")
-    assert rollout_server_kind(c) == "vllm"
-    assert rollout_server_kind(load("actor.kernel_backend=tik")) == "tik"
-    assert rollout_server_kind(load("rollout.backend=vllm:d1p1t1")) == "vllm"
+    assert engines.for_config(c).name == "vllm"
+    assert engines.for_config(load("actor.kernel_backend=tik")).name == "tik"
+    assert engines.for_config(load("rollout.backend=vllm:d1p1t1")).name == "vllm"
     for ov, key in [("rollout.backend=vllm:d1t2", "rollout.backend"), ("+vllm.dtype=float16", "vllm.dtype"),
                     ("+vllm.enable_lora=true", "vllm.enable_lora"), ("rollout.backend=trt:d1", "rollout.backend")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -99,10 +99,10 @@ class TikServer:
         if rid in self._inflight:
             return error_reply(f"request id {rid!r} is already in flight; give each request its own rid", 409)
         ids = req.input_ids
-        temp = params.temperature if params.temperature > 0 else 1.0
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        p = _Pending(rid, ids, params, fut, loop, req.want_input_logprobs, max(0, req.logprob_start_len or 0), temp)
+        p = _Pending(rid, ids, params, fut, loop, req.want_input_logprobs, max(0, req.logprob_start_len or 0),
+                     params.temperature)   # greedy (0) scores at T = 1: the log-prob head's effective_temperature
         self._inflight.add(rid)
         try:
             await self.worker.submit(lambda: self.worker.cmd_add(p))

@@ -45,17 +45,20 @@ import hashlib
 
 from areal_tik.kernels.linear.configs import BLOCK_K, CONFIGS
 from areal_tik.kernels.linear.launcher import linear_fwd, linear_triton
-from areal_tik.kernels.linear.selection import _TABLE_TEXT, config_name_for, pick_config
-from areal_tik.kernels.linear.selection import _arch_of as _arch_of  # read by layers/precompile.py
+from areal_tik.kernels.linear.selection import (
+    _TABLE_TEXT, config_name_for, config_names, pick_config, row_grid, tile_configs,
+)
 from areal_tik.kernels.linear.specs import compile_specs
 from areal_tik.kernels.linear.splits import K_SPLITS, k_split
 from areal_tik.kernels.linear.torch_ref import linear_reference, linear_torch
 
 __all__ = ["linear_triton", "linear_torch", "linear_reference", "linear_fwd", "pick_config", "config_name_for",
-           "CONFIGS", "OPS", "META", "COMPILE_SPECS",
+           "config_names", "row_grid", "tile_configs", "CONFIGS", "OPS", "META", "COMPILE_SPECS", "TILE_CONFIGS",
            "K_SPLITS", "k_split"]
 
 OPS = {"linear": {"triton": linear_triton, "torch_ref": linear_torch}}
+# the implementations that compile one kernel per tile config: what precompilation launches them with
+TILE_CONFIGS = {"linear": {"triton": tile_configs}}
 META = {"linear.BLOCK_K": BLOCK_K,
         "linear.form": "acc=tl.dot(a,b^T,acc) ascending K per fixed K chunk, fp32 acc, chunk sums ascending",
         "linear.k_splits": ",".join(f"{k}:{s}" for k, s in sorted(K_SPLITS.items())) or "none",

@@ -3,6 +3,8 @@ the TMA preconditions and their pointer-kernel fallback, the persistent grid, th
 workspace and arrival counters) and the triton backend's entry point :func:`linear_triton`."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -106,6 +108,9 @@ def linear_fwd(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     return out
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with a row-invariant Triton GEMM (see the module docstring)."""
-    return _linear_2d(linear_fwd, x, weight, bias, triton_path=True)
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: str | None = None) -> torch.Tensor:
+    """``F.linear`` with a row-invariant Triton GEMM (see the module docstring). ``config`` forces one tile
+    config by name (precompilation; every config gives the same bits)."""
+    fwd = linear_fwd if config is None else functools.partial(linear_fwd, config=config)
+    return _linear_2d(fwd, x, weight, bias, triton_path=True)
