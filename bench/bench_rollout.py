@@ -60,6 +60,7 @@ PARITY_MB_TOKENS = 16384
 # additions), "seeded" (every request gets a seed from its batch and index; else the engine draws them)
 ARM_WIRING = {
     "stock": ("vllm", "default", {"seed": 0}),
+    "stock_nolp": ("vllm", "default", {"seed": 0, "logprobs": False}),
     "batch_invariant": ("vllm", "default", {"seed": 0, "env": {"VLLM_BATCH_INVARIANT": "1"}}),
     "tik": ("vllm", "tik", {"seed": 0}),
     "engine": ("tik", "tik", {"gpu_memory_utilization": 0.5, "async_decode": False, "seeded": True}),
@@ -69,8 +70,9 @@ ARM_WIRING = {
 }
 ARM_ONLY = ("env", "seeded")
 ARMS = (*ARM_WIRING, "parity")
-PARITY_ARMS = tuple(a for a in ARM_WIRING if a != "batch_invariant")    # arms whose generations the parity step checks
-LABELS = {"stock": "vLLM", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "engine": "our engine (tik)",
+# arms whose generations the parity step checks (every arm that returns log-probs and runs our kernels or stock's)
+PARITY_ARMS = tuple(a for a in ARM_WIRING if a not in ("batch_invariant", "stock_nolp"))
+LABELS = {"stock": "vLLM", "stock_nolp": "vLLM, no log-probs", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "engine": "our engine (tik)",
           "engine_async": "our engine, pipelined decode", "engine_fa3": "our engine, FA3 attention"}
 
 
@@ -131,14 +133,17 @@ def _cpu_model() -> str:
         return "unknown"
 
 
-def _generator(arm: str, model_dir: str, max_model_len: int):
+def _generator(arm: str, model_dir: str, max_model_len: int, weights_preset: str | None = None):
     """The arm's engine (:data:`ARM_WIRING`) as an in-process generator on the checkpoint, and the seed of each
     prompt's request (our engine seeds every request; vLLM draws its own)."""
     from areal_tik.areal import engines
     name, kernels, opts = ARM_WIRING[arm]
     engine = engines.get(name)
+    kw = {k: v for k, v in opts.items() if k not in ARM_ONLY}
+    if weights_preset:        # no checkpoint: the engine builds the preset's seeded weights
+        kw["weights_preset"] = weights_preset
     gen = engine.need("offline")(model_dir, kernels=kernels, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
-                                 **{k: v for k, v in opts.items() if k not in ARM_ONLY})
+                                 **kw)
     seeded = opts.get("seeded", False)
     return gen, (lambda prompts: [len(prompts) * 100003 + i for i in range(len(prompts))] if seeded else None)
 
@@ -163,7 +168,7 @@ def run_arm(arm: str, a) -> int:
     res = dict(arm=arm, workloads={}, env={k: os.environ.get(k) for k in ("VLLM_BATCH_INVARIANT",)})
     out_json = os.path.join(a.work, f"{arm}.json")
     t0 = time.perf_counter()
-    eng, seeds = _generator(arm, a.model_dir, meta["max_model_len"])
+    eng, seeds = _generator(arm, a.model_dir, meta["max_model_len"], meta.get("weights_preset"))
     gen = lambda prompts, n, arr: eng.generate(prompts, n, seeds=seeds(prompts), arrivals=arr)  # noqa: E731
     res["startup_s"] = round(time.perf_counter() - t0, 2)
     _log(arm, "started in", res["startup_s"], "s")
@@ -230,7 +235,9 @@ def run_parity(a) -> int:
         spec = ARM_WIRING[arm][2].get("backend")
         if model is None or spec != model_spec:
             model = None                # free the previous model before building the next
-            model = patch_model(build_model(a.model_dir, device=dev), kernels="tik", backend=spec)
+            meta = json.load(open(os.path.join(a.model_dir, "bench_meta.json")))
+            model = patch_model(build_model(meta.get("weights_preset") or a.model_dir, device=dev), kernels="tik",
+                                backend=spec)
             model_spec = spec
         data = torch.load(path)
         res[arm] = {}
@@ -256,14 +263,21 @@ def run_parity(a) -> int:
 
 # ---------------------------------------------------------------------------------------------- driver
 
-def make_checkpoint(model_name: str, path: str) -> dict:
+def make_checkpoint(model_name: str, path: str, preset_weights: bool = False) -> dict:
+    """The arms' model folder: an HF checkpoint of the preset, or with ``preset_weights`` only its config (every
+    arm then builds the preset's seeded weights itself: vLLM through the plugin's tik_preset load format)."""
     from transformers import AutoConfig
 
     from areal_tik.layers.models import checkpoint_dir
-    checkpoint_dir(model_name, path, device=_device(), seed=0)
+    from areal_tik.vllm_plugin.preset_loader import config_dir
+    if preset_weights:
+        config_dir(model_name, path)
+    else:
+        checkpoint_dir(model_name, path, device=_device(), seed=0)
     cfg = AutoConfig.from_pretrained(path)
     meta = dict(model=model_name, vocab_size=cfg.vocab_size, model_type=cfg.model_type,
-                max_model_len=min(MAX_MODEL_LEN, cfg.max_position_embeddings))
+                max_model_len=min(MAX_MODEL_LEN, cfg.max_position_embeddings),
+                weights_preset=model_name if preset_weights else None)
     json.dump(meta, open(os.path.join(path, "bench_meta.json"), "w"))
     return meta
 
@@ -282,6 +296,9 @@ def main() -> int:
     ap.add_argument("--long-repeats", type=int, default=1,
                     help="timed runs of the long workload (fresh prompts each; the median is reported)")
     ap.add_argument("--model-dir", help="reuse a checkpoint made by an earlier run")
+    ap.add_argument("--preset-weights", action="store_true",
+                    help="write no checkpoint: every arm builds the preset's seeded weights (vLLM through the plugin's "
+                         "tik_preset load format); for 7B-and-larger shapes")
     ap.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per arm process")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds for the whole run (0 = none): the 1024 -> 4096 workload is left out of arms that "
@@ -304,7 +321,7 @@ def main() -> int:
         a.model_dir = os.path.join(tempfile.mkdtemp(prefix="bench_rollout_"), "model")
     if not os.path.exists(os.path.join(a.model_dir, "bench_meta.json")):
         _log("saving", a.model, "to", a.model_dir)
-        make_checkpoint(a.model, a.model_dir)
+        make_checkpoint(a.model, a.model_dir, a.preset_weights)
     res = dict(model=a.model, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                torch=torch.__version__, quick=a.quick, workloads=[_wl_name(w) for w in _workloads(a)], arms={}, steps={},
                settings=dict(temperature=1.0, ignore_eos=True, logprobs="sampled token only", max_model_len=MAX_MODEL_LEN,
@@ -359,6 +376,9 @@ def main() -> int:
     measured = {w for r in res["arms"].values() for w in r.get("workloads", {})}
     res["workloads"] = [w for w in map(_wl_name, SHORT + LONG + _workloads(a)) if w in measured or w in res["workloads"]]
     res["workloads"] = list(dict.fromkeys(res["workloads"]))
+    if torch.cuda.is_available():
+        from roofline import roofline
+        res["roofline"] = roofline(a.model, [(w[:3], _wl_name(w)) for w in _workloads(a)], res["arms"])
     stock = res["arms"].get("stock", {}).get("workloads", {})
     res["ratio_over_stock_vllm"] = {
         arm: {w: round(r["tokens_per_s"] / stock[w]["tokens_per_s"], 3)

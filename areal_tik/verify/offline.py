@@ -40,11 +40,12 @@ def _seeds(seeds, n: int) -> list:
 
 class OurEngine:
     """``LLMEngine`` on ``model_dir`` patched with ``kernels`` (and ``backend``: ``Settings.backend``);
+    ``weights_preset``: build that preset (seeded random weights) instead of reading ``model_dir``;
     ``engine_config``: :class:`EngineConfig` fields."""
 
     def __init__(self, model_dir: str, kernels: str = "tik", backend: str | None = None, device=None,
-                 **engine_config):
-        model = patch_model(build_model(model_dir, device=device), kernels=kernels, backend=backend)
+                 weights_preset: str | None = None, **engine_config):
+        model = patch_model(build_model(weights_preset or model_dir, device=device), kernels=kernels, backend=backend)
         self.engine = LLMEngine(model, EngineConfig(**engine_config))
 
     def generate(self, prompts, max_new: int, seeds=None, arrivals: int = 0, temperature: float = 1.0) -> list:
@@ -65,34 +66,41 @@ class OurEngine:
 class VLLMEngine:
     """``vllm.LLM`` on ``model_dir`` (bf16, no tokenizer); ``kernels="tik"`` adds the tik plugin's engine
     arguments (``vllm_plugin.llm_kwargs``), ``"default"`` is stock vLLM. ``block_size``: the KV page size (the
-    plugin's default when None); ``llm_kwargs``: more ``vllm.LLM`` arguments. Needs vLLM 0.24 and the plugin's
-    entry point (``pip install 'areal-tik[vllm]'``)."""
+    plugin's default when None); ``weights_preset``: fill the model with that preset's seeded weights (the
+    plugin's ``tik_preset`` load format; ``model_dir`` then needs only ``config.json``); ``logprobs``: False asks
+    vLLM for no log-probs (``record`` returns an empty list); ``llm_kwargs``: more ``vllm.LLM`` arguments. Needs
+    vLLM 0.24 and the plugin's entry point (``pip install 'areal-tik[vllm]'``)."""
 
-    def __init__(self, model_dir: str, kernels: str = "tik", block_size: int | None = None, **llm_kwargs):
+    def __init__(self, model_dir: str, kernels: str = "tik", block_size: int | None = None,
+                 weights_preset: str | None = None, logprobs: bool = True, **llm_kwargs):
         from vllm import LLM   # vLLM is optional: imported only when this engine runs
 
         from areal_tik import vllm_plugin
+        from areal_tik.vllm_plugin import preset_loader
         with open(os.path.join(model_dir, "config.json")) as f:
             model_type = json.load(f)["model_type"]
         kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", **llm_kwargs)
         page = {} if block_size is None else {"block_size": block_size}
         kw.update(vllm_plugin.llm_kwargs(model_type, **page) if kernels == "tik" else page)
-        self.kwargs = kw
+        if weights_preset:
+            kw.update(preset_loader.llm_kwargs(weights_preset))
+        self.kwargs, self.logprobs = kw, logprobs
         self.llm = LLM(**kw)
 
-    @staticmethod
-    def sampling(max_new: int, seed: int | None = None, temperature: float = 1.0):
-        """vLLM's sampling parameters for one request: unfiltered, EOS ignored, the sampled token's log-prob."""
+    def sampling(self, max_new: int, seed: int | None = None, temperature: float = 1.0):
+        """vLLM's sampling parameters for one request: unfiltered, EOS ignored, the sampled token's log-prob
+        (none without ``logprobs``)."""
         from vllm import SamplingParams as VLLMSamplingParams   # optional dependency, as above
         return VLLMSamplingParams(temperature=temperature, top_p=1.0, top_k=-1, max_tokens=max_new, ignore_eos=True,
-                                  logprobs=0, detokenize=False, seed=seed)
+                                  logprobs=0 if self.logprobs else None, detokenize=False, seed=seed)
 
     @staticmethod
     def record(out) -> tuple[list[int], list[int], list[float]]:
-        """(prompt ids, output ids, the sampled tokens' log-probs) of one finished vLLM request."""
+        """(prompt ids, output ids, the sampled tokens' log-probs, empty when none were asked for) of one
+        finished vLLM request."""
         c = out.outputs[0]
         toks = list(c.token_ids)
-        return list(out.prompt_token_ids), toks, [d[t].logprob for d, t in zip(c.logprobs, toks)]
+        return list(out.prompt_token_ids), toks, [d[t].logprob for d, t in zip(c.logprobs or [], toks)]
 
     def generate(self, prompts, max_new: int, seeds=None, arrivals: int = 0, temperature: float = 1.0) -> list:
         params = [self.sampling(max_new, s, temperature) for s in _seeds(seeds, len(prompts))]

@@ -2,6 +2,7 @@
 for stock vLLM), its sampling parameters and its records, against a stand-in ``vllm`` module; and the staggered
 arrivals of both generators giving the all-at-once outputs."""
 import json
+import os
 import sys
 import types
 
@@ -12,11 +13,13 @@ from areal_tik.verify import offline
 
 
 class _Out:
-    def __init__(self, rid, prompt, n):
+    """A finished request as vLLM returns it: log-probs only when asked for (``logprobs=None``: vLLM's None)."""
+
+    def __init__(self, rid, prompt, n, with_logprobs=True):
         toks = [(sum(prompt) + i) % 50 + 3 for i in range(n)]
         self.request_id, self.prompt_token_ids, self.finished = rid, list(prompt), True
-        self.outputs = [types.SimpleNamespace(token_ids=toks, logprobs=[{t: types.SimpleNamespace(logprob=-t / 100)}
-                                                                         for t in toks])]
+        lps = [{t: types.SimpleNamespace(logprob=-t / 100)} for t in toks] if with_logprobs else None
+        self.outputs = [types.SimpleNamespace(token_ids=toks, logprobs=lps)]
 
 
 class _Engine:
@@ -48,7 +51,8 @@ def fake_vllm(monkeypatch):
             self.llm_engine = _Engine()
 
         def generate(self, prompts, params, use_tqdm=True):
-            return [_Out(f"g{i}", p["prompt_token_ids"], sp.kw["max_tokens"]) for i, (p, sp) in enumerate(zip(prompts, params))]
+            return [_Out(f"g{i}", p["prompt_token_ids"], sp.kw["max_tokens"], sp.kw["logprobs"] is not None)
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
 
     class SamplingParams:
         def __init__(self, **kw):
@@ -82,6 +86,29 @@ def test_vllm_generator_records_and_staggers(fake_vllm, ckpt):
     sp = gen.sampling(7, seed=3, temperature=0.5).kw
     assert sp == dict(temperature=0.5, top_p=1.0, top_k=-1, max_tokens=7, ignore_eos=True, logprobs=0,
                       detokenize=False, seed=3)
+
+
+def test_vllm_generator_preset_weights_and_no_logprobs(fake_vllm, ckpt):
+    """``weights_preset`` adds the plugin's tik_preset load format (no checkpoint read); ``logprobs=False`` asks
+    vLLM for none and records an empty list."""
+    from areal_tik.vllm_plugin import preset_loader
+    gen = offline.VLLMEngine(ckpt, kernels="default", weights_preset="qwen2.5-7b", logprobs=False)
+    stock = fake_vllm[0]
+    assert {k: stock[k] for k in preset_loader.llm_kwargs("qwen2.5-7b")} == preset_loader.llm_kwargs("qwen2.5-7b")
+    assert gen.sampling(7).kw["logprobs"] is None
+    out = gen.generate([[5, 6, 7]], 3)
+    assert len(out[0][1]) == 3 and out[0][2] == []
+
+
+def test_preset_config_dir_holds_the_preset_config(tmp_path):
+    from areal_tik.layers.models import preset_config
+    from areal_tik.vllm_plugin import preset_loader
+    d = preset_loader.config_dir("qwen2.5-7b", str(tmp_path / "cfg"))
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    ref = preset_config("qwen2.5-7b")
+    assert os.listdir(d) == ["config.json"]
+    assert (cfg["model_type"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == \
+        (ref.model_type, ref.hidden_size, ref.num_hidden_layers, ref.vocab_size)
 
 
 def test_our_engine_staggered_equals_all_at_once():
