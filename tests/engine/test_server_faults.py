@@ -11,27 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import contextlib
-import http.client
 import json
 import os
 import socket
-import threading
+import sys
 import time
 import types
-
-import sys
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
 from areal_tik.engine.sequence import SamplingParams
-from areal_tik.engine.server import EngineWorker, ServerConfig, TikServer, build, run_server
+from areal_tik.engine.server import EngineWorker, ServerConfig, TikServer, build
 from areal_tik.engine.server.worker import _Pending
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hostile  # noqa: E402  (tests/engine/hostile.py: hypothesis strategies)
+from http_helpers import (bits, call, free_port as _free_port, in_thread, info, refused, serving,  # noqa: E402
+                          wait_active, wait_idle)
 
 CTX = 64
 VOCAB = 512
@@ -39,77 +37,6 @@ REF = {"input_ids": [3, 5, 7, 9], "return_logprob": True,
        "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 11, "ignore_eos": True}}
 LONG = {"input_ids": [4, 6, 8], "return_logprob": True,
         "sampling_params": {"max_new_tokens": 40, "temperature": 0.8, "sampling_seed": 12, "ignore_eos": True}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def call(addr: str, path: str, body=None, raw: bytes | None = None, method: str = "POST", timeout: float = 120):
-    """(status, mime type, decoded JSON or {"raw": text}) of one request."""
-    host, port = addr.split(":")
-    c = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    c.request(method, path, body=data, headers={"Content-Type": "application/json"} if data is not None else {})
-    r = c.getresponse()
-    payload = r.read()
-    c.close()
-    try:
-        obj = json.loads(payload) if payload else None
-    except ValueError:
-        obj = {"raw": payload.decode(errors="replace")}
-    return r.status, (r.getheader("Content-Type") or "").split(";")[0].strip(), obj
-
-
-def refused(res, status: int = 400, match: str | None = None) -> str:
-    """Assert ``res`` is a JSON error reply with a one-line message; return the message."""
-    code, ctype, obj = res
-    assert code == status, (code, obj)
-    assert ctype == "application/json", (ctype, obj)
-    msg = obj.get("message") or (obj.get("error") or {}).get("message")
-    assert isinstance(msg, str) and msg and "\n" not in msg, obj
-    if match is not None:
-        assert match.lower() in msg.lower(), msg
-    return msg
-
-
-def bits(res) -> tuple:
-    code, ctype, obj = res
-    assert code == 200 and ctype == "application/json", (code, obj)
-    lps = obj["meta_info"]["output_token_logprobs"]
-    return obj["output_ids"], [x[0] for x in lps], [x[1] for x in lps]
-
-
-def info(addr: str) -> dict:
-    code, _, obj = call(addr, "/get_server_info", method="GET")
-    assert code == 200
-    return obj
-
-
-def wait_idle(addr: str, timeout: float = 60.0) -> dict:
-    t0 = time.time()
-    while True:
-        i = info(addr)
-        if i["active_requests"] == 0 and i.get("held_requests", 0) == 0:
-            return i
-        assert time.time() - t0 < timeout, f"requests still in flight: {i['active_requests']}"
-        time.sleep(0.05)
-
-
-def wait_active(addr: str, n: int = 1, timeout: float = 30.0) -> None:
-    t0 = time.time()
-    while info(addr)["active_requests"] < n:
-        assert time.time() - t0 < timeout, "the request never started"
-        time.sleep(0.01)
-
-
-def in_thread(fn, *args):
-    box = {}
-    th = threading.Thread(target=lambda: box.setdefault("r", fn(*args)), daemon=True)
-    th.start()
-    return th, box
 
 
 def assert_healthy(S) -> None:
@@ -121,20 +48,6 @@ def assert_healthy(S) -> None:
     code, ctype, obj = call(S.addr, "/health", method="GET")
     assert code == 200 and obj["status"] == "ok"
     assert bits(call(S.addr, "/generate", REF)) == S.ref
-
-
-@contextlib.contextmanager
-def serving(server, port: int, ready_timeout: float = 120, join_timeout: float = 30):
-    """``run_server(server)`` on a thread for the block: yields its address once it is ready, stops it after."""
-    ready, stop = threading.Event(), threading.Event()
-    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True)
-    th.start()
-    try:
-        assert ready.wait(ready_timeout)
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop.set()
-        th.join(join_timeout)
 
 
 @pytest.fixture(scope="module")
