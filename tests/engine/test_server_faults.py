@@ -403,9 +403,10 @@ def test_update_with_requests_in_flight_and_no_abort_is_409_then_a_good_update_w
 
 
 def _xccl_trainer(addr: str, fileroot: str, q_out, q_in) -> None:
-    """AReaL's trainer side (rank 0, gloo): a bucket the server must refuse (a changed real
-    tensor and an unknown name), a bucket with a wrong shape, then, when told, the model's
-    original weights in one bucket. Reports each outcome."""
+    """AReaL's trainer side (rank 0, gloo). One update (between pause and continue) of three
+    buckets: the first half of the weights with new values (valid), a bucket with a NaN in a real
+    tensor, then a bucket naming an unknown parameter; then, when told, one update of the
+    model's original weights in two buckets. Reports each outcome."""
     try:
         import torch.distributed as dist
         from areal.api.alloc_mode import ModelAllocation
@@ -441,12 +442,20 @@ def _xccl_trainer(addr: str, fileroot: str, q_out, q_in) -> None:
             except Exception as e:  # noqa: BLE001 - the refusal is the expected outcome
                 return f"refused: {e}"
 
+        half = len(named) // 2
         client.pause_generation()
-        first = named[0]
-        q_out.put(send([(first[0], torch.full_like(first[1], 0.25)), ("model.bogus.weight", torch.zeros(4))]))
-        q_out.put(send([(first[0], torch.zeros(first[1].shape[0] + 1, dtype=torch.bfloat16))]))
+        q_out.put(send([(n, torch.full_like(t, 0.25)) for n, t in named[:half]]))
+        n0, t0 = named[half]
+        nan = torch.full_like(t0, 0.5)
+        nan.view(-1)[3] = float("nan")
+        q_out.put(send([(n0, nan)]))
+        q_out.put(send([(named[-1][0], torch.zeros_like(named[-1][1])), ("model.bogus.weight", torch.zeros(4))]))
+        client.continue_generation()
+        q_out.put("continued")
         assert q_in.get(timeout=120) == "go"
-        q_out.put(send(named))
+        client.pause_generation()
+        q_out.put(send(named[:half]))
+        q_out.put(send(named[half:]))
         client.continue_generation()
         dist.destroy_process_group(pg)
         client.destroy()
@@ -457,10 +466,10 @@ def _xccl_trainer(addr: str, fileroot: str, q_out, q_in) -> None:
 
 
 def test_refused_xccl_buckets_change_nothing_and_the_group_stays_usable(S, tmp_path):
-    """xccl: a bucket naming an unknown parameter (next to a real one with new values) and a
-    bucket with a wrong shape are refused after their broadcasts are drained; the weights,
-    version and digest stay the old ones, and the next (valid) bucket loads through the same
-    group."""
+    """xccl, all or nothing across the buckets of one update: a valid first bucket, then a bucket
+    with a NaN (refused) and one naming an unknown parameter (refused, its broadcasts drained);
+    at continue nothing of the update is applied, not even the valid first bucket (the weights,
+    version and digest stay the old ones). The next update, through the same group, loads."""
     pytest.importorskip("areal.api")
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
@@ -468,23 +477,23 @@ def test_refused_xccl_buckets_change_nothing_and_the_group_stays_usable(S, tmp_p
     p = ctx.Process(target=_xccl_trainer, args=(S.addr, str(tmp_path), q_out, q_in))
     p.start()
     try:
+        assert q_out.get(timeout=240) == "ok"  # staged, not applied
         for _ in range(2):  # AReaL's client reports the status only (the reason is in the server's log)
             res = q_out.get(timeout=240)
             assert res.startswith("refused") and "status=400" in res, res
-        i = info(S.addr)
-        assert (i["weight_version"], i["weights_digest"]) == (S.version, S.digest), "a refused bucket changed weights"
-        # the server is paused (no step runs): read the weights themselves, not the digest the server cached
-        from areal_tik.layers.weights_digest import model_digest
-        assert model_digest(S.server.worker.engine.model, dtype=torch.bfloat16) == S.digest, \
-            "a refused bucket changed the weights under the old version and digest"
+        assert q_out.get(timeout=120) == "continued"
+        i = wait_idle(S.addr)
+        assert not i["paused"]
+        assert (i["weight_version"], i["weights_digest"]) == (S.version, S.digest), "a refused update changed weights"
+        assert bits(call(S.addr, "/generate", REF)) == S.ref
         q_in.put("go")
-        assert q_out.get(timeout=120) == "ok"
+        assert q_out.get(timeout=120) == "ok" and q_out.get(timeout=120) == "ok"
         assert q_out.get(timeout=120) == "done"
     finally:
         p.join(60)
         if p.is_alive():
             p.kill()
-    S.version += 1  # the valid bucket: the original weights as a new version
+    S.version += 1  # the valid update: the original weights as a new version
     server_groups = S.server.worker.groups
     if "fault_group" in server_groups:  # the trainer destroyed its side; the server leaves too
         call(S.addr, "/destroy_weights_update_group", {"group_name": "fault_group"})

@@ -22,9 +22,10 @@ Endpoints (responses are ``Content-Type: application/json``; AReaL's client refu
 - ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
   backend, group_name}`` -> joins the trainer's process group (AReaL's ``xccl`` mode);
   ``POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
-  abort_all_requests}`` -> receives one bucket by broadcast from the trainer and loads it.
-  One weight update is several buckets between ``/pause_generation`` and
-  ``/continue_generation``: the version advances once, at its first bucket;
+  abort_all_requests}`` -> receives one bucket by broadcast from the trainer, checks and stages
+  it. One weight update is every bucket between ``/pause_generation`` and
+  ``/continue_generation``, applied as a whole at continue (the version advances once; a
+  refused bucket refuses the whole update); a bucket outside a pause is an update of its own;
   ``POST /destroy_weights_update_group {group_name}`` -> leaves it (NCCL's teardown is
   collective: the trainer's own destroy waits for this one);
 - ``POST /abort_request {rid | abort_all}`` -> ends one request, or every request (running or

@@ -170,8 +170,12 @@ class TikServer:
         return self._json({"success": True, "aborted": n})
 
     async def continue_generation(self, request):
-        await self.worker.submit(self.worker.cmd_continue)
-        return self._json({"success": True})
+        """Generation resumes; a distributed weight update staged during the pause is applied
+        first (reported under ``weight_update``; a refused one is dropped: ``applied`` false)."""
+        res, err = await self._weights_call("continue_generation", self.worker.cmd_continue)
+        if err is not None:
+            return err
+        return self._json({"success": True, **({"weight_update": res} if res is not None else {})})
 
     async def _weights_call(self, what: str, fn):
         """Run weight-update command ``fn`` in the engine thread; a refusal is a one-line reply

@@ -65,7 +65,6 @@ class EngineWorker(WeightUpdateCommands):
         self.n_failed = 0  # requests failed after they were accepted (an engine fault)
         self.last_error: str | None = None
         self.groups: dict[str, Any] = {}  # weight-update process groups by name (xccl mode)
-        self._dist_update_open = False  # a bucketed update has started and not been closed by continue
         self._interval_reset()
 
     def _interval_reset(self):
@@ -288,11 +287,16 @@ class EngineWorker(WeightUpdateCommands):
         return self.abort_all()
 
     def cmd_continue(self):
-        self.paused = False
-        self._dist_update_open = False
-        held, self._held = self._held, []
-        for p in held:
-            self._add_now(p)
+        """Apply the distributed weight update staged during the pause (if any), then run the
+        held requests; what happened to the update, or None."""
+        try:
+            update = self.close_open_update()
+        finally:
+            self.paused = False
+            held, self._held = self._held, []
+            for p in held:
+                self._add_now(p)
+        return update
 
     def cmd_abort_rid(self, rid: str):
         held = next((h for h in self._held if h.rid == rid), None)
