@@ -135,12 +135,31 @@ def load_dataset(config, tokenizer):
 
 
 def load_config(argv):
+    """The recipe and overrides of ``argv`` as a :class:`TikGRPOConfig`. What Hydra, OmegaConf or a
+    config check refuses (a missing key, a value of the wrong type, an unknown override) raises
+    :class:`ConfigError` in one line."""
     from areal.api.cli_args import load_expr_config
 
-    from areal_tik.areal.config import TikGRPOConfig
-    config, _ = load_expr_config(argv, TikGRPOConfig)
+    from areal_tik.areal.config import ConfigError, TikGRPOConfig
+    try:
+        config, _ = load_expr_config(argv, TikGRPOConfig)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - composing and checking the config only reads the recipe and argv
+        raise ConfigError(_config_problem(e)) from e
     config.tokenizer_path = resolve_tokenizer(config.tokenizer_path)
     return config
+
+
+def _config_problem(e: BaseException) -> str:
+    """One line for a config load failure: the message's first line, the key it names, and the cause
+    Hydra wraps (e.g. "Key 'x' is not in struct" under "Could not override 'x'")."""
+    line = (str(e).splitlines() or [type(e).__name__])[0]
+    key = getattr(e, "full_key", None)
+    cause = e.__cause__ or e.__context__
+    more = (str(cause).splitlines() or [""])[0] if cause is not None else ""
+    return " ".join(x for x in (line, f"(key {key})" if key and key not in line else "",
+                                f"[{more}]" if more and more not in line else "") if x)
 
 
 def check_xccl_layout(weight_update_mode: str, server_device: str | None) -> None:

@@ -37,8 +37,7 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     jit_watch.install()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, dtype=getattr(torch, dtype), device=device)
+    model = build_model(cfg.model, dtype=getattr(torch, dtype), device=device, seed=cfg.seed)
     from areal_tik.layers.patch import patch_model
     model = patch_model(model, kernels=cfg.kernels, backend=cfg.backend)
     model.eval()
@@ -52,7 +51,8 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
                                            enforce_eager=bool(cfg.disable_cuda_graph),
                                            cuda_graph_max_bs=cfg.cuda_graph_max_bs,
                                            enable_prefix_sharing=not cfg.disable_radix_cache,
-                                           async_decode=not cfg.disable_overlap_schedule, **graphs))
+                                           async_decode=not cfg.disable_overlap_schedule, seed=int(cfg.seed),
+                                           **graphs))
     _attach_score(engine, model)
     logger.info("start-up: model built/loaded + patched in %.1fs, engine (KV cache) in %.1fs",
                 t1 - t0, time.perf_counter() - t1)

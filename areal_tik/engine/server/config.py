@@ -18,7 +18,8 @@ class ServerConfig:
     ``cuda_graph_max_bs``; ``prefill_graph_max_tokens``: ``EngineConfig``'s (``None``: its default).
     ``disable_radix_cache`` (SGLang's name): ``EngineConfig.enable_prefix_sharing = False``.
     ``disable_overlap_schedule`` (SGLang's name): ``EngineConfig.async_decode = False`` (no pipelined decode
-    steps)."""
+    steps). ``seed``: ``EngineConfig.seed`` (draws the seed of each request that gives none) and a preset's
+    random weights."""
     model: str
     kernels: str = "tik"
     backend: str | None = None          # Settings.backend: the op implementations (bound at patch time)
