@@ -1,16 +1,15 @@
 """Helpers of the rollout-server tests that talk HTTP to a server on 127.0.0.1 (no tests here):
 one request and its decoded reply, the checks of an error reply, the server's info and waits
-on it, and ``run_server`` on a thread for the length of a block."""
+on it (``serving``, the server on a thread for a block, is the server package's)."""
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import socket
 import threading
 import time
 
-from areal_tik.engine.server import run_server
+from areal_tik.engine.server import serving  # noqa: F401  (re-exported for the tests)
 
 
 def free_port() -> int:
@@ -86,17 +85,3 @@ def in_thread(fn, *args):
     th = threading.Thread(target=lambda: box.setdefault("r", fn(*args)), daemon=True)
     th.start()
     return th, box
-
-
-@contextlib.contextmanager
-def serving(server, port: int, ready_timeout: float = 120, join_timeout: float = 30):
-    """``run_server(server)`` on a thread for the block: yields its address once it is ready, stops it after."""
-    ready, stop = threading.Event(), threading.Event()
-    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True)
-    th.start()
-    try:
-        assert ready.wait(ready_timeout)
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop.set()
-        th.join(join_timeout)

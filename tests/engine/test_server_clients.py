@@ -43,7 +43,7 @@ def S():
                        context_length=CTX, precompile=False)
     server = build(cfg, device="cpu")
     pages = server.worker.engine.stats()["num_pages"]  # read before the engine thread starts
-    with serving(server, cfg.port) as addr:
+    with serving(server) as addr:
         yield types.SimpleNamespace(server=server, addr=addr, pages=pages,
                                     short_ref=bits(call(addr, "/generate", SHORT)))
 

@@ -55,7 +55,7 @@ def S(tmp_path_factory):
     cfg = ServerConfig(model="tiny-qwen2", kernels="tik", port=_free_port(), max_running_requests=8,
                        context_length=CTX)
     server = build(cfg, device="cpu")
-    with serving(server, cfg.port) as addr:
+    with serving(server) as addr:
         ckpt = tmp_path_factory.mktemp("orig")
         server.worker.engine.model.save_pretrained(ckpt)  # nothing in flight yet
         i0 = info(addr)
@@ -165,7 +165,7 @@ def test_engine_that_raises_or_refuses_leaves_no_stuck_or_phantom_request():
     eng = _FaultyEngine()
     cfg = ServerConfig(model="faulty", port=_free_port())
     server = TikServer(EngineWorker(eng, SamplingParams, model_info=lambda: {"weights_digest": "d"}), cfg, {})
-    with serving(server, cfg.port, ready_timeout=30, join_timeout=15) as addr:
+    with serving(server, ready_timeout=30, join_timeout=15) as addr:
         gen = {"input_ids": [5], "sampling_params": {"max_new_tokens": 3}}
         code, _, _ = call(addr, "/generate", {"input_ids": [13], "sampling_params": {"max_new_tokens": 3}})
         assert code == 500

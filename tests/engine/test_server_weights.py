@@ -31,7 +31,7 @@ def S():
                        context_length=64, precompile=False)
     server = build(cfg, device="cpu")
     params = {n: p.detach().clone() for n, p in server.worker.engine.model.named_parameters()}  # before serving
-    with serving(server, cfg.port) as addr:
+    with serving(server) as addr:
         i0 = info(addr)
         yield types.SimpleNamespace(addr=addr, params=params, version=i0["weight_version"],
                                     digest=i0["weights_digest"], ref=bits(call(addr, "/generate", REF)))

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from areal_tik.engine.server.compose import build
 from areal_tik.engine.server.config import ServerConfig
-from areal_tik.engine.server.routes import TikServer, run_server
+from areal_tik.engine.server.routes import TikServer, run_server, serving
 from areal_tik.engine.server.worker import EngineWorker
 
-__all__ = ["ServerConfig", "TikServer", "EngineWorker", "build", "run_server"]
+__all__ = ["ServerConfig", "TikServer", "EngineWorker", "build", "run_server", "serving"]

@@ -3,6 +3,7 @@ the edge (``request_validation``) before the worker sees it, and the server's ev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -83,6 +84,7 @@ class TikServer:
             "engine_steps": w.n_steps,
             "generated_tokens": w.n_generated,
             "failed_requests": w.n_failed,
+            "pending_replies": len(self._inflight),
             "client_disconnects": self.clients.gone,
             "kv_pages_total": st.get("num_pages"),
             "kv_pages_free": st.get("free_pages"),
@@ -304,6 +306,22 @@ class TikServer:
                      "/unload_lora_adapter", "/release_memory_occupation", "/resume_memory_occupation"):
             r.add_post(path, self.unsupported)
         return app
+
+
+@contextlib.contextmanager
+def serving(server: TikServer, ready_timeout: float = 120, join_timeout: float = 30):
+    """:func:`run_server` on a daemon thread for the length of the block: yields ``"host:port"``
+    once the server listens, stops it (engine thread included) after."""
+    ready, stop = threading.Event(), threading.Event()
+    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True, name="tik-server")
+    th.start()
+    try:
+        if not ready.wait(ready_timeout):
+            raise TimeoutError(f"the server did not listen within {ready_timeout} s")
+        yield f"{server.cfg.host}:{server.cfg.port}"
+    finally:
+        stop.set()
+        th.join(join_timeout)
 
 
 def run_server(server: TikServer, ready: threading.Event | None = None, stop: threading.Event | None = None):
