@@ -209,11 +209,14 @@ def _iter_checkpoint(src):
 
 
 def _place(tensor: torch.Tensor, dst: torch.Tensor, room: Callable[[torch.device], int]) -> torch.Tensor:
-    """``tensor`` cast to ``dst``'s dtype, on ``dst``'s device when ``room`` says it fits there,
-    else in host memory."""
-    nbytes = tensor.numel() * dst.element_size()
-    home = dst.device if dst.device.type == "cpu" or nbytes <= room(dst.device) else torch.device("cpu")
-    return tensor.to(device=home, dtype=dst.dtype)
+    """``tensor`` cast to ``dst``'s dtype, on ``dst``'s device when ``room`` says it fits there (and
+    the allocation succeeds), else in host memory."""
+    if dst.device.type != "cpu" and tensor.numel() * dst.element_size() <= room(dst.device):
+        try:
+            return tensor.to(device=dst.device, dtype=dst.dtype)
+        except torch.OutOfMemoryError:  # the room was not all usable (e.g. held by a graph pool)
+            pass
+    return tensor.to(device="cpu", dtype=dst.dtype)
 
 
 def _first_non_finite(named: list) -> str | None:
