@@ -137,6 +137,7 @@ FILE_CASES = [
     (["train", "--config", RECIPE, "no_such_key=1"], "no_such_key"),
     (["train", "--config", RECIPE, "actor.optimizer.lr=abc"], "actor.optimizer.lr"),
     (["train", "--config", RECIPE, "=broken"], "override"),
+    (["train", "--config", RECIPE, "actor.tik.backend=attention=fa3"], "override 'actor.tik.backend=attention=fa3'"),
     (["train", "--config", RECIPE, "actor.weight_update_mode=bogus"], "actor.weight_update_mode"),
     (["train", "--config", RECIPE, "actor.tik.mismatch_policy=bogus"], "actor.tik.mismatch_policy"),
     (["train", "--config", RECIPE, "actor.kernel_backend=tik", "actor.tik.backend=bogus"], "'bogus'"),
@@ -194,3 +195,16 @@ def _free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def test_train_refuses_a_backend_that_cannot_run_the_model_before_starting():
+    """``actor.tik.backend=attention=fa3`` where fa3 cannot keep its contract (no GPU here; head dim 64 on
+    a GPU): exit 2 with one line naming the key, before a model is built or a server launched (it used
+    to surface as 'areal-tik serve exited with status 2', exit 1). A subprocess: AReaL's own log lines
+    (its config warnings) go to the real stderr, ours is the last line."""
+    p = subprocess.run([sys.executable, "-m", "areal_tik.cli", "train", "--config", RECIPE, "actor.kernel_backend=tik",
+                        "actor.tik.backend='attention=fa3'", "trial_name=cli_fa3"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and last.startswith("areal-tik train: error: actor.tik.backend=attention=fa3: "), p.stderr
+    assert "startup: model dir ready" not in p.stderr, p.stderr

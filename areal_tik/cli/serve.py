@@ -78,32 +78,22 @@ def ignored_options(args) -> list[str]:
 
 def check_kernels(args, settings) -> None:
     """With the tik kernels: the requested backend is available here and keeps its contract at the
-    model's head dim and the engine's KV page size (``BoundOps.check_shapes``), before the model is
-    built; a refusal is a ``UsageError`` naming where the request came from."""
+    model's head dim and the engine's KV page size, before the model is built; a refusal is a
+    ``UsageError`` naming where the request came from (``--backend`` or ``AREAL_TIK_BACKEND``)."""
     if settings.kernels != "tik":
         return
     from areal_tik.cli.errors import UsageError
     from areal_tik.dispatch import BackendUnavailable
-    from areal_tik.dispatch.bound import bind
-    from areal_tik.engine import EngineConfig
-    from areal_tik.layers.models import PRESETS, preset_config
+    from areal_tik.engine.kernel_check import KernelShapeError, check_kernel_shapes
     where = f"--backend {args.backend}" if args.backend else f"AREAL_TIK_BACKEND={settings.backend}"
     try:
-        ops = bind(settings.backend)
+        check_kernel_shapes(args.model, settings.backend)
     except BackendUnavailable as e:
         if not settings.backend:
             raise
         raise UsageError(f"{where}: {e}") from None
-    if args.model in PRESETS:
-        cfg = preset_config(args.model)
-    else:
-        from transformers import AutoConfig
-        cfg = AutoConfig.from_pretrained(args.model)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    try:
-        ops.check_shapes(head_dim, EngineConfig().page_size)
-    except ValueError as e:
-        raise UsageError(f"{where}: {str(e).splitlines()[0]}") from None
+    except KernelShapeError as e:
+        raise UsageError(f"{where}: {e}") from None
 
 
 def run(args) -> int:
