@@ -152,14 +152,15 @@ class Soak:
 
     async def controller(self, session, deadline: float):
         version = max(self.weight_set_of)
+        first = [0.0, 0.5]   # a pause with an update, then an update without a pause, come first: every soak has both
         while time.perf_counter() < deadline:
             await asyncio.sleep(self.rng.uniform(0.3, 1.5))
-            r = self.rng.random()
+            r = first.pop(0) if first else self.rng.random()
             if r < 0.4:
                 await self._post(session, "/pause_generation", {})
                 self.counts["pauses"] += 1
                 await asyncio.sleep(self.rng.uniform(0.0, 0.3))
-                if self.rng.random() < 0.6:
+                if r == 0.0 or self.rng.random() < 0.6:
                     version = await self._update(session, version)
                 await self._post(session, "/continue_generation", {})
             elif r < 0.55:
@@ -192,10 +193,14 @@ class Soak:
             async def warm_mark():
                 await asyncio.sleep(self.duration_s / 3)
                 self.rss_warm = rss_mb()
-            tasks = [asyncio.create_task(self.client(session, k, deadline)) for k in range(self.n_clients)]
-            tasks += [asyncio.create_task(self.controller(session, deadline)), asyncio.create_task(warm_mark())]
-            await asyncio.gather(*tasks)
-            await self._post(session, "/continue_generation", {})   # whatever the controller left
+            clients = [asyncio.create_task(self.client(session, k, deadline)) for k in range(self.n_clients)]
+            others = [asyncio.create_task(self.controller(session, deadline)), asyncio.create_task(warm_mark())]
+            await asyncio.gather(*others)
+            while not all(c.done() for c in clients):   # time is up: end what still runs, without waiting for it
+                await self._post(session, "/continue_generation", {})
+                await self._post(session, "/abort_request", {"abort_all": True})
+                await asyncio.wait(clients, timeout=0.2)
+            await asyncio.gather(*clients)
         self.elapsed_s = time.perf_counter() - t0
 
 
