@@ -30,6 +30,7 @@ from areal_tik.settings import Settings, SettingsError
 
 KERNEL_BACKENDS = ("default", "tik")
 MISMATCH_POLICIES = ("fallback", "raise")
+WEIGHT_UPDATE_MODES = ("disk", "xccl", "awex")   # AReaL's update kinds (io_struct.WeightUpdateMeta.type)
 
 __all__ = [
     "KERNEL_BACKENDS",
@@ -43,8 +44,9 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """An invalid or inconsistent areal-tik config value; the message names the key."""
+class ConfigError(SettingsError):
+    """An invalid or inconsistent areal-tik config value; the message names the key (a user error:
+    the command line reports it in one line, exit status 2)."""
 
 
 @dataclass
@@ -162,6 +164,9 @@ class TikPPOActorConfig(PPOActorConfig):
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ConfigError(f"actor.kernel_backend must be one of {KERNEL_BACKENDS}, "
                               f"got {self.kernel_backend!r}")
+        if self.weight_update_mode not in WEIGHT_UPDATE_MODES:  # AReaL refuses others only once the model is loaded
+            raise ConfigError(f"actor.weight_update_mode must be one of {WEIGHT_UPDATE_MODES}, "
+                              f"got {self.weight_update_mode!r}")
         if isinstance(self.tik, dict):  # constructed by hand with a plain dict
             self.tik = TikConfig(**self.tik)
         super().__post_init__()

@@ -138,12 +138,53 @@ def load_dataset(config, tokenizer):
 
 
 def load_config(argv):
+    """The recipe and overrides of ``argv`` as a :class:`TikGRPOConfig`. What Hydra, OmegaConf or a
+    config check refuses (a missing key, a value of the wrong type, an unknown override) raises
+    :class:`ConfigError` in one line."""
     from areal.api.cli_args import load_expr_config
 
-    from areal_tik.areal.config import TikGRPOConfig
-    config, _ = load_expr_config(argv, TikGRPOConfig)
+    from areal_tik.areal.config import ConfigError, TikGRPOConfig
+    try:
+        config, _ = load_expr_config(argv, TikGRPOConfig)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - composing and checking the config only reads the recipe and argv
+        raise ConfigError(_config_problem(e)) from e
     config.tokenizer_path = resolve_tokenizer(config.tokenizer_path)
     return config
+
+
+def _config_problem(e: BaseException) -> str:
+    """One line for a config load failure: the message's first line, the key it names, and the cause
+    Hydra wraps (e.g. "Key 'x' is not in struct" under "Could not override 'x'")."""
+    line = (str(e).splitlines() or [type(e).__name__])[0]
+    if getattr(e, "override", None):  # Hydra could not parse an override: name it (values with '=' need quotes)
+        line = f"override {e.override!r}: {line}"
+    key = getattr(e, "full_key", None)
+    cause = e.__cause__ or e.__context__
+    more = (str(cause).splitlines() or [""])[0] if cause is not None else ""
+    return " ".join(x for x in (line, f"(key {key})" if key and key not in line else "",
+                                f"[{more}]" if more and more not in line else "") if x)
+
+
+def check_kernels(config) -> None:
+    """``actor.kernel_backend=tik``: the backend spec (``actor.tik.backend`` or ``AREAL_TIK_BACKEND``) can run
+    here and keeps its contract for the actor's model (head dim, the server's KV page size), checked from
+    the model's config before anything is built or launched; else :class:`ConfigError` in one line."""
+    from areal_tik.areal.config import ConfigError
+    from areal_tik.dispatch import BackendUnavailable
+    from areal_tik.engine.kernel_check import KernelShapeError, check_kernel_shapes
+    if config.actor.kernel_backend != "tik":
+        return
+    backend = config.actor.tik.settings("tik").backend
+    path = config.actor.path
+    model = path.split(":", 1)[1] if path.startswith("preset:") else path if os.path.isdir(path) else None
+    try:
+        check_kernel_shapes(model, backend)
+    except (BackendUnavailable, KernelShapeError) as e:
+        if not backend:
+            raise
+        raise ConfigError(f"actor.tik.backend={backend}: {str(e).splitlines()[0]}") from None
 
 
 def check_xccl_layout(weight_update_mode: str, server_device: str | None) -> None:
@@ -186,6 +227,7 @@ def launch_rollout_server(config, log_dir: str):
 def main(argv: list[str] | None = None) -> int:
     own, argv = _split_own_args(list(sys.argv[1:] if argv is None else argv))
     config = load_config(argv)
+    check_kernels(config)
     spmd = config.scheduler.type in (None, "", "null")
     if spmd:
         _spmd_env()

@@ -11,9 +11,27 @@ def add_parser(sub):
     return p
 
 
+def check_recipe(path: str) -> None:
+    """``path`` is a YAML file named ``*.yaml`` holding a mapping (AReaL's loader finds nothing else
+    and says "Cannot find primary config"); else ``UsageError`` naming the line of a YAML error."""
+    import yaml
+
+    from areal_tik.cli.errors import UsageError, need, need_file
+    need_file("--config", path)
+    need(path.endswith(".yaml"), f"--config {path!r} is not a .yaml file; give a recipe such as recipes/tiny.yaml")
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        why = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UsageError(f"--config {path!r} is not valid YAML{where}: {why}") from None
+    need(isinstance(doc, dict), f"--config {path!r} holds no mapping of settings; see recipes/tiny.yaml")
+
+
 def run(args) -> int:
-    from areal_tik.cli.errors import need_file
-    need_file("--config", args.config)
+    check_recipe(args.config)
     from areal_tik.areal.train import main
 
     argv = ["--config", args.config, *args.overrides]

@@ -37,14 +37,20 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     jit_watch.install()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, dtype=getattr(torch, dtype), device=device)
+    model = build_model(cfg.model, dtype=getattr(torch, dtype), device=device, seed=cfg.seed)
     from areal_tik.layers.patch import ops_of, patch_model
     model = patch_model(model, kernels=cfg.kernels, backend=cfg.backend)
     model.eval()
     t1 = time.perf_counter()
     max_pos = int(getattr(model.config, "max_position_embeddings", 8192))
-    graphs = {} if cfg.prefill_graph_max_tokens is None else {"prefill_graph_max_tokens": int(cfg.prefill_graph_max_tokens)}
+    optional = {}  # EngineConfig's defaults unless the server config sets them
+    if cfg.prefill_graph_max_tokens is not None:
+        optional["prefill_graph_max_tokens"] = int(cfg.prefill_graph_max_tokens)
+    if cfg.page_size is not None:
+        optional["page_size"] = int(cfg.page_size)
+    if cfg.max_total_tokens is not None:
+        page = optional.get("page_size", EngineConfig.page_size)
+        optional["num_pages"] = -(-int(cfg.max_total_tokens) // page)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=int(cfg.max_running_requests),
                                            max_model_len=min(int(cfg.context_length), max_pos)
                                            if cfg.context_length else None,
@@ -52,7 +58,8 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
                                            enforce_eager=bool(cfg.disable_cuda_graph),
                                            cuda_graph_max_bs=cfg.cuda_graph_max_bs,
                                            enable_prefix_sharing=not cfg.disable_radix_cache,
-                                           async_decode=not cfg.disable_overlap_schedule, **graphs))
+                                           async_decode=not cfg.disable_overlap_schedule, seed=int(cfg.seed),
+                                           **optional))
     logger.info("start-up: model built/loaded + patched in %.1fs, engine (KV cache) in %.1fs",
                 t1 - t0, time.perf_counter() - t1)
     if cfg.kernels == "tik":
