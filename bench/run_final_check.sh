@@ -29,7 +29,8 @@ python - "$OUT/verify_1.5b.json" <<'PY'
 import json, sys
 try:
     d = json.load(open(sys.argv[1]))
-    print({k: d[k] for k in d if k in ("passed", "mismatches", "n_mismatch", "regimes", "summary")} or list(d)[:12])
+    print("verify:", {r: (v.get("passed"), v.get("n_mismatch"), v.get("n_tokens")) for r, v in d["regimes"].items()},
+          "passed" if d.get("passed", all(v.get("passed") for v in d["regimes"].values())) else "FAILED")
 except Exception as e:
     print("verify json unreadable:", e)
 PY
