@@ -13,7 +13,8 @@ def _fake_run_arm(log_steps, crash_after=None):
     killed device call would, leaving its start record and partial log behind)."""
     calls = []
 
-    def run_arm(config, arm, steps, out, overrides=(), on_step=None, timeout=None, runs_dir=None, partial_ok=False):
+    def run_arm(config, arm, steps, out, overrides=(), on_step=None, timeout=None, runs_dir=None, partial_ok=False,
+                on_phase=None):
         calls.append((arm, steps, list(overrides)))
         n = min(steps, log_steps[arm])
         with open(os.path.join(out, arm, "steps.jsonl"), "w") as f:
@@ -225,7 +226,8 @@ def test_vllm_set_across_calls_ratios_against_vllm(tmp_path, monkeypatch):
     walls = {"vllm": 12.0, "tik": 8.0, "vllm_tik": 10.0}
     calls = []
 
-    def run_arm(config, arm, steps, out, overrides=(), on_step=None, timeout=None, runs_dir=None, partial_ok=False):
+    def run_arm(config, arm, steps, out, overrides=(), on_step=None, timeout=None, runs_dir=None, partial_ok=False,
+                on_phase=None):
         calls.append(arm)
         with open(os.path.join(out, arm, "steps.jsonl"), "w") as f:
             for i in range(steps):

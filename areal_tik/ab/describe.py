@@ -51,9 +51,14 @@ def workload_label(meta: dict) -> str:
     """E.g. ``tiny-arith (recipes/tiny.yaml): tiny-qwen2, builtin:arith/add1?n=64, 4 prompts x 4 samples``."""
     v = _recipe_values(meta)
     model = str(v["actor.path"] or "?")
-    model = model.split(":", 1)[1] if model.startswith("preset:") else os.path.basename(model.rstrip("/")) or model
-    if meta.get("warm_start"):
-        model += " (warm start)"
+    if model.startswith("warmstart:"):
+        from areal_tik.areal.warmstart import parse_warm_spec   # lazy: it imports torch
+        w = parse_warm_spec(model)
+        model = f"{w['model']} warm-started on {w.get('task', 'mix')}"
+    elif model.startswith("preset:"):
+        model = model.split(":", 1)[1] + " (random init)"
+    else:
+        model = os.path.basename(model.rstrip("/")) or model
     parts = [model]
     if v["train_dataset.path"]:
         parts.append(str(v["train_dataset.path"]))

@@ -11,23 +11,28 @@ from __future__ import annotations
 
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="generate under R2-R5 regimes, recompute with the training forward (R1), "
-                                      "compare log-probs bitwise")
+                                      "compare log-probs bitwise",
+                       description="The parity report: generate tokens in the rollout engine under each regime (R2 "
+                                   "prefill, R3 chunked prefill, R4 decode at several batch sizes, R5 resume after a "
+                                   "weight update), recompute their log-probs with the training forward (R1) and count "
+                                   "the tokens whose log-probs differ in any bit. tik kernels: 0 expected.")
     p.add_argument("--model", default="tiny-qwen2", help="preset name (see areal_tik.layers.models.PRESETS) or HF directory")
-    p.add_argument("--kernels", choices=("tik", "default"), default="tik")
+    p.add_argument("--kernels", choices=("tik", "default"), default="tik",
+                   help="tik: our kernels on both sides; default: HF's (a negative control: tokens differ)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--min-prompt-len", type=int, default=3)
-    p.add_argument("--max-prompt-len", type=int, default=40)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", help="weight and activation dtype")
+    p.add_argument("--prompts", type=int, default=8, help="number of random prompts")
+    p.add_argument("--min-prompt-len", type=int, default=3, help="shortest prompt, tokens")
+    p.add_argument("--max-prompt-len", type=int, default=40, help="longest prompt, tokens")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per prompt")
     p.add_argument("--pad-to", type=int, default=256, help="R1 micro-batch padding multiple")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--regimes", default="R1,R2,R3,R4,R5")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of a preset's weights")
+    p.add_argument("--regimes", default="R1,R2,R3,R4,R5", help="the regimes to check, comma-separated")
     p.add_argument("--no-backward", action="store_true", help="R1 forward with autograd but no backward pass")
     p.add_argument("--engine", choices=("tik", "vllm", "vllm-stock"), default="tik",
                    help="the rollout engine: ours (R1-R5), vLLM with the tik plugin (its scheduler's regimes: "
                         "batching, chunked prefill, preemption, CUDA graphs, abort), or stock vLLM (negative control)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     p.set_defaults(func=run)
 
 
