@@ -166,14 +166,14 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
         try:
             while proc.poll() is None:
                 time.sleep(0.5)
-                for phase in startup_phases(follower.new_text()) if on_phase else ():
-                    on_phase(arm, phase)
                 if hasattr(os, "getloadavg"):
                     loads.append(os.getloadavg()[0])
                 n = sum(1 for _ in open(log)) if os.path.exists(log) else 0
                 if n != seen and on_step:
                     on_step(arm, n)
                 seen = n
+                for phase in startup_phases(follower.new_text()) if on_phase else ():
+                    on_phase(arm, phase)   # after the steps: a step logged before a later stamp shows first
                 if n >= steps:
                     t_all_logged = t_all_logged or time.perf_counter()
                     if time.perf_counter() - t_all_logged > teardown_grace_s:

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp(f"working folder {config.cluster.fileroot}")
     decision_log_dir(config, clear=int(os.getenv("RANK", "0")) == 0)
     model_dir = materialize_model(config, warm_cache_root(os.environ))
-    stamp("model dir ready")
+    stamp(f"model ready: {model_dir}")
     config.actor.path = model_dir
     if config.ref is not None and config.ref.path.startswith(("preset:", WARM_PREFIX)):
         config.ref.path = model_dir
