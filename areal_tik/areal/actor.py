@@ -64,6 +64,7 @@ from areal.utils import logging, stats_tracker
 from areal_tik.areal.consensus import (LOGPROB_DEFINITION, TikServerError, agree, broadcast_from_first,
                                        global_audit, group_rank, group_size, query_servers, raise_if_dead)
 from areal_tik.areal.device_model import TikModelMixin, settings_of
+from areal_tik.areal.ports import private_port_draws
 from areal_tik.areal.skip_rule import (REASONS, TikAuditError, audit_compare, local_reasons,  # noqa: F401
                                        rolled_rollout_logprobs, skip_reasons)
 
@@ -90,6 +91,7 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
     """``FSDPPPOActor`` on the areal-tik kernels with the recompute skip and audit."""
 
     def __init__(self, config):
+        private_port_draws()   # in an actor worker: the weight-update group's port, apart from the run's seed
         super().__init__(config)
         self.kernels = getattr(config, "kernel_backend", "default")
         self.settings = settings_of(config, self.kernels)

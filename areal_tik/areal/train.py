@@ -39,6 +39,7 @@ import sys
 import time
 import urllib.parse
 
+from areal_tik.areal.ports import private_port_draws
 from areal_tik.areal.warmstart import WARM_PREFIX, cached_warm_start, warm_cache_root
 
 BUILTIN_TOKENIZER = "builtin:tiny-char"
@@ -218,6 +219,7 @@ def launch_vllm(config, settings, log_path: str):
 def main(argv: list[str] | None = None) -> int:
     own, argv = _split_own_args(list(sys.argv[1:] if argv is None else argv))
     config = load_config(argv)
+    private_port_draws()   # two runs of one seed at once must not draw the same ports
     spmd = config.scheduler.type in (None, "", "null")
     if spmd:
         _spmd_env()

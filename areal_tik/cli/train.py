@@ -3,13 +3,15 @@ from __future__ import annotations
 
 
 
+DESCRIPTION = ("Run AReaL's PPOTrainer on a recipe with the areal-tik plugin. actor.kernel_backend=tik puts rollout "
+               "and training on the tik kernels and skips the old-policy recompute when the skip rule holds; default "
+               "keeps AReaL's kernels. Overrides are checked against the recipe before anything starts (a bad key: "
+               "exit 2, naming the closest valid key). Each run works in a folder of its own (printed at start).")
+
+
 def add_parser(sub):
-    p = sub.add_parser(
-        "train", help="run an AReaL recipe with the areal-tik plugin (actor.kernel_backend=tik|default)",
-        description="Run AReaL's PPOTrainer on a recipe with the areal-tik plugin. actor.kernel_backend=tik puts "
-                    "rollout and training on the tik kernels and skips the old-policy recompute when the skip rule "
-                    "holds; default keeps AReaL's kernels. Overrides are checked against the recipe before "
-                    "anything starts (a bad key: exit 2, naming the closest valid key).")
+    p = sub.add_parser("train", help="run an AReaL recipe with the areal-tik plugin (actor.kernel_backend=tik|default)",
+                       description=DESCRIPTION)
     p.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/tiny.yaml")
     p.add_argument("--step-log", default=None, help="append one JSON line of stats per step to this file")
     p.add_argument("overrides", nargs="*", help="AReaL/Hydra overrides key=value, e.g. actor.kernel_backend=tik")

@@ -10,7 +10,7 @@ def add_parser(sub):
                                    "(next-token loss on the answer) so it earns reward, check its greedy accuracy on "
                                    "held-out prompts and save an HF directory a recipe loads with actor.path=DIR "
                                    "tokenizer_path=DIR. A recipe can also name a cached one: actor.path="
-                                   "'warmstart:tiny-qwen2?task=add1&steps=80' (recipes/tiny.yaml does).")
+                                   "'warmstart:tiny-qwen2?task=add1&steps=120' (recipes/tiny.yaml does).")
     p.add_argument("--model", required=True, help="preset name (e.g. tiny-qwen2, qwen2.5-1.5b) or HF dir")
     p.add_argument("--out", required=True, help="output HF directory")
     p.add_argument("--task", default="mix", help="add1 (single digits) | add2 (two digits) | mix (+ - * up to 19)")
