@@ -33,7 +33,7 @@ def _pyplot():
 def _integer_steps(ax, steps: list[int]) -> None:
     """Ticks on whole steps: every step when there are few, else matplotlib's integer locator."""
     from matplotlib.ticker import MaxNLocator
-    if steps and len(steps) <= 12:
+    if steps and len(set(steps)) <= 16:
         ax.set_xticks(sorted(set(steps)))
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
