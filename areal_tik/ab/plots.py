@@ -92,11 +92,13 @@ def step_time_figure(report: dict, meta: dict):
     # right: every step's time per arm; the warm-up step off the axis when it is not measured
     shown = sorted({r["step"] for a in arms for r in report["rows"][a]
                     if r["step"] in measured or not report.get("warmup_step_dropped")})
+    top = 0.0
     for a in arms:
         pts = [(r["step"], r["wall_s"]) for r in report["rows"][a] if r["step"] in shown]
         ax_steps.plot([s for s, _ in pts], [w for _, w in pts], marker="o", color=ARM_COLORS.get(a), label=a)
+        top = max([top, *(w for _, w in pts)])
     _integer_steps(ax_steps, shown)
-    ax_steps.set_ylim(bottom=0)
+    ax_steps.set_ylim(0, top * 1.15 if top > 0 else 1.0)   # room above the highest point
     ax_steps.set_xlabel("training step")
     ax_steps.set_ylabel("step time (s)")
     warm = {a: r["wall_s"] for a in arms for r in report["rows"][a] if r["step"] == 0}

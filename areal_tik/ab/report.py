@@ -43,7 +43,7 @@ def _verdict(r: dict, meta: dict) -> list[str]:
         spread = "one measured step: no spread" if n == 1 else f"{n} measured steps: too few for an interval"
         out = [f"**Smoke test ({spread}).** It shows that every arm runs end to end; its {head}/{ref} step "
                f"throughput ratio ({fmt(ratio, 2)}x, {where}) is not a measurement. For a ratio with a 95% "
-               f"interval run at least {MIN_MEASURED + 1} steps per arm (`--steps 8` or more)."]
+               f"interval run at least {MIN_MEASURED + 1} steps per arm; the more steps, the narrower the interval."]
     else:
         lo, hi = ci
         if not (math.isfinite(lo) and math.isfinite(hi)):
