@@ -10,7 +10,8 @@
   ``None`` (each op takes its measured default), ``"triton"`` (every op), or
   ``"attention_varlen=triton,attention_paged=triton"`` (per op; ``attention=`` names both ops of the
   attention pair, e.g. ``"attention=fa3"``). The environment variable ``AREAL_TIK_BACKEND`` is the one
-  documented override; :meth:`Settings.from_env` reads it.
+  documented environment setting; :meth:`Settings.from_env` reads it only when the caller passes no
+  ``backend`` (an explicit value, ``actor.tik.backend`` or ``serve --backend``, wins).
 - ``attention_backward``: the training attention's backward kernel, ``auto`` | ``flash`` |
   ``triton`` (``auto``: PyTorch's flash backward where it runs and deterministic algorithms are
   off, else our bitwise-repeatable Triton backward). Not under the bit contract.

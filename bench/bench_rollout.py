@@ -14,6 +14,9 @@ random prompts (T = 1, ``ignore_eos``, each sampled token's log-prob returned):
 - ``engine_fa3``: ``engine_async`` with the attention pair on the ``fa3`` backend (``attention=fa3``: vLLM's
   FlashAttention-3, one walk over the keys) in the engine and in the parity step's trainer.
 
+Each arm is a rollout engine of the registry (``areal_tik.areal.engines``), its kernels and its options
+(:data:`ARM_WIRING`); the arm runs that engine's ``offline`` generator (``areal_tik.verify.offline``).
+
 Workloads: B x (prompt -> generated) = 64/128/256 x (136 -> 256) and 64 x (1024 -> 4096)
 (``--quick``: the first three); ``--workloads 128x136x256@8`` admits 8 requests per engine step instead of all at
 once (a server receiving requests while it decodes: steps mix prefill and decode), the same prompts and seeds as
@@ -49,14 +52,28 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 SHORT = [(64, 136, 256, 0), (128, 136, 256, 0), (256, 136, 256, 0)]   # (batch, prompt, new, arrivals per step)
 LONG = [(64, 1024, 4096, 0)]
-ARMS = ("stock", "tik", "batch_invariant", "engine", "engine_async", "engine_fa3", "parity")
-ENGINE_ARMS = ("engine", "engine_async", "engine_fa3")
-ENGINE_BACKEND = {"engine_fa3": "attention=fa3"}     # Settings.backend of an engine arm (and its parity trainer)
-VLLM_ARMS = ("stock", "batch_invariant", "tik")
 MAX_MODEL_LEN = 5248          # 1024 + 4096 + room, a multiple of 64
 MAX_NUM_SEQS = 256
 PARITY_MB_TOKENS = 16384
-PARITY_ARMS = ("tik", "stock", "engine", "engine_async", "engine_fa3")    # arms whose generations the parity step checks
+# arm: (rollout engine of areal_tik.areal.engines, kernels, options): the engine's options ("backend" is
+# Settings.backend, also the parity step's trainer's), and ARM_ONLY ones: "env" (the arm process's environment
+# additions), "seeded" (every request gets a seed from its batch and index; else the engine draws them)
+ARM_WIRING = {
+    "stock": ("vllm", "default", {"seed": 0}),
+    "stock_nolp": ("vllm", "default", {"seed": 0, "logprobs": False}),
+    "batch_invariant": ("vllm", "default", {"seed": 0, "env": {"VLLM_BATCH_INVARIANT": "1"}}),
+    "tik": ("vllm", "tik", {"seed": 0}),
+    "engine": ("tik", "tik", {"gpu_memory_utilization": 0.5, "async_decode": False, "seeded": True}),
+    "engine_async": ("tik", "tik", {"gpu_memory_utilization": 0.5, "async_decode": True, "seeded": True}),
+    "engine_fa3": ("tik", "tik", {"gpu_memory_utilization": 0.5, "async_decode": True, "seeded": True,
+                                  "backend": "attention=fa3"}),
+}
+ARM_ONLY = ("env", "seeded")
+ARMS = (*ARM_WIRING, "parity")
+# arms whose generations the parity step checks (every arm that returns log-probs and runs our kernels or stock's)
+PARITY_ARMS = tuple(a for a in ARM_WIRING if a not in ("batch_invariant", "stock_nolp"))
+LABELS = {"stock": "vLLM", "stock_nolp": "vLLM, no log-probs", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "engine": "our engine (tik)",
+          "engine_async": "our engine, pipelined decode", "engine_fa3": "our engine, FA3 attention"}
 
 
 def _log(*a):
@@ -96,54 +113,6 @@ def _sync():
 
 # ---------------------------------------------------------------------------------------------- arms
 
-def _vllm_llm(arm: str, model_dir: str, model_type: str, max_model_len: int):
-    from vllm import LLM
-    kw = dict(model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
-              seed=0, dtype="bfloat16")
-    if arm == "tik":
-        from areal_tik import vllm_plugin
-        kw.update(vllm_plugin.llm_kwargs(model_type))
-    return LLM(**kw)
-
-
-def _vllm_sampling(max_new: int):
-    from vllm import SamplingParams
-    return SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_new, ignore_eos=True, logprobs=0,
-                          detokenize=False)
-
-
-def _vllm_record(o) -> tuple[list[int], list[int], list[float]]:
-    c = o.outputs[0]
-    toks = list(c.token_ids)
-    return list(o.prompt_token_ids), toks, [d[t].logprob for d, t in zip(c.logprobs, toks)]
-
-
-def _vllm_generate(llm, prompts, max_new: int, arrivals: int = 0):
-    """``arrivals`` 0: every prompt at once (``LLM.generate``); K > 0: K requests added per engine step, as a
-    server receives requests while it decodes (steps then mix prefill and decode)."""
-    if not arrivals:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _vllm_sampling(max_new), use_tqdm=False)
-        return [_vllm_record(o) for o in outs]
-    eng, sp = llm.llm_engine, _vllm_sampling(max_new)
-    return _staggered(prompts, [sp] * len(prompts), arrivals,
-                      add=lambda rid, p, params: eng.add_request(rid, {"prompt_token_ids": p}, params),
-                      step=lambda: [(o.request_id, _vllm_record(o)) for o in eng.step() if o.finished],
-                      unfinished=eng.has_unfinished_requests)
-
-
-def _staggered(prompts, params, arrivals: int, add, step, unfinished) -> list:
-    """Drive an engine with ``arrivals`` new requests per step until all are done: ``add(rid, prompt, params)``,
-    ``step()`` -> [(rid, finished output)], ``unfinished()``. The outputs in prompt order."""
-    rids = [f"arr-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    queue, done = list(zip(rids, prompts, params)), {}
-    while queue or unfinished():
-        for req in queue[:arrivals]:
-            add(*req)
-        queue = queue[arrivals:]
-        done.update(step())
-    return [done[r] for r in rids]
-
-
 def _digest(outs) -> str:
     """SHA-1 of the first repeat's generated tokens and log-prob bits (float32), in prompt order: two rows with the
     same prompts and seeds (e.g. all at once vs staggered arrivals) must have the same digest."""
@@ -164,28 +133,19 @@ def _cpu_model() -> str:
         return "unknown"
 
 
-def _engine_setup(model_dir: str, max_model_len: int, async_decode: bool = False, backend: str | None = None):
-    from areal_tik.layers.patch import patch_model
-    from areal_tik.engine import EngineConfig, LLMEngine
-    from areal_tik.layers.models import build_model
-    model = patch_model(build_model(model_dir, device=_device()), kernels="tik", backend=backend)
-    eng = LLMEngine(model, EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_model_len=max_model_len,
-                                        gpu_memory_utilization=0.5, async_decode=async_decode))
-    _sync()
-    return eng
-
-
-def _engine_generate(eng, prompts, max_new: int, seed: int, arrivals: int = 0):
-    """As :func:`_vllm_generate`: every prompt at once (``LLMEngine.generate``), or ``arrivals`` per step."""
-    from areal_tik.engine import SamplingParams
-    params = [SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True, seed=seed * 100003 + i)
-              for i in range(len(prompts))]
-    if not arrivals:
-        outs = eng.generate(prompts, params)
-    else:
-        outs = _staggered(prompts, params, arrivals, add=eng.add_request,
-                          step=lambda: [(o.request_id, o) for o in eng.step()], unfinished=eng.has_unfinished)
-    return [(list(o.prompt_ids), list(o.output_ids), list(o.output_logprobs)) for o in outs]
+def _generator(arm: str, model_dir: str, max_model_len: int, weights_preset: str | None = None):
+    """The arm's engine (:data:`ARM_WIRING`) as an in-process generator on the checkpoint, and the seed of each
+    prompt's request (our engine seeds every request; vLLM draws its own)."""
+    from areal_tik.areal import engines
+    name, kernels, opts = ARM_WIRING[arm]
+    engine = engines.get(name)
+    kw = {k: v for k, v in opts.items() if k not in ARM_ONLY}
+    if weights_preset:        # no checkpoint: the engine builds the preset's seeded weights
+        kw["weights_preset"] = weights_preset
+    gen = engine.need("offline")(model_dir, kernels=kernels, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
+                                 **kw)
+    seeded = opts.get("seeded", False)
+    return gen, (lambda prompts: [len(prompts) * 100003 + i for i in range(len(prompts))] if seeded else None)
 
 
 def _workloads(a) -> list[tuple[int, int, int]]:
@@ -203,18 +163,13 @@ def run_arm(arm: str, a) -> int:
     workload, so a timeout keeps what was measured) and generated data to ARM_outputs.pt."""
     import torch
     meta = json.load(open(os.path.join(a.model_dir, "bench_meta.json")))
-    vocab, model_type = meta["vocab_size"], meta["model_type"]
+    vocab = meta["vocab_size"]
     workloads = _workloads(a)
     res = dict(arm=arm, workloads={}, env={k: os.environ.get(k) for k in ("VLLM_BATCH_INVARIANT",)})
     out_json = os.path.join(a.work, f"{arm}.json")
     t0 = time.perf_counter()
-    if arm in ENGINE_ARMS:
-        eng = _engine_setup(a.model_dir, meta["max_model_len"], async_decode=arm != "engine",
-                            backend=ENGINE_BACKEND.get(arm))
-        gen = lambda prompts, n, arr: _engine_generate(eng, prompts, n, seed=len(prompts), arrivals=arr)
-    else:
-        llm = _vllm_llm(arm, a.model_dir, model_type, meta["max_model_len"])
-        gen = lambda prompts, n, arr: _vllm_generate(llm, prompts, n, arrivals=arr)
+    eng, seeds = _generator(arm, a.model_dir, meta["max_model_len"], meta.get("weights_preset"))
+    gen = lambda prompts, n, arr: eng.generate(prompts, n, seeds=seeds(prompts), arrivals=arr)  # noqa: E731
     res["startup_s"] = round(time.perf_counter() - t0, 2)
     _log(arm, "started in", res["startup_s"], "s")
     t0 = time.perf_counter()
@@ -247,7 +202,7 @@ def run_arm(arm: str, a) -> int:
                    tokens_per_s=round(n_gen / dt, 1), prompts_match=ok_prompts,
                    all_full_length=all(len(o[1]) == n_out for o in outs),
                    seconds_per_repeat=[round(t, 4) for t in times])
-        if arm in ENGINE_ARMS:
+        if hasattr(eng, "stats"):
             row["engine_stats_cumulative"] = {k: v for k, v in eng.stats().items() if isinstance(v, (int, float, str))}
         res["workloads"][_wl_name(w)] = row
         _log(f"{arm:16s} {_wl_name(w):18s} {row['tokens_per_s']:10.1f} tok/s  ({n_gen} tokens, {dt:.2f} s)")
@@ -277,10 +232,12 @@ def run_parity(a) -> int:
         if not os.path.exists(path):
             res[arm] = dict(error="no outputs (arm did not run or failed)")
             continue
-        spec = ENGINE_BACKEND.get(arm)
+        spec = ARM_WIRING[arm][2].get("backend")
         if model is None or spec != model_spec:
             model = None                # free the previous model before building the next
-            model = patch_model(build_model(a.model_dir, device=dev), kernels="tik", backend=spec)
+            meta = json.load(open(os.path.join(a.model_dir, "bench_meta.json")))
+            model = patch_model(build_model(meta.get("weights_preset") or a.model_dir, device=dev), kernels="tik",
+                                backend=spec)
             model_spec = spec
         data = torch.load(path)
         res[arm] = {}
@@ -306,52 +263,23 @@ def run_parity(a) -> int:
 
 # ---------------------------------------------------------------------------------------------- driver
 
-def make_checkpoint(model_name: str, path: str) -> dict:
+def make_checkpoint(model_name: str, path: str, preset_weights: bool = False) -> dict:
+    """The arms' model folder: an HF checkpoint of the preset, or with ``preset_weights`` only its config (every
+    arm then builds the preset's seeded weights itself: vLLM through the plugin's tik_preset load format)."""
     from transformers import AutoConfig
 
     from areal_tik.layers.models import checkpoint_dir
-    checkpoint_dir(model_name, path, device=_device(), seed=0)
+    from areal_tik.vllm_plugin.preset_loader import config_dir
+    if preset_weights:
+        config_dir(model_name, path)
+    else:
+        checkpoint_dir(model_name, path, device=_device(), seed=0)
     cfg = AutoConfig.from_pretrained(path)
     meta = dict(model=model_name, vocab_size=cfg.vocab_size, model_type=cfg.model_type,
-                max_model_len=min(MAX_MODEL_LEN, cfg.max_position_embeddings))
+                max_model_len=min(MAX_MODEL_LEN, cfg.max_position_embeddings),
+                weights_preset=model_name if preset_weights else None)
     json.dump(meta, open(os.path.join(path, "bench_meta.json"), "w"))
     return meta
-
-
-def plot(res: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arms = [a for a in ("stock", "batch_invariant", "tik") + ENGINE_ARMS if a in res["arms"] and res["arms"][a].get("workloads")]
-    wls = [w for w in res["workloads"] if any(w in res["arms"][a]["workloads"] for a in arms)]
-    labels = {"stock": "vLLM", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "engine": "our engine (tik)",
-              "engine_async": "our engine, pipelined decode", "engine_fa3": "our engine, FA3 attention"}
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / max(1, len(arms))
-    for j, arm in enumerate(arms):
-        ys = [res["arms"][arm]["workloads"].get(w, {}).get("tokens_per_s", 0) for w in wls]
-        xs = [i + (j - (len(arms) - 1) / 2) * width for i in range(len(wls))]
-        ax.bar(xs, ys, width, label=labels[arm])
-        for x, y in zip(xs, ys):
-            if y:
-                ax.text(x, y, f"{y / 1000:.1f}k", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(wls)))
-    ax.set_xticklabels([w.replace("_", " ").replace("to", " -> ") for w in wls])
-    ax.set_ylabel("generated tokens / s")
-    par = res.get("parity", {})
-    note = []
-    for arm in PARITY_ARMS:
-        rows = par.get(arm, {})
-        if isinstance(rows, dict) and rows and "error" not in rows:
-            n = sum(r["n_tokens"] for r in rows.values())
-            m = sum(r["n_mismatch"] for r in rows.values())
-            note.append(f"{labels[arm]} vs trainer: {m} / {n} tokens differ")
-    ax.set_title(f"Rollout throughput, {res['model']} (random weights), {res.get('gpu', '')}\n" + "; ".join(note),
-                 fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
 
 
 def main() -> int:
@@ -368,6 +296,9 @@ def main() -> int:
     ap.add_argument("--long-repeats", type=int, default=1,
                     help="timed runs of the long workload (fresh prompts each; the median is reported)")
     ap.add_argument("--model-dir", help="reuse a checkpoint made by an earlier run")
+    ap.add_argument("--preset-weights", action="store_true",
+                    help="write no checkpoint: every arm builds the preset's seeded weights (vLLM through the plugin's "
+                         "tik_preset load format); for 7B-and-larger shapes")
     ap.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per arm process")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds for the whole run (0 = none): the 1024 -> 4096 workload is left out of arms that "
@@ -390,7 +321,7 @@ def main() -> int:
         a.model_dir = os.path.join(tempfile.mkdtemp(prefix="bench_rollout_"), "model")
     if not os.path.exists(os.path.join(a.model_dir, "bench_meta.json")):
         _log("saving", a.model, "to", a.model_dir)
-        make_checkpoint(a.model, a.model_dir)
+        make_checkpoint(a.model, a.model_dir, a.preset_weights)
     res = dict(model=a.model, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                torch=torch.__version__, quick=a.quick, workloads=[_wl_name(w) for w in _workloads(a)], arms={}, steps={},
                settings=dict(temperature=1.0, ignore_eos=True, logprobs="sampled token only", max_model_len=MAX_MODEL_LEN,
@@ -419,9 +350,7 @@ def main() -> int:
         left = a.budget - (time.perf_counter() - t_start) if a.budget else None
         if left is not None and left < a.long_reserve and arm != "parity":
             cmd.append("--skip-long")
-        env = dict(os.environ)
-        if arm == "batch_invariant":
-            env["VLLM_BATCH_INVARIANT"] = "1"
+        env = {**os.environ, **(ARM_WIRING[arm][2].get("env", {}) if arm in ARM_WIRING else {})}
         timeout = a.arm_timeout if left is None else max(10.0, min(a.arm_timeout, left - 5))
         _log("arm", arm, "timeout", round(timeout), "s", "(long workload skipped)" if "--skip-long" in cmd else "")
         t0 = time.perf_counter()
@@ -438,7 +367,7 @@ def main() -> int:
             else:
                 res["arms"][arm] = json.load(open(path))
         json.dump(res, open(os.path.join(a.out, "rollout.json"), "w"), indent=1)
-    for arm in VLLM_ARMS + ENGINE_ARMS:       # arms measured by an earlier invocation on the same work folder
+    for arm in ARM_WIRING:       # arms measured by an earlier invocation on the same work folder
         path = os.path.join(a.work, f"{arm}.json")
         if arm not in res["arms"] and os.path.exists(path):
             res["arms"][arm] = json.load(open(path))
@@ -447,6 +376,9 @@ def main() -> int:
     measured = {w for r in res["arms"].values() for w in r.get("workloads", {})}
     res["workloads"] = [w for w in map(_wl_name, SHORT + LONG + _workloads(a)) if w in measured or w in res["workloads"]]
     res["workloads"] = list(dict.fromkeys(res["workloads"]))
+    if torch.cuda.is_available():
+        from roofline import roofline
+        res["roofline"] = roofline(a.model, [(w[:3], _wl_name(w)) for w in _workloads(a)], res["arms"])
     stock = res["arms"].get("stock", {}).get("workloads", {})
     res["ratio_over_stock_vllm"] = {
         arm: {w: round(r["tokens_per_s"] / stock[w]["tokens_per_s"], 3)
@@ -454,7 +386,8 @@ def main() -> int:
         for arm in res["arms"] if arm != "stock"}
     json.dump(res, open(os.path.join(a.out, "rollout.json"), "w"), indent=1)
     try:
-        plot(res, os.path.join(a.out, "rollout.png"))
+        from plot_results import plot_rollout
+        plot_rollout(res, os.path.join(a.out, "rollout.png"), LABELS, PARITY_ARMS)
     except Exception as e:            # noqa: BLE001
         _log("plot failed:", e)
     for f in [f"{arm}_outputs.pt" for arm in PARITY_ARMS]:

@@ -14,6 +14,8 @@ differed from the reference is hatched (ablations and probes differ by design).
 bench_ceiling.json (bench/bench_ceiling.py): per decode cell, the csrc and Triton decode's speed relative to SDPA
 beside the most any kernel could reach there (K/V bytes at the measured HBM read ceiling; the launch floor, hatched,
 where K/V fit in L2; the vendor's HBM peak as a marker), with the 1.2x goal line.
+rollout.json (bench/bench_rollout.py, which draws it itself): generated tokens/s per arm and workload, the parity
+counts in the title.
 Only reads what the JSON holds; a missing key is an error, not a zero.
 """
 from __future__ import annotations
@@ -157,6 +159,39 @@ def plot_ceiling(path: str) -> str:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_rollout(res: dict, path: str, labels: dict, parity_arms) -> None:
+    """``rollout.png``: tokens/s per arm (in ``labels`` order) and workload; the title counts, per arm of
+    ``parity_arms`` that was checked, the tokens whose log-prob differs from the trainer's."""
+    arms = [a for a in labels if a in res["arms"] and res["arms"][a].get("workloads")]
+    wls = [w for w in res["workloads"] if any(w in res["arms"][a]["workloads"] for a in arms)]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(1, len(arms))
+    for j, arm in enumerate(arms):
+        ys = [res["arms"][arm]["workloads"].get(w, {}).get("tokens_per_s", 0) for w in wls]
+        xs = [i + (j - (len(arms) - 1) / 2) * width for i in range(len(wls))]
+        ax.bar(xs, ys, width, label=labels[arm])
+        for x, y in zip(xs, ys):
+            if y:
+                ax.text(x, y, f"{y / 1000:.1f}k", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(wls)))
+    ax.set_xticklabels([w.replace("_", " ").replace("to", " -> ") for w in wls])
+    ax.set_ylabel("generated tokens / s")
+    par = res.get("parity", {})
+    note = []
+    for arm in parity_arms:
+        rows = par.get(arm, {})
+        if isinstance(rows, dict) and rows and "error" not in rows:
+            n = sum(r["n_tokens"] for r in rows.values())
+            m = sum(r["n_mismatch"] for r in rows.values())
+            note.append(f"{labels[arm]} vs trainer: {m} / {n} tokens differ")
+    ax.set_title(f"Rollout throughput, {res['model']} (random weights), {res.get('gpu', '')}\n" + "; ".join(note),
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,8 @@
 #   STAGE=T: (first, right after the wheel copies) install as in A, then the GPU tests of the rollout-side
 #            stacked projections, `areal-tik verify` at the 1.5B shape (bits of the engine path) and
 #            `verify --engine vllm` (VERIFY_ARGS; default 32 prompts of 8-3,072 tokens, 1,024 new) and
-#            `--engine vllm-stock` (the negative control), VERIFY_S seconds each.
+#            `--engine vllm --kernels default` (stock vLLM, the negative control; its files keep the name
+#            verify_vllm-stock.*), VERIFY_S seconds each.
 #   STAGE=F: install as in A, then the fa3 backend (the attention pair on vLLM's FA3, one walk): its GPU tests,
 #            `verify` at the 1.5B shape with AREAL_TIK_BACKEND=attention=fa3, and our engine on the split pair vs on
 #            fa3 over the table's workloads with the parity step (ROLLOUT_ARGS, default "--repeats 3 --long-repeats 2").
@@ -57,10 +58,10 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
     # vLLM's scheduler regimes (batching, chunked prefill, preemption, graphs, abort). vLLM + tik: prompts of 8 to
     # 3,072 tokens, 1,024 generated each (>= 16k tokens per regime, contexts to 4K); stock vLLM, the negative
     # control, on a small set (it only has to mismatch)
-    for e in vllm vllm-stock; do
-      if [ $e = vllm ]; then VA=${VERIFY_ARGS:-"--prompts 32 --max-prompt-len 3072 --max-new-tokens 1024"}
-      else VA="--prompts 16 --max-prompt-len 600 --max-new-tokens 64"; fi
-      timeout ${VERIFY_S:-300} python -m areal_tik.cli verify --engine $e --model qwen2.5-1.5b $VA \
+    for k in tik default; do
+      if [ $k = tik ]; then e=vllm; VA=${VERIFY_ARGS:-"--prompts 32 --max-prompt-len 3072 --max-new-tokens 1024"}
+      else e=vllm-stock; VA="--prompts 16 --max-prompt-len 600 --max-new-tokens 64"; fi
+      timeout ${VERIFY_S:-300} python -m areal_tik.cli verify --engine vllm --kernels $k --model qwen2.5-1.5b $VA \
         --json > $OUT/verify_$e.json 2> $W/verify_$e.err \
         || grep -v "it/s\]\|^INFO\|^WARNING" $W/verify_$e.err | tail -5 > $OUT/verify_$e.err
       python -c "import json; r = json.load(open('$OUT/verify_$e.json')); print('$e', r['passed'], r['regimes'])" 2>&1 | tail -1

@@ -272,3 +272,31 @@ def test_parse_arms_names_bad_arms():
     assert ab.parse_arms("vllm_tik, vllm") == ("vllm", "vllm_tik")
     with pytest.raises(ValueError, match="unknown arm.*sglang"):
         ab.parse_arms("vllm,sglang")
+
+
+def test_per_sequence_skip_and_loglinear_arm_in_the_report():
+    """The asynchronous A/B's numbers: the fraction of sequences and of generated tokens the tik arm skipped
+    (over every step, audits included), the sequences recomputed per reason and the estimated time saved; the
+    loglinear arm (no compute_logp, so no tik record) counts its tokens from AReaL's own stat."""
+    def tik_step(i, skipped, total, stale, mixed):
+        rec = {"gen_tokens": 10 * total, "skipped": skipped == total, "audit": i == 0, "seqs_skipped": skipped,
+               "seqs_total": total, "gen_tokens_skipped": 10 * skipped, "gen_tokens_total": 10 * total,
+               "seqs_stale_version": stale, "seqs_mixed_versions": mixed, "recompute_saved_s": 0.1 * skipped,
+               "reasons": ["stale_version"] * bool(stale) + ["mixed_versions"] * bool(mixed)}
+        return {"global_step": i, "wall_s": 8.0, "stats": {}, "tik": [rec]}
+    tik = [tik_step(0, 0, 16, 0, 0), tik_step(1, 12, 16, 3, 1), tik_step(2, 16, 16, 0, 0)]
+    ll = [{"global_step": i, "wall_s": 9.0, "stats": {"ppo_actor/n_valid_tokens": 160.0}} for i in range(3)]
+    ref = [{"global_step": i, "wall_s": 12.0, "stats": {}, "tik": [{"gen_tokens": 160}]} for i in range(3)]
+    rep = analysis.analyze({"vllm": ref, "vllm_loglinear": ll, "tik": tik})
+    k = rep["skip"]["tik"]
+    assert k["seq_skip_frac"] == pytest.approx(28 / 48) and k["token_skip_frac"] == pytest.approx(28 / 48)
+    assert (k["seqs_stale_version"], k["seqs_mixed_versions"], k["steps_skipped"]) == (3, 1, 1)
+    assert k["recompute_saved_s"] == pytest.approx(2.8) and k["skip_reasons"] == ["mixed_versions", "stale_version"]
+    assert [r["gen_tokens"] for r in rep["rows"]["vllm_loglinear"]] == [160, 160, 160]
+    assert rep["vs_reference"]["vllm_loglinear"]["tokens_per_s_ratio"] == pytest.approx(12.0 / 9.0)
+    md = report.summary_markdown(rep, {"config": CFG})
+    assert "- tik: sequences skipped 58.3%, generated tokens skipped 58.3% (all 3 steps, audits included); " \
+           "recomputed: 3 stale, 1 mixed-version sequences; recompute time saved (estimate) 2.80 s" in md
+    assert "step throughput vllm_loglinear/vllm: 1.333x" in md and "prox_logp_method=loglinear" in md
+    assert ab.arm_overrides("vllm_loglinear", CFG) == ["actor.kernel_backend=default", "rollout.backend=vllm:d1p1t1",
+                                                      "actor.prox_logp_method=loglinear"]

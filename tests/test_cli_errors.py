@@ -23,10 +23,11 @@ def no_work(monkeypatch):
     import areal_tik.areal.warmstart as ws
     import areal_tik.ab.runner as ab
     import areal_tik.verify.parity as parity
+    import areal_tik.verify.request as request
     import areal_tik.engine.server as server
     import areal_tik.layers.models as models
     for mod, name in ((ab, "run_ab"), (models, "build_model"), (server, "build"), (parity, "run_parity"),
-                      (ws, "warm_start")):
+                      (request, "verify_ours"), (ws, "warm_start")):
         monkeypatch.setattr(mod, name, boom)
 
 
@@ -124,3 +125,87 @@ def test_verify_vllm_json_sends_vllm_logging_to_stderr(no_work, monkeypatch, cap
     assert main(["verify", "--engine", "vllm", "--json"]) == 2
     assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stdout"
     assert "vLLM is not installed (test)" in capsys.readouterr().err
+
+
+# user errors of train, agent and serve that need files: "{tmp}" is a folder holding them (the `files` fixture)
+FILE_CASES = [
+    (["train", "--config", "{tmp}/notyaml.txt"], "is not a .yaml file"),
+    (["train", "--config", "{tmp}/bad.yaml"], "is not valid YAML (line 2, column 1): expected"),
+    (["train", "--config", "{tmp}/empty.yaml"], "holds no mapping"),
+    (["train", "--config", "{tmp}/list.yaml"], "holds no mapping"),
+    (["train", "--config", "{tmp}/minimal.yaml"], "trial_name"),
+    (["train", "--config", RECIPE, "actor.kernel_backend=bogus"], "actor.kernel_backend"),
+    (["train", "--config", RECIPE, "no_such_key=1"], "no_such_key"),
+    (["train", "--config", RECIPE, "actor.optimizer.lr=abc"], "actor.optimizer.lr"),
+    (["train", "--config", RECIPE, "=broken"], "override"),
+    (["train", "--config", RECIPE, "actor.tik.backend=attention=fa3"], "override 'actor.tik.backend=attention=fa3'"),
+    (["train", "--config", RECIPE, "actor.weight_update_mode=bogus"], "actor.weight_update_mode"),
+    (["train", "--config", RECIPE, "actor.tik.mismatch_policy=bogus"], "actor.tik.mismatch_policy"),
+    (["train", "--config", RECIPE, "actor.kernel_backend=tik", "actor.tik.backend=bogus"], "'bogus'"),
+    (["agent", "init", "--db", "{tmp}/new.sqlite", "--op", "nope", "--timer", "simulated"], "--op 'nope'"),
+    (["agent", "init", "--db", "{tmp}/new.sqlite", "--preset", "nope", "--timer", "simulated"], "--preset 'nope'"),
+    (["agent", "run", "--db", "{tmp}/none.sqlite"], "--db"),
+    (["agent", "run", "--db", "{tmp}/agent.sqlite", "--name", "nope"], "no run 'nope'"),
+    (["agent", "run", "--db", "{tmp}/agent.sqlite", "--proposer", "replay", "--script", "{tmp}/bad.json"],
+     "is not valid JSON"),
+    (["agent", "run", "--db", "{tmp}/agent.sqlite", "--proposer", "replay", "--script", "{tmp}/list.yaml"],
+     "is not valid JSON"),
+    (["agent", "status", "--db", "{tmp}/notyaml.txt"], "is not an agent database"),
+    (["agent", "export", "--db", "{tmp}/agent.sqlite", "--name", "nope"], "no run 'nope'"),
+    (["serve", "--model", "tiny-qwen2", "--backend", "attention=fa3"], "--backend attention=fa3: "),
+]
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "notyaml.txt").write_text("hello, not a recipe\n")
+    (tmp_path / "bad.yaml").write_text("not: [valid\n")
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "minimal.yaml").write_text("experiment_name: x\n")
+    (tmp_path / "bad.json").write_text("{not json")
+    from areal_tik.agent.store import Store
+    Store(str(tmp_path / "agent.sqlite")).close()  # an agent database without runs
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv,why", FILE_CASES, ids=lambda v: " ".join(v)[:80] if isinstance(v, list) else None)
+def test_train_agent_and_serve_user_errors_are_one_line_and_exit_2(argv, why, files, no_work, capsys):
+    argv = [a.replace("{tmp}", str(files)) for a in argv]
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert len(err) == 1 and err[0].startswith(f"areal-tik {argv[0]}: error: ") and why in err[0], err
+    assert not os.path.exists(files / "none.sqlite"), "a missing --db was created"
+
+
+def test_an_option_ignored_with_the_others_is_warned_about(no_work, capsys):
+    """--backend with --kernels default would change nothing: the server says so, once, on stderr."""
+    rc = main(["serve", "--model", "tiny-qwen2", "--kernels", "default", "--backend", "attention=fa3",
+               "--port", str(_free_port())])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and "started work despite a bad argument" in err[-1], err  # no_work: the build was reached
+    assert err[0] == ("areal-tik serve: warning: --backend is ignored with --kernels default (the model runs HF's "
+                      "own kernels)"), err
+    main(["serve", "--model", "tiny-qwen2", "--kernels", "tik", "--port", str(_free_port())])
+    assert "warning" not in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    s = _busy_port()
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_train_refuses_a_backend_that_cannot_run_the_model_before_starting():
+    """``actor.tik.backend=attention=fa3`` where fa3 cannot keep its contract (no GPU here; head dim 64 on
+    a GPU): exit 2 with one line naming the key, before a model is built or a server launched (it used
+    to surface as 'areal-tik serve exited with status 2', exit 1). A subprocess: AReaL's own log lines
+    (its config warnings) go to the real stderr, ours is the last line."""
+    p = subprocess.run([sys.executable, "-m", "areal_tik.cli", "train", "--config", RECIPE, "actor.kernel_backend=tik",
+                        "actor.tik.backend='attention=fa3'", "trial_name=cli_fa3"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and last.startswith("areal-tik train: error: actor.tik.backend=attention=fa3: "), p.stderr
+    assert "startup: model dir ready" not in p.stderr, p.stderr

@@ -12,6 +12,7 @@ from areal_tik.settings import BACKEND_ENV, Settings
 import torch
 
 from areal_tik.dispatch import fingerprint, registry
+from areal_tik.dispatch.bound import bind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,11 +74,35 @@ def test_env_json_reports_versions_backends_fingerprint():
 
 def test_fingerprint_changes_with_environment():
     env = fingerprint.environment()
-    a = fingerprint.compute(env=env)["fingerprint"]
-    assert fingerprint.compute(env=env)["fingerprint"] == a
+    ops = bind()
+    a = fingerprint.compute(ops, env=env)["fingerprint"]
+    assert fingerprint.compute(bind(), env=env)["fingerprint"] == a
     other = dict(env, gpu={"name": "x", "arch": "sm_90", "sms": 1})
-    assert fingerprint.compute(env=other)["fingerprint"] != a
-    assert fingerprint.compute(env=dict(env, triton="0.0"))["fingerprint"] != a
+    assert fingerprint.compute(ops, env=other)["fingerprint"] != a
+    assert fingerprint.compute(ops, env=dict(env, triton="0.0"))["fingerprint"] != a
+
+
+def test_fingerprint_hashes_the_bound_ops_and_never_selects(monkeypatch):
+    """``compute`` reads the ``BoundOps`` it is given: a model's fingerprint is that of the ops patch_model bound
+    to it even when the registry would now choose otherwise, and swapping one bound implementation changes it."""
+    import dataclasses
+
+    from areal_tik.layers.models import build_model
+    from areal_tik.layers.patch import ops_of, patch_model
+    env = fingerprint.environment()
+    model = patch_model(build_model("tiny-qwen2", device="cpu", seed=0))
+    ops = ops_of(model)
+    want = fingerprint.compute(bind(), env=env)["fingerprint"]
+
+    def refuse(*a, **k):
+        raise AssertionError("compute selected an implementation")
+    monkeypatch.setattr(registry, "select_impl", refuse)
+    fp = fingerprint.compute(ops, env=env)
+    assert fp["fingerprint"] == want and fp["selection"] == ops.selection
+    # negative control: another implementation bound for one op is another fingerprint
+    other = next(i for be, i in registry.implementations()["linear"].items() if be != ops.impls["linear"].backend)
+    ops.impls = dict(ops.impls, linear=dataclasses.replace(other))
+    assert fingerprint.compute(ops, env=env)["fingerprint"] != want
 
 
 def test_explicit_backend_request_fails_loudly(monkeypatch):

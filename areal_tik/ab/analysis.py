@@ -21,8 +21,10 @@ __all__ = ["ARMS", "ARM_ENGINES", "SKIP_ARMS", "REFERENCES", "PHASES", "MIN_MEAS
            "reference_arm", "headline_arm", "server_intervals", "ratio_of_means_ci", "t_quantile_975"]
 
 # every arm, in report order: the rollout engine, the kernels, recompute or skip
-ARMS = ("vllm", "baseline", "tik", "vllm_tik")
+ARMS = ("vllm", "baseline", "vllm_loglinear", "tik", "vllm_tik")
 ARM_ENGINES = {"vllm": "stock vLLM (AReaL's vLLM server), HF-default trainer kernels, recompute every step",
+               "vllm_loglinear": "stock vLLM (AReaL's vLLM server), HF-default trainer kernels, no recompute: "
+                                 "AReaL's log-linear approximation of the proximal log-probs (prox_logp_method=loglinear)",
                "baseline": "areal-tik serve on default kernels, recompute every step (diagnostic: our engine without "
                            "our kernels, which isolates what the kernels and the skip change)",
                "tik": "areal-tik serve on tik kernels, recompute skipped when the skip rule allows",
@@ -89,13 +91,20 @@ def _step_row(rec: dict) -> dict:
     # the trainer's share of a disk weight update (AReaL's HF save, timed by the tik actor); nan when not logged
     row["weight_save"] = float(s.get("tik/hf_save_s", math.nan))
     tik = rec.get("tik") or []
-    row["gen_tokens"] = sum(int(t.get("gen_tokens", 0)) for t in tik)
+    # an arm that never calls compute_logp (prox_logp_method=loglinear) has no tik record: AReaL's own count
+    row["gen_tokens"] = (sum(int(t.get("gen_tokens", 0)) for t in tik) if tik
+                         else int(s.get("ppo_actor/n_valid_tokens", 0)))
     row["total_tokens"] = sum(int(t.get("total_tokens", 0)) for t in tik)
     rewards = [t["reward_mean"] for t in tik if "reward_mean" in t]
     row["reward"] = statistics.fmean(rewards) if rewards else float(s.get("ppo_actor/task_reward/avg", math.nan))
     row["recompute_skipped"] = bool(tik) and all(t.get("skipped") for t in tik)
     row["recompute_forward_s"] = sum(float(t.get("recompute_forward_s", 0.0)) for t in tik)
     row["skip_reasons"] = sorted({r for t in tik for r in t.get("reasons", [])})
+    # the per-sequence skip (counts over every trainer rank; the first rank's record is enough)
+    for k in ("seqs_skipped", "seqs_total", "gen_tokens_skipped", "gen_tokens_total", "seqs_stale_version",
+              "seqs_mixed_versions"):
+        row[k] = int(tik[0].get(k) or 0) if tik else 0
+    row["recompute_saved_s"] = float(tik[0].get("recompute_saved_s") or 0.0) if tik else 0.0
     row["audit"] = any(t.get("audit") for t in tik)
     row["audit_tokens"] = sum(int(t.get("audit_tokens", 0)) for t in tik)
     row["audit_mismatch_tokens"] = sum(int(t.get("audit_mismatch_tokens", 0)) for t in tik)
@@ -145,7 +154,13 @@ def headline_arm(arms, ref: str) -> str | None:
 
 
 def _skip_stats(rows: list[dict]) -> dict:
+    seqs, toks = sum(r["seqs_total"] for r in rows), sum(r["gen_tokens_total"] for r in rows)
     return {"steps_skipped": sum(r["recompute_skipped"] for r in rows),
+            "seq_skip_frac": sum(r["seqs_skipped"] for r in rows) / seqs if seqs else math.nan,
+            "token_skip_frac": sum(r["gen_tokens_skipped"] for r in rows) / toks if toks else math.nan,
+            "seqs_stale_version": sum(r["seqs_stale_version"] for r in rows),
+            "seqs_mixed_versions": sum(r["seqs_mixed_versions"] for r in rows),
+            "recompute_saved_s": sum(r["recompute_saved_s"] for r in rows),
             "audits": sum(r["audit"] for r in rows),
             "audit_tokens": sum(r["audit_tokens"] for r in rows),
             "audit_mismatch_tokens": sum(r["audit_mismatch_tokens"] for r in rows),
@@ -168,7 +183,9 @@ def analyze(steps_by_arm: dict[str, list[dict]]) -> dict:
     reference: > 1 means the arm is faster). The top-level ``throughput_ratio_total``,
     ``step_time_ratio``, ``tokens_per_s_ratio`` and ``reward_mean["ratio"]`` are the headline arm's
     (:func:`headline_arm`); ``skip[arm]`` counts the skips and audits of every arm that may skip (tik
-    kernels); ``rollout_vs_recompute[arm]`` the log-prob comparison of every recompute arm."""
+    kernels: whole-step skips, the fraction of sequences and of generated tokens skipped over every step,
+    the sequences recomputed per reason, the estimated forward time saved, audits); ``rollout_vs_recompute[arm]``
+    the log-prob comparison of every recompute arm."""
     arms = [a for a in ARMS if a in steps_by_arm] + [a for a in steps_by_arm if a not in ARMS]
     if not arms:
         raise ValueError("no arm to analyze")

@@ -130,6 +130,11 @@ def summary_markdown(report: dict, meta: dict) -> str:
                      f"{k['audit_mismatch_tokens']}/{k['audit_tokens']} audited tokens mismatching (max |diff| "
                      f"{k['audit_max_abs_diff']:.3g}); reasons recompute ran: "
                      f"{', '.join(k['skip_reasons']) or 'none (audit only)'}")
+        if k.get("seq_skip_frac") is not None and not math.isnan(k["seq_skip_frac"]):
+            lines.append(f"- {a}: sequences skipped {fmt(100 * k['seq_skip_frac'], 1)}%, generated tokens skipped "
+                         f"{fmt(100 * k['token_skip_frac'], 1)}% (all {r['n_steps']} steps, audits included); "
+                         f"recomputed: {k['seqs_stale_version']} stale, {k['seqs_mixed_versions']} mixed-version "
+                         f"sequences; recompute time saved (estimate) {fmt(k['recompute_saved_s'], 2)} s")
     for a, c in (r.get("rollout_vs_recompute") or {}).items():
         lines.append(f"- {a} rollout vs recompute log-probs: {c['mismatch_tokens']}/{c['tokens']} tokens differ "
                      f"(max |diff| {c['max_abs_diff']:.3g})")

@@ -4,6 +4,8 @@ Each arm is one ``python -m areal_tik.areal.train`` process (AReaL's real traine
 
 - ``vllm``: stock vLLM through AReaL's vLLM path (``rollout.backend=vllm:...``,
   ``actor.kernel_backend=default``: recompute every step): the reference users run;
+- ``vllm_loglinear``: ``vllm`` with ``actor.prox_logp_method=loglinear`` (AReaL's approximation of the
+  proximal log-probs for the decoupled loss, no recompute forward; asynchronous recipes);
 - ``baseline``: ``areal-tik serve`` on default kernels, recompute every step (diagnostic: our
   engine without our kernels; the reference when there is no ``vllm`` arm);
 - ``tik``: ``areal-tik serve`` on tik kernels (recompute skipped when docs/design.md section 6
@@ -32,12 +34,14 @@ from areal_tik.ab.analysis import ARM_ENGINES, ARMS, analyze, load_steps, server
 from areal_tik.ab.arm_log import LogFollower, failure_excerpt, startup_phases
 from areal_tik.ab.progress import ArmProgress
 from areal_tik.ab.report import REPORT_FILES, write_report
+from areal_tik.areal import engines
 
 DEFAULT_SET = ("baseline", "tik")     # runs anywhere (no vLLM needed): the CPU quick start
-VLLM_ARMS = ("vllm", "vllm_tik")
-KERNELS = {"vllm": "default", "baseline": "default", "tik": "tik", "vllm_tik": "tik"}
+# what makes each arm: (its rollout engine in areal_tik.areal.engines, its kernels)
+ARM_WIRING = {"vllm": ("vllm", "default"), "vllm_loglinear": ("vllm", "default"), "baseline": ("tik", "default"),
+              "tik": ("tik", "tik"), "vllm_tik": ("vllm", "tik")}
 
-__all__ = ["run_arm", "run_ab", "load_arm", "arm_overrides", "arm_engine", "parse_arms", "DEFAULT_SET", "VLLM_ARMS",
+__all__ = ["run_arm", "run_ab", "load_arm", "arm_overrides", "arm_engine", "parse_arms", "DEFAULT_SET", "ARM_WIRING",
            "ArmFailed"]
 
 
@@ -63,13 +67,18 @@ def _recipe_rollout_backend(config: str) -> str:
 
 
 def arm_overrides(arm: str, config: str) -> list[str]:
-    """What makes an arm: ``actor.kernel_backend`` and, for the vLLM arms, ``rollout.backend=vllm:<the
-    recipe's layout>`` (the same data-parallel layout as the recipe's SGLang servers)."""
-    out = [f"actor.kernel_backend={KERNELS[arm]}"]
-    if arm in VLLM_ARMS:
-        layout = _recipe_rollout_backend(config).split(":", 1)
-        out.append(f"rollout.backend=vllm:{layout[1] if len(layout) > 1 else 'd1p1t1'}")
-    return out
+    """What makes an arm (:data:`ARM_WIRING`): ``actor.kernel_backend``, ``rollout.backend=<its engine's client
+    family>:<the recipe's layout>`` when the recipe names another family (the same data-parallel layout as the
+    recipe's servers), and ``actor.tik.rollout_engine``; ``vllm_loglinear`` also
+    ``actor.prox_logp_method=loglinear`` (AReaL's approximation of the proximal log-probs)."""
+    engine, kernels = engines.get(ARM_WIRING[arm][0]), ARM_WIRING[arm][1]
+    out = [f"actor.kernel_backend={kernels}"]
+    family, _, layout = _recipe_rollout_backend(config).partition(":")
+    if family != engine.rollout_backend:
+        out.append(f"rollout.backend={engine.rollout_backend}:{layout or 'd1p1t1'}")
+    if arm == "vllm_loglinear":
+        out.append("actor.prox_logp_method=loglinear")
+    return out + [f"++actor.tik.rollout_engine={engine.name}"]   # ++: set whether or not the recipe lists the key
 
 
 def _runs_dir(out: str, runs_dir: str | None) -> str:
@@ -96,7 +105,6 @@ def _copy_server_log(out: str, arm: str, runs_dir: str | None) -> None:
 
 # a server that logs one of these answers every request with an error from then on (areal-tik serve; vLLM)
 SERVER_FATAL = ("engine.step failed", "EngineCore encountered a fatal error", "EngineDeadError")
-SERVER_LOGS = ("tik_server.log", "vllm_server.log")
 
 
 def _server_logs(out: str, arm: str, runs_dir: str | None) -> dict[str, int]:
@@ -104,7 +112,8 @@ def _server_logs(out: str, arm: str, runs_dir: str | None) -> dict[str, int]:
     earlier run in the same runs dir must not count against this one)."""
     import glob
     sizes = {}
-    for p in sorted(q for name in SERVER_LOGS for q in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, name))):
+    logs = {e.server_log for e in engines.all_engines() if e.server_log}     # each rollout engine's server log
+    for p in sorted(q for name in logs for q in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, name))):
         try:
             sizes[p] = os.path.getsize(p)
         except OSError:
@@ -244,14 +253,15 @@ def load_arm(out: str, arm: str) -> dict | None:
 
 
 def arm_engine(arm: str) -> str:
-    """The arm's rollout engine in words, with the installed vLLM's version for the vLLM arms."""
+    """The arm's rollout engine in words, with the installed version of an engine from another package (vLLM)."""
     import importlib.metadata as md
     text = ARM_ENGINES.get(arm, arm)
-    if arm in VLLM_ARMS:
+    pkg = engines.get(ARM_WIRING[arm][0]).package if arm in ARM_WIRING else None
+    if pkg:
         try:
-            text += f"; vllm {md.version('vllm')}"
+            text += f"; {pkg} {md.version(pkg)}"
         except md.PackageNotFoundError:
-            text += "; vllm not installed here"
+            text += f"; {pkg} not installed here"
     return text
 
 
@@ -371,8 +381,8 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
             "arms_run_here": list(to_run),
             "server_intervals": {a: server_intervals(out, a) for a in arm_set}}
     try:
-        from areal_tik.dispatch.fingerprint import compute
-        meta["environment"] = compute()["environment"]
+        from areal_tik.dispatch.fingerprint import environment
+        meta["environment"] = environment()
     except Exception:  # noqa: BLE001
         pass
     written = write_report(report, out, meta)

@@ -9,32 +9,35 @@
   ``logprobs_from_logits`` (the function the rollout sampler uses), not AReaL's
   ``gather_logprobs``;
 - ``compute_logp`` (called by the trainer under the ``recompute_logp`` timer when
-  ``should_compute_prox_logp()``) decides per batch (docs/design.md section 6):
+  ``should_compute_prox_logp()``) decides per batch and per sequence (docs/design.md section 6).
+  Per batch:
     1. ``kernel_backend=tik``, no earlier audit mismatch, and every rollout server
        reports ``kernels == "tik"`` with our kernel fingerprint;
-    2. every generated token's ``versions`` entry equals the actor's current version;
-    3. same probability processing: ``actor.temperature == gconfig.temperature``
+    2. same probability processing: ``actor.temperature == gconfig.temperature``
        (checked at config load) and the server's log-probs are the unfiltered
        ``log_softmax(logits/T)``;
-    4. the servers' weight version equals ours and their bf16 weight digest equals the
+    3. the servers' weight version equals ours and their bf16 weight digest equals the
        digest of our compute-dtype parameters.
-  If all hold, the rolled rollout log-probs are returned as ``prox_logp`` (exactly the
-  shape and shift AReaL's forward returns) and no forward runs. Otherwise, AReaL's
-  recompute runs.
+  If one fails, AReaL's recompute runs on the whole batch. Otherwise per sequence: one whose
+  every generated token's ``versions`` entry equals the actor's current version gets its rolled
+  rollout log-probs as ``prox_logp`` (exactly the shape and shift AReaL's forward returns); the
+  others (stale, or mixed after a weight update interrupted them) go through AReaL's forward, only
+  they (:mod:`areal_tik.areal.row_forward`), and their values are merged back in place.
 - several ranks (``fsdp:dN``) take ONE decision (:mod:`areal_tik.areal.consensus`): the first
   rank asks every server and broadcasts the answers, each rank checks its own shard, the reasons
-  are exchanged and their union decides for all (the recompute forward is collective: a split
-  decision would hang); a server that does not answer raises :class:`TikServerError` naming it,
-  on every rank; audit counts are summed over the ranks. Each rank appends its records to
-  ``actor.tik.decision_log_dir/rank<R>.jsonl`` (docs/scale-out.md).
-- audit: on step 0 and every ``tik.audit_interval`` steps the forward runs anyway and is
-  compared bit for bit (``areal_tik.verify.contract.compare_bits``) on the generated tokens;
-  a mismatch (counted over every rank's shard) either switches to recompute for the rest of
-  the run (``fallback``) or raises :class:`TikAuditError` (``raise``). The recomputed values are what training
-  uses on audit steps.
+  and what each rank needs of the forward are exchanged; a batch-wide reason on any rank makes all
+  recompute everything, else every rank runs as many forward micro-batches as the rank that needs
+  the most (the forward is collective: a split decision would hang); a server that does not answer
+  raises :class:`TikServerError` naming it, on every rank; audit counts are summed over the ranks.
+  Each rank appends its records to ``actor.tik.decision_log_dir/rank<R>.jsonl`` (docs/scale-out.md).
+- audit: on step 0 and every ``tik.audit_interval`` steps the forward runs on every sequence and
+  is compared bit for bit (``areal_tik.verify.contract.compare_bits``) on the generated tokens of
+  the current-version sequences; a mismatch (counted over every rank's shard) either switches to
+  recompute for the rest of the run (``fallback``) or raises :class:`TikAuditError` (``raise``).
+  The recomputed values are what training uses on audit steps.
 
-Every decision is logged through AReaL's ``stats_tracker`` (keys ``tik/...``) and kept
-in ``self.tik_records`` (one dict per batch).
+Every decision is logged through AReaL's ``stats_tracker`` (keys ``tik/...``:
+:mod:`areal_tik.areal.skip_record`) and kept in ``self.tik_records`` (one dict per batch).
 
 Timing semantics (known, left as is): AReaL's ``timeperf/recompute_logp`` timer wraps the
 whole ``compute_logp`` call, so on a skipped step it still counts the skip decision: one
@@ -45,7 +48,7 @@ so in practice one full pass over the parameters per step; on CUDA one Triton pa
 bits, overlapped with the servers' query, which digest their copy at the same time). On 2x H200
 with xccl (1.5B, before that kernel and overlap) the decision cost 0.23-0.26 s per step against a
 0.36-0.43 s forward saved. ``tik/recompute_forward_s`` is
-the forward alone (0.0 when skipped). Single-controller mode: this actor runs in an RPC worker; the controller sends
+the forward alone (0.0 when skipped; the forward over the recomputed sequences when some were skipped). Single-controller mode: this actor runs in an RPC worker; the controller sends
 the rollout server addresses through :meth:`set_server_addresses`.
 """
 from __future__ import annotations
@@ -54,10 +57,12 @@ import json
 import os
 import time
 import urllib.request
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from areal.api.cli_args import MicroBatchSpec
 from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.utils import logging, stats_tracker
 
@@ -65,12 +70,14 @@ from areal_tik.areal.consensus import (LOGPROB_DEFINITION, TikServerError, agree
                                        global_audit, group_rank, group_size, query_servers, raise_if_dead)
 from areal_tik.areal.device_model import TikModelMixin, settings_of
 from areal_tik.areal.ports import private_port_draws
-from areal_tik.areal.skip_rule import (REASONS, TikAuditError, audit_compare, local_reasons,  # noqa: F401
-                                       rolled_rollout_logprobs, skip_reasons)
+from areal_tik.areal.row_forward import ForwardRate, count_micro_batches, forward_rows, merge, row_tokens, units_of
+from areal_tik.areal.skip_record import global_counts, log_line, shard_share, step_stats, write_decision
+from areal_tik.areal.skip_rule import (REASONS, SEQUENCE_REASONS, TikAuditError, audit_compare,  # noqa: F401
+                                       local_reasons, rolled_rollout_logprobs, row_reasons)
 
 logger = logging.getLogger("TikActor")
 
-__all__ = ["TikFSDPPPOActor", "TikAuditError", "TikServerError", "skip_reasons", "local_reasons",
+__all__ = ["TikFSDPPPOActor", "TikAuditError", "TikServerError", "local_reasons", "row_reasons",
            "rolled_rollout_logprobs", "audit_compare"]
 
 def servers_leave_groups(addrs: list[str], names: list[str], timeout: float = 60.0) -> None:
@@ -102,6 +109,7 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         self._fingerprint: str | None = None
         self._digest_cache: tuple[int, str] | None = None
         self._server_addrs_override: list[str] | None = None
+        self._rate = ForwardRate()
 
     def destroy(self):
         """AReaL's ``destroy`` ends with ``destroy_process_group()``, which also tears down the xccl
@@ -174,7 +182,7 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
     def own_fingerprint(self) -> str:
         if self._fingerprint is None:
             from areal_tik.dispatch.fingerprint import compute
-            self._fingerprint = compute(self.settings.backend)["fingerprint"]
+            self._fingerprint = compute(self.tik_ops)["fingerprint"]   # the ops patch_model bound
         return self._fingerprint
 
     def _digest_now(self) -> str:
@@ -274,7 +282,7 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         if self.kernels != "tik":
             t0 = time.perf_counter()
             out = super().compute_logp(data, *args, **kwargs)
-            rec.update(skipped=False, reasons=["kernels_default"], audit=False,
+            rec.update(skipped=False, forward="all", reasons=["kernels_default"], audit=False,
                        recompute_forward_s=time.perf_counter() - t0)
             from areal_tik.layers.default_varlen import status as default_attention_status
             rec["default_attention"] = default_attention_status()["path"]  # which baseline attention ran
@@ -304,30 +312,60 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         mine, details = local_reasons(data, version, kernels=self.kernels, fallback=self.fallback,
                                       own_fingerprint=self.own_fingerprint(), answers=answers, own_digest=own_digest,
                                       check_digest=check)
-        reasons, details, per_rank = agree(mine, details, group, REASONS)
+        why = row_reasons(data, version)
+        units = units_of(why)
+        need = count_micro_batches([row_tokens(data[t], r) for t, r in units], self.config.mb_spec)
+        share = shard_share(data, why, need)
+        agreed = agree(mine, details, group, REASONS, share=share)
         audit = self._is_audit_step(version) and not self.fallback
-        rec.update(reasons=reasons, reason_details=details, audit=audit, local_reasons=mine)
+        total = global_counts(agreed.shares)
+        seq_codes = [c for c in SEQUENCE_REASONS if total[c]]
+        # nothing current on any rank: AReaL's own forward over everything (one call, its own micro-batches)
+        forward = "all" if agreed.reasons or audit or not total["seqs_current"] else (
+            "rows" if total["micro_batches"] else "none")
+        rec.update(reasons=agreed.reasons + seq_codes, reason_details=agreed.details, audit=audit, local_reasons=mine,
+                   forward=forward, skipped=forward == "none", forward_micro_batches=max(
+                       s["micro_batches"] for s in agreed.shares) if forward == "rows" else None,
+                   **{f"seqs_{c}": total[c] for c in SEQUENCE_REASONS})
         if group_size(group) > 1:
-            rec["reasons_per_rank"] = per_rank
-        if details:
-            logger.info("tik: version %d, recompute needed: %s", version, "; ".join(details))
-        if not reasons and not audit:
-            rec.update(skipped=True, recompute_forward_s=0.0)
-            self._record(rec)
-            return [rolled_rollout_logprobs(t).to(t["logprobs"].device) for t in data]
-
+            rec["reasons_per_rank"] = agreed.per_rank
+        if agreed.details:
+            logger.info("tik: version %d, recompute needed: %s", version, "; ".join(agreed.details))
+        skipping = forward != "all"
+        rec.update(seqs_total=total["seqs"], gen_tokens_total=total["gen_tokens"],
+                   seqs_skipped=total["seqs_current"] if skipping else 0,
+                   gen_tokens_skipped=total["gen_tokens_current"] if skipping else 0,
+                   recompute_saved_s=self._rate.saved(share["tokens_current"]) if skipping else 0.0)
+        rec.update(skip_seq_frac=rec["seqs_skipped"] / max(1, total["seqs"]),
+                   skip_token_frac=rec["gen_tokens_skipped"] / max(1, total["gen_tokens"]))
         t0 = time.perf_counter()
+        if forward == "none":
+            rec.update(recompute_forward_s=0.0)
+            self._record(rec)
+            return merge(data, {})
+        if forward == "rows":
+            spec = self.config.mb_spec
+            with self._one_micro_batch_per_call():
+                fresh, ran = forward_rows(lambda part: super(TikFSDPPPOActor, self).compute_logp(part, *args, **kwargs),
+                                          data, units, rec["forward_micro_batches"], spec)
+            rec.update(recompute_forward_s=time.perf_counter() - t0, forward_seqs=len(units), forward_tokens=ran)
+            self._record(rec)
+            return merge(data, fresh)
+
         out = super().compute_logp(data, *args, **kwargs)
-        rec.update(skipped=False, recompute_forward_s=time.perf_counter() - t0)
+        rec.update(recompute_forward_s=time.perf_counter() - t0)
+        self._rate.measured(rec["recompute_forward_s"], rec["total_tokens"])
         if audit:
-            res = global_audit(audit_compare(data, out), group)
+            current = [[r for r, code in enumerate(rows) if code is None] for rows in why]
+            res = global_audit(audit_compare(data, out, rows=current), group)
             rec.update(audit_passed=res["passed"], audit_tokens=res["tokens"],
                        audit_mismatch_tokens=res["mismatch_tokens"], audit_max_abs_diff=res["max_abs_diff"],
                        audit_per_rank=res["per_rank"])
             if not res["passed"]:
                 msg = (f"tik audit at version {version}: {res['mismatch_tokens']}/{res['tokens']} generated-token "
-                       f"log-probs differ between rollout and trainer (max |diff| {res['max_abs_diff']:.3g}, first "
-                       f"at {res['first_mismatch']}); skip reasons otherwise: {reasons or 'none'}")
+                       f"log-probs of current-version sequences differ between rollout and trainer (max |diff| "
+                       f"{res['max_abs_diff']:.3g}, first at {res['first_mismatch']}); skip reasons otherwise: "
+                       f"{rec['reasons'] or 'none'}")
                 if self.tik_cfg is not None and self.tik_cfg.mismatch_policy == "raise":
                     self._record(rec)
                     raise TikAuditError(msg + " (actor.tik.mismatch_policy=raise)")
@@ -337,42 +375,22 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         self._record(rec)
         return out
 
+    @contextmanager
+    def _one_micro_batch_per_call(self):
+        """AReaL's forward packs a call's rows into at least ``mb_spec.n_mbs`` micro-batches (groups of
+        ``granularity`` rows); the row forward plans its calls as one micro-batch each
+        (:mod:`areal_tik.areal.row_forward`)."""
+        spec = self.config.mb_spec
+        self.config.mb_spec = MicroBatchSpec.new(spec, n_mbs=1, n_mbs_divisor=1, granularity=1)
+        try:
+            yield
+        finally:
+            self.config.mb_spec = spec
+
     def _record(self, rec: dict):
         self.tik_records.append(rec)
-        stats = {
-            "tik/recompute_skipped": float(rec.get("skipped", False)),
-            "tik/recompute_forward_s": float(rec.get("recompute_forward_s", 0.0)),
-            "tik/audit": float(bool(rec.get("audit"))),
-            "tik/fallback": float(self.fallback),
-        }
-        if "compare_tokens" in rec:
-            stats.update({"tik/compare_tokens": float(rec["compare_tokens"]),
-                          "tik/compare_mismatch_tokens": float(rec["compare_mismatch_tokens"]),
-                          "tik/compare_max_abs_diff": float(rec["compare_max_abs_diff"])})
-        if rec.get("audit") and "audit_tokens" in rec:
-            stats.update({"tik/audit_tokens": float(rec["audit_tokens"]),
-                          "tik/audit_mismatch_tokens": float(rec["audit_mismatch_tokens"]),
-                          "tik/audit_max_abs_diff": float(rec["audit_max_abs_diff"])})
-        for r in REASONS:
-            stats[f"tik/no_skip/{r}"] = float(r in rec.get("reasons", ()))
-        stats_tracker.scalar(**stats)
-        self._write_decision(rec)
-        logger.info("tik: %sversion %d %s%s%s", f"rank {rec['rank']}/{rec['ranks']} " if rec.get("ranks", 1) > 1 else "",
-                    rec["version"],
-                    "recompute SKIPPED" if rec.get("skipped") else "recompute ran",
-                    f" (reasons: {','.join(rec['reasons'])})" if rec.get("reasons") else "",
-                    (f"; audit {'EQUAL' if rec.get('audit_passed') else 'MISMATCH'} "
-                     f"{rec.get('audit_mismatch_tokens')}/{rec.get('audit_tokens')} max|diff|="
-                     f"{rec.get('audit_max_abs_diff')}") if "audit_tokens" in rec else "")
-
-    def _write_decision(self, rec: dict) -> None:
-        """One JSON line per batch in ``actor.tik.decision_log_dir``/rank<R>.jsonl (each rank its own
-        file: in single-controller mode the ranks are RPC workers whose records the controller never sees)."""
-        d = getattr(self.tik_cfg, "decision_log_dir", None) if self.tik_cfg is not None else None
-        if not d:
-            return
+        stats_tracker.scalar(**step_stats(rec, self.fallback))
         import torch.distributed as dist
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, f"rank{rank}.jsonl"), "a") as f:
-            f.write(json.dumps(rec, default=str) + "\n")
+        write_decision(rec, getattr(self.tik_cfg, "decision_log_dir", None) if self.tik_cfg is not None else None, rank)
+        logger.info(log_line(rec))

@@ -7,8 +7,9 @@ These subclasses add:
 - ``actor.kernel_backend``: ``default`` (AReaL as is) or ``tik`` (our kernels on both
   sides, recompute skipped when the skip rule of docs/design.md allows);
 - ``actor.tik``: the audit interval and the mismatch policy (``fallback`` to recompute
-  from then on, or ``raise``), and the process settings (``backend``, ``attention_backward``,
-  ``precompile``, ``profile_step``, ``server_device``: :class:`areal_tik.settings.Settings`).
+  from then on, or ``raise``), the process settings (``backend``, ``attention_backward``,
+  ``precompile``, ``profile_step``, ``server_device``: :class:`areal_tik.settings.Settings`) and
+  ``rollout_engine`` (a name of :mod:`areal_tik.areal.engines`; null: chosen from ``rollout.backend``).
 
 They live on the actor config (not the top level) because the actor engine only ever
 receives its own config slice, also in AReaL's single-controller mode where the class
@@ -24,10 +25,12 @@ from typing import Optional
 
 from areal.api.cli_args import PPOActorConfig, PPOConfig, PPOCriticConfig
 
+from areal_tik.areal import engines
 from areal_tik.settings import Settings, SettingsError
 
 KERNEL_BACKENDS = ("default", "tik")
 MISMATCH_POLICIES = ("fallback", "raise")
+WEIGHT_UPDATE_MODES = ("disk", "xccl", "awex")   # AReaL's update kinds (io_struct.WeightUpdateMeta.type)
 
 __all__ = [
     "KERNEL_BACKENDS",
@@ -41,8 +44,9 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """An invalid or inconsistent areal-tik config value; the message names the key."""
+class ConfigError(SettingsError):
+    """An invalid or inconsistent areal-tik config value; the message names the key (a user error:
+    the command line reports it in one line, exit status 2)."""
 
 
 @dataclass
@@ -81,8 +85,9 @@ class TikConfig:
     )
     backend: Optional[str] = field(
         default=None,
-        metadata={"help": "Kernel implementation per op: null (measured defaults), 'triton', or "
-                          "'attention_varlen=triton,attention_paged=triton'. AREAL_TIK_BACKEND overrides it."},
+        metadata={"help": "Kernel implementation per op: null (AREAL_TIK_BACKEND when set, else the measured "
+                          "defaults), 'triton', or 'attention_varlen=triton,attention_paged=triton'. A value set "
+                          "here wins over AREAL_TIK_BACKEND."},
     )
     attention_backward: str = field(
         default="auto",
@@ -101,6 +106,13 @@ class TikConfig:
         default=None,
         metadata={"help": "Device of the rollout server the trainer launches, e.g. 'cuda:1' (xccl needs "
                           "its own GPU); null: the trainer's."},
+    )
+    rollout_engine: Optional[str] = field(
+        default=None,
+        metadata={"help": "The rollout engine by name (areal_tik.areal.engines: 'tik' = areal-tik serve, 'vllm', "
+                          "'sglang' = AReaL's own). null: chosen from rollout.backend and actor.kernel_backend "
+                          "(vllm:... -> vllm; sglang:... -> tik, or AReaL's SGLang for default kernels when it is "
+                          "installed)."},
     )
     server_pythonpath: Optional[str] = field(
         default=None,
@@ -129,8 +141,8 @@ class TikConfig:
             raise ConfigError(f"actor.tik: {e}") from None
 
     def settings(self, kernels: str) -> Settings:
-        """The process's :class:`~areal_tik.settings.Settings` (``AREAL_TIK_BACKEND`` overrides
-        ``backend``)."""
+        """The process's :class:`~areal_tik.settings.Settings`: ``backend`` when set, else
+        ``AREAL_TIK_BACKEND`` (``Settings.from_env`` reads the variable only for a field the caller left None)."""
         return Settings.from_env(kernels=kernels, backend=self.backend, attention_backward=self.attention_backward,
                                  precompile=self.precompile, profile_step=self.profile_step,
                                  server_device=self.server_device)
@@ -152,6 +164,9 @@ class TikPPOActorConfig(PPOActorConfig):
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ConfigError(f"actor.kernel_backend must be one of {KERNEL_BACKENDS}, "
                               f"got {self.kernel_backend!r}")
+        if self.weight_update_mode not in WEIGHT_UPDATE_MODES:  # AReaL refuses others only once the model is loaded
+            raise ConfigError(f"actor.weight_update_mode must be one of {WEIGHT_UPDATE_MODES}, "
+                              f"got {self.weight_update_mode!r}")
         if isinstance(self.tik, dict):  # constructed by hand with a plain dict
             self.tik = TikConfig(**self.tik)
         super().__post_init__()
@@ -204,6 +219,10 @@ class TikPPOConfig(PPOConfig):
             if not c.is_critic:
                 raise ConfigError("critic.is_critic must be true (the critic is a value model)")
         a = self.actor
+        try:
+            engine = engines.for_config(self)
+        except engines.EngineError as e:
+            raise ConfigError(f"rollout.backend / actor.tik.rollout_engine: {e}") from None
         if a.kernel_backend != "tik":
             return
         g = self.gconfig
@@ -221,32 +240,11 @@ class TikPPOConfig(PPOConfig):
         if a.weight_update_mode not in ("disk", "xccl"):
             raise ConfigError(f"actor.weight_update_mode must be 'disk' or 'xccl' with actor.kernel_backend=tik, "
                               f"got {a.weight_update_mode!r} (what the tik server can receive)")
-        engine = str(self.rollout.backend).split(":", 1)[0].strip()
-        if engine not in ("sglang", "vllm"):
-            raise ConfigError(f"rollout.backend must be 'sglang:...' (areal-tik serve) or 'vllm:...' (vLLM with the "
-                              f"tik plugin) with actor.kernel_backend=tik, got {self.rollout.backend!r}")
-        if engine == "vllm":
-            self._check_tik_vllm()
+        check = engine.hook("check_config")
+        if check is not None:
+            check(self)
         if a.use_lora:
             raise ConfigError("actor.use_lora is not supported with actor.kernel_backend=tik")
-
-
-    def _check_tik_vllm(self):
-        from areal.api import ModelAllocation
-        try:
-            par = ModelAllocation.from_str(self.rollout.backend, name="rollout").parallel
-        except Exception as e:  # noqa: BLE001 - AReaL's parser has several error types
-            raise ConfigError(f"rollout.backend {self.rollout.backend!r}: {e}") from None
-        if par.tp_size != 1 or par.pp_size != 1:
-            raise ConfigError(f"rollout.backend must be 'vllm:dN' (tensor and pipeline parallel 1) with "
-                              f"actor.kernel_backend=tik: the tik vLLM models run on one GPU per server, got "
-                              f"{self.rollout.backend!r}")
-        v = self.vllm
-        if str(v.dtype) != "bfloat16":
-            raise ConfigError(f"vllm.dtype must be 'bfloat16' with actor.kernel_backend=tik (the tik vLLM models "
-                              f"run bf16 weights, as the trainer's digest assumes), got {v.dtype!r}")
-        if v.enable_lora:
-            raise ConfigError("vllm.enable_lora must be false with actor.kernel_backend=tik")
 
 
 @dataclass

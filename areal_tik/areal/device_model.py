@@ -30,7 +30,7 @@ def settings_of(config, kernels: str) -> Settings:
 def keep_rope_fp32(model) -> None:
     """FSDP2's ``cast_forward_inputs=True`` (hard-wired in AReaL's ``parallelize_model``) casts
     every floating tensor in a wrapped layer's inputs to bf16, including the fp32 RoPE table the
-    patched layers receive in their ``ForwardMeta``; the contract says that table is never cast.
+    patched layers receive in their step (``layers/steps.TikStep``); the contract says that table is never cast.
     A pre-hook registered after FSDP's (so it runs after the cast) puts the fp32 table back; the
     rollout server (no FSDP) uses the same table."""
     base = getattr(model, "model", None)

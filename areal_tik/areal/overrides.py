@@ -68,16 +68,18 @@ def check_keys(config_path: str, overrides) -> None:
             raise OverrideError(f"override {o!r}: {config_path} has no key {key}{hint}")
 
 
-def config_error_line(e: BaseException) -> str | None:
-    """One line for an error of loading a recipe with overrides (Hydra, OmegaConf, our config checks),
-    naming the key; None for any other exception."""
-    from areal_tik.areal.config import ConfigError
-    mod = type(e).__module__ or ""
-    if isinstance(e, ConfigError):
-        return str(e).splitlines()[0]
-    if not (mod.startswith("hydra") or mod.startswith("omegaconf")):
-        return None
+def config_error_line(e: BaseException) -> str:
+    """One line for an error of loading a recipe with overrides (Hydra's composition, OmegaConf's typed
+    merge, our config checks): the message's first line, the override Hydra could not parse (values
+    holding '=' need quotes), the key it names and the cause Hydra wraps (e.g. "Key 'x' is not in
+    struct" under "Could not override 'x'")."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    full_key = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("full_key:")), None)
-    first = lines[0] if lines else type(e).__name__
-    return f"{first} ({full_key})" if full_key and full_key not in first else first
+    line = lines[0] if lines else type(e).__name__
+    if getattr(e, "override", None):
+        line = f"override {e.override!r}: {line}"
+    key = getattr(e, "full_key", None) or next((x.split(":", 1)[1].strip() for x in lines
+                                                if x.startswith("full_key:")), None)
+    cause = e.__cause__ or e.__context__
+    more = (str(cause).splitlines() or [""])[0] if cause is not None else ""
+    return " ".join(x for x in (line, f"({key})" if key and key not in line else "",
+                                f"[{more}]" if more and more not in line else "") if x)

@@ -1,4 +1,4 @@
-"""Rollout side: AReaL's SGLang client pointed at ``areal-tik serve``.
+"""The ``tik`` rollout engine (``areal_tik.areal.engines``): AReaL's SGLang client pointed at ``areal-tik serve``.
 
 :class:`TikServerBackend` is AReaL's ``SGLangBackend`` (same HTTP requests and response
 parsing) whose ``launch_server`` starts ``areal-tik serve`` instead of SGLang;
@@ -7,7 +7,8 @@ single-controller mode launches servers through ``launch_server``; SPMD mode con
 ``AREAL_LLM_SERVER_ADDRS``, which :func:`launch_local_server` fills for our entry point.
 
 :func:`server_args` replaces ``SGLangConfig.build_args`` (which raises
-``PackageNotFoundError: sglang`` on a machine without SGLang, even in SPMD mode).
+``PackageNotFoundError: sglang`` on a machine without SGLang, even in SPMD mode); :func:`server_args_for` and
+:func:`launch_for` are the engine's registry hooks (from an experiment config).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from areal_tik.areal.ports import private_port_draws
 from areal_tik.settings import Settings
 
 __all__ = ["TikServerBackend", "TikRemoteSGLangEngine", "server_args", "server_settings", "serve_cmd",
-           "launch_local_server", "wait_healthy", "rollout_server_kind"]
+           "launch_local_server", "wait_healthy", "server_args_for", "launch_for"]
 
 
 def server_args(model_path: str, settings: Settings, dtype: str = "bfloat16", seed: int = 0,
@@ -86,19 +87,6 @@ def serve_cmd(args: dict[str, Any]) -> list[str]:
     return cmd
 
 
-def rollout_server_kind(config) -> str:
-    """Which rollout server a run uses: ``vllm`` (``rollout.backend: vllm:...``: AReaL's vLLM server through
-    :mod:`areal_tik.areal.vllm_server`, with the tik plugin when ``actor.kernel_backend=tik``), ``tik``
-    (``areal-tik serve``: ``sglang:...`` with tik kernels, or any kernels when SGLang is not installed) or
-    ``sglang`` (AReaL's own SGLang)."""
-    if str(config.rollout.backend).split(":", 1)[0].strip() == "vllm":
-        return "vllm"
-    if getattr(config.actor, "kernel_backend", "default") == "tik":
-        return "tik"
-    import importlib.util
-    return "sglang" if importlib.util.find_spec("sglang") is not None else "tik"
-
-
 class TikServerBackend(SGLangBackend):
     """SGLang's request/response handling; the server launched is ``areal-tik serve``."""
 
@@ -152,3 +140,18 @@ def launch_local_server(model_path: str, settings: Settings, port: int | None = 
         proc.terminate()
         raise
     return proc, addr
+
+
+def server_args_for(config, settings: Settings, parallel=None) -> dict[str, Any]:
+    """The registry's ``server_args`` hook: :func:`server_args` from an experiment config (the model dir, the
+    actor's dtype, the seed, :func:`server_settings`)."""
+    return server_args(config.sglang.model_path or config.actor.path, settings, dtype=config.actor.dtype,
+                       seed=config.seed, **server_settings(config))
+
+
+def launch_for(config, settings: Settings, log_dir: str) -> tuple[subprocess.Popen, str]:
+    """The registry's ``launch`` hook: one ``areal-tik serve`` for the SPMD entry point, on
+    ``settings.server_device``, logging to ``<log_dir>/tik_server.log``."""
+    return launch_local_server(config.sglang.model_path or config.actor.path, settings, dtype=config.actor.dtype,
+                               seed=config.seed, device=settings.server_device,
+                               log_path=os.path.join(log_dir, "tik_server.log"), **server_settings(config))

@@ -27,10 +27,11 @@ Recipe conventions resolved here (the only place that reads files / environment)
   ``launch_server`` starts ``areal-tik serve``; the workflow travels as a dotted path.
 - Without ``scheduler.type`` (null) this process runs AReaL's SPMD mode as a world of
   one (``AREAL_SPMD_MODE=1``, gloo on a CPU); if ``AREAL_LLM_SERVER_ADDRS`` is unset it
-  starts ``areal-tik serve`` itself (``actor.tik.server_device`` picks its device, e.g.
-  ``cuda:1``) and stops it at the end; with ``rollout.backend: vllm:...`` it starts AReaL's
-  vLLM server instead (``python -m areal_tik.areal.vllm_server``, log ``vllm_server.log``),
-  stock or, with ``actor.kernel_backend=tik``, with the tik plugin.
+  starts one server of the run's rollout engine (:func:`areal_tik.areal.engines.for_config`,
+  its ``launch`` hook: ``areal-tik serve``, log ``tik_server.log``; with ``rollout.backend: vllm:...``
+  AReaL's vLLM server, ``python -m areal_tik.areal.vllm_server``, log ``vllm_server.log``, stock or,
+  with ``actor.kernel_backend=tik``, with the tik plugin) on ``actor.tik.server_device`` (e.g.
+  ``cuda:1``) and stops it at the end. An engine without a ``launch`` hook (AReaL's SGLang) is refused.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import sys
 import time
 import urllib.parse
 
+from areal_tik.areal import engines
 from areal_tik.areal.ports import private_port_draws
 from areal_tik.areal.warmstart import WARM_PREFIX, cached_warm_start, warm_cache_root
 
@@ -158,28 +160,46 @@ def run_dir() -> str:
 
 
 def load_config(argv):
-    """The recipe with its overrides, through AReaL's loader into :class:`TikGRPOConfig`. A bad override or
-    value: :class:`~areal_tik.areal.config.ConfigError` from our checks, else
-    :class:`~areal_tik.areal.overrides.OverrideError` with Hydra's or OmegaConf's reason in one line."""
+    """The recipe and overrides of ``argv`` as a :class:`TikGRPOConfig` (``${tik_run_dir:}`` in it: this
+    run's own working folder, :func:`run_dir`). What Hydra, OmegaConf or a config check refuses (a missing
+    key, a value of the wrong type, an unknown override) raises :class:`ConfigError` in one line
+    (:func:`~areal_tik.areal.overrides.config_error_line`)."""
     from areal.api.cli_args import load_expr_config
 
     from omegaconf import OmegaConf
 
     from areal_tik.areal.config import ConfigError, TikGRPOConfig
-    from areal_tik.areal.overrides import OverrideError, config_error_line
+    from areal_tik.areal.overrides import config_error_line
     if not OmegaConf.has_resolver("tik_run_dir"):
         OmegaConf.register_new_resolver("tik_run_dir", run_dir)
     try:
         config, _ = load_expr_config(argv, TikGRPOConfig)
     except ConfigError:
         raise
-    except Exception as e:  # noqa: BLE001 - Hydra and OmegaConf raise many types; others pass through
-        line = config_error_line(e)
-        if line is None:
-            raise
-        raise OverrideError(line) from e
+    except Exception as e:  # noqa: BLE001 - composing and checking the config only reads the recipe and argv
+        raise ConfigError(config_error_line(e)) from e
     config.tokenizer_path = resolve_tokenizer(config.tokenizer_path)
     return config
+
+
+def check_kernels(config) -> None:
+    """``actor.kernel_backend=tik``: the backend spec (``actor.tik.backend`` or ``AREAL_TIK_BACKEND``) can run
+    here and keeps its contract for the actor's model (head dim, the server's KV page size), checked from
+    the model's config before anything is built or launched; else :class:`ConfigError` in one line."""
+    from areal_tik.areal.config import ConfigError
+    from areal_tik.dispatch import BackendUnavailable
+    from areal_tik.engine.kernel_check import KernelShapeError, check_kernel_shapes
+    if config.actor.kernel_backend != "tik":
+        return
+    backend = config.actor.tik.settings("tik").backend
+    path = config.actor.path
+    model = path.split(":", 1)[1] if path.startswith("preset:") else path if os.path.isdir(path) else None
+    try:
+        check_kernel_shapes(model, backend)
+    except (BackendUnavailable, KernelShapeError) as e:
+        if not backend:
+            raise
+        raise ConfigError(f"actor.tik.backend={backend}: {str(e).splitlines()[0]}") from None
 
 
 def check_xccl_layout(weight_update_mode: str, server_device: str | None) -> None:
@@ -202,24 +222,28 @@ def check_xccl_layout(weight_update_mode: str, server_device: str | None) -> Non
         raise SystemExit(f"actor.tik.server_device={server_device}: only {torch.cuda.device_count()} GPU(s) visible")
 
 
-def launch_vllm(config, settings, log_path: str):
-    """AReaL's vLLM server (:mod:`areal_tik.areal.vllm_server`; the tik plugin with ``actor.kernel_backend=tik``)
-    for ``rollout.backend: vllm:...`` in SPMD mode, on ``actor.tik.server_device`` (default: the trainer's GPU)."""
-    from areal.api import ModelAllocation
-    from areal.utils.network import find_free_ports
-
-    from areal_tik.areal.vllm_launch import launch_local_vllm_server, vllm_server_args
-    par = ModelAllocation.from_str(config.rollout.backend, name="rollout").parallel
-    args = vllm_server_args(config.vllm, settings, tp_size=par.tp_size, pp_size=par.pp_size, host="127.0.0.1",
-                            port=find_free_ports(1)[0], pythonpath=config.actor.tik.server_pythonpath)
-    return launch_local_vllm_server(args, device=settings.server_device, log_path=log_path,
-                                    timeout=max(900.0, float(getattr(config.rollout, "setup_timeout", 0) or 0)))
+def launch_rollout_server(config, log_dir: str):
+    """SPMD mode without ``AREAL_LLM_SERVER_ADDRS``: start one server of the run's rollout engine (its ``launch``
+    hook) and return ``(Popen, "host:port")``; ``SystemExit`` for an engine this entry point does not start."""
+    engine = engines.for_config(config)
+    launch = engine.hook("launch")
+    if launch is None:
+        # e.g. AReaL's SGLang client, which in SPMD mode only connects: nobody would start a server and the
+        # trainer would hang
+        raise SystemExit(f"the {engine.name} rollout engine ({engine.summary}) is not started by this entry point in "
+                         f"SPMD mode (scheduler.type null): start its server and set AREAL_LLM_SERVER_ADDRS=host:port, "
+                         f"use scheduler.type=local (AReaL launches it), or pick another actor.tik.rollout_engine")
+    settings = config.actor.tik.settings(config.actor.kernel_backend)
+    check_xccl_layout(config.actor.weight_update_mode, settings.server_device)
+    os.makedirs(log_dir, exist_ok=True)
+    return launch(config, settings, log_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     own, argv = _split_own_args(list(sys.argv[1:] if argv is None else argv))
     config = load_config(argv)
     private_port_draws()   # two runs of one seed at once must not draw the same ports
+    check_kernels(config)
     spmd = config.scheduler.type in (None, "", "null")
     if spmd:
         _spmd_env()
@@ -252,7 +276,6 @@ def main(argv: list[str] | None = None) -> int:
     from areal.utils.hf_utils import load_hf_tokenizer
     from areal.workflow.rlvr import RLVRWorkflow
 
-    from areal_tik.areal.rollout import launch_local_server, rollout_server_kind, server_settings
     from areal_tik.areal.trainer import TikPPOTrainer
 
     tokenizer = load_hf_tokenizer(config.tokenizer_path)
@@ -260,25 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     stamp("tokenizer + data set loaded")
 
     server = None
-    kind = rollout_server_kind(config)
-    if spmd and kind == "sglang" and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
-        # SGLang is installed, so the default arm would use AReaL's own SGLang client, which in
-        # SPMD mode only connects: nobody would start a server and the trainer would hang.
-        raise SystemExit("actor.kernel_backend=default with SGLang installed in SPMD mode (scheduler.type null): "
-                         "start an SGLang server and set AREAL_LLM_SERVER_ADDRS=host:port, or use "
-                         "scheduler.type=local (AReaL launches it)")
-    if spmd and kind in ("tik", "vllm") and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
-        settings = config.actor.tik.settings(config.actor.kernel_backend)
-        check_xccl_layout(config.actor.weight_update_mode, settings.server_device)
+    if spmd and not os.getenv("AREAL_LLM_SERVER_ADDRS"):
         log_dir = os.path.join(config.cluster.fileroot, config.experiment_name, config.trial_name)
-        os.makedirs(log_dir, exist_ok=True)
-        if kind == "vllm":
-            server, addr = launch_vllm(config, settings, os.path.join(log_dir, "vllm_server.log"))
-        else:
-            server, addr = launch_local_server(model_dir, settings, dtype=config.actor.dtype,
-                                               seed=config.seed, device=settings.server_device,
-                                               log_path=os.path.join(log_dir, "tik_server.log"),
-                                               **server_settings(config))
+        server, addr = launch_rollout_server(config, log_dir)
         os.environ["AREAL_LLM_SERVER_ADDRS"] = addr
         stamp(f"rollout server up at {addr}")
     try:

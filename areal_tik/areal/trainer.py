@@ -6,11 +6,11 @@
 - the critic (PPO recipes, ``critic.backend: fsdp:...`` with a :class:`TikPPOCriticConfig`)
   is a :class:`TikFSDPPPOCritic`: its value model is patched like the actor's
   (``critic.kernel_backend``, ``auto`` = ``actor.kernel_backend``);
-- the rollout engine is :class:`TikRemoteSGLangEngine` when ``actor.kernel_backend=tik``
-  or when SGLang is not installed; its server args come from :func:`rollout.server_args`,
-  not ``SGLangConfig.build_args`` (which needs the sglang package); with ``rollout.backend: vllm:...``
-  it is :class:`~areal_tik.areal.vllm_launch.TikRemotevLLMEngine` (AReaL's vLLM client; its servers run
-  :mod:`areal_tik.areal.vllm_server`, stock or with the tik plugin: :func:`vllm_launch.vllm_server_args`);
+- the rollout engine is the run's entry of :mod:`areal_tik.areal.engines` (``engines.for_config``): its
+  ``client`` class with its ``server_args`` (``tik``: :class:`TikRemoteSGLangEngine` with
+  :func:`rollout.server_args`, not ``SGLangConfig.build_args``, which needs the sglang package; ``vllm``:
+  AReaL's vLLM client whose servers run :mod:`areal_tik.areal.vllm_server`, stock or with the tik plugin); an
+  engine without a client (``sglang``) is AReaL's own path;
 - after every step the stats AReaL commits (timings ``timeperf/*``, rewards, ``tik/*``)
   are also appended as one JSON line to ``step_log`` (the A/B harness reads it), with the
   Triton JIT compiles of this process during the step (``jit``);
@@ -36,25 +36,30 @@ from areal.trainer.rl_trainer import PPOTrainer
 from areal.utils import logging
 from areal.utils.environ import is_single_controller
 
+from areal_tik.areal import engines
 from areal_tik.areal.actor import TikFSDPPPOActor
 from areal_tik.areal.config import TikPPOActorConfig, TikPPOCriticConfig
 from areal_tik.areal.consensus import TikServerError
 from areal_tik.areal.critic import TikFSDPPPOCritic
-from areal_tik.areal.rollout import TikRemoteSGLangEngine, rollout_server_kind, server_args, server_settings
-from areal_tik.areal.vllm_launch import TikRemotevLLMEngine, vllm_server_args
 from areal_tik.areal.watch import Deadline, ServerWatch, dead_servers, install_main_handler, interrupt_main_with
 from areal_tik.kernels import jit_watch
 
 logger = logging.getLogger("TikTrainer")
 
-__all__ = ["TikPPOTrainer", "use_tik_server", "TEARDOWN_GRACE_S"]
+__all__ = ["TikPPOTrainer", "rollout_client", "TEARDOWN_GRACE_S"]
 
 TEARDOWN_GRACE_S = 30.0  # after a dead server is reported (or a failed run), the process exits hard if still alive this much later
 
 
-def use_tik_server(config) -> bool:
-    """Launch/talk to ``areal-tik serve`` (``sglang:...`` with tik kernels, or default kernels without SGLang)."""
-    return rollout_server_kind(config) == "tik"
+def rollout_client(config, parallel) -> tuple[type, dict[str, Any]] | None:
+    """``(client class, server args)`` of the run's rollout engine (:func:`engines.for_config`), or None for an
+    engine AReaL drives itself (no ``client`` hook)."""
+    engine = engines.for_config(config)
+    client = engine.hook("client")
+    if client is None:
+        return None
+    settings = config.actor.tik.settings(getattr(config.actor, "kernel_backend", "default"))
+    return client, engine.need("server_args")(config, settings, parallel)
 
 
 class TikPPOTrainer(PPOTrainer):
@@ -176,27 +181,18 @@ class TikPPOTrainer(PPOTrainer):
         return critic
 
     def _init_rollout(self, rollout_config, is_eval: bool = False, lora_path: str | None = None):
-        kind = rollout_server_kind(self.config)
-        if kind == "sglang" or self.rollout_alloc.backend not in ("sglang", "vllm"):
+        wired = rollout_client(self.config, self.rollout_alloc.parallel)
+        if wired is None:
             return super()._init_rollout(rollout_config, is_eval=is_eval, lora_path=lora_path)
+        engine_cls, args = wired
         if lora_path is not None:
-            raise ValueError(f"LoRA is not supported with the areal-tik rollout path ({kind} server)")
+            raise ValueError(f"LoRA is not supported with the areal-tik rollout path ({engine_cls.__name__})")
         config = deepcopy(rollout_config)
         if is_eval:
             config.max_head_offpolicyness = int(1e12)
             config.scheduling_strategy = SchedulingStrategy(type=SchedulingStrategyType.colocation, target="rollout")
             for spec in config.scheduling_spec:
                 spec.gpu = 0
-        settings = self.config.actor.tik.settings(getattr(self.config.actor, "kernel_backend", "default"))
-        if kind == "vllm":
-            engine_cls = TikRemotevLLMEngine
-            par = self.rollout_alloc.parallel
-            args = vllm_server_args(self.config.vllm, settings, tp_size=par.tp_size, pp_size=par.pp_size,
-                                    pythonpath=self.config.actor.tik.server_pythonpath)
-        else:
-            engine_cls = TikRemoteSGLangEngine
-            args = server_args(self.config.sglang.model_path or self.config.actor.path, settings,
-                               dtype=self.config.actor.dtype, seed=self.config.seed, **server_settings(self.config))
         if not is_single_controller():
             engine = engine_cls(config)
             engine.initialize(train_data_parallel_size=self.actor_alloc.parallel.dp_size)

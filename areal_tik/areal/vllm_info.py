@@ -82,8 +82,7 @@ def worker_facts(model, ops, hook_installed: bool, digest_fn=None) -> dict:
     None; ``digest_fn(model) -> str`` (default: the bf16 digest of :func:`weights_items`).
 
     ``tik_model`` holds only when the model class is one the plugin registers and every tik module in
-    it calls ``ops`` (the ops the fingerprint describes); the fingerprint is reported only then, and
-    only when the registry would select the same implementations now."""
+    it calls ``ops``; the fingerprint (of those bound ops) is reported only then."""
     from areal_tik.layers.modules import TikLinear, TikRMSNorm
     from areal_tik.vllm_plugin import ARCHITECTURES
     tik_mods = [m for m in model.modules() if isinstance(m, (TikLinear, TikRMSNorm))]
@@ -92,10 +91,8 @@ def worker_facts(model, ops, hook_installed: bool, digest_fn=None) -> dict:
     fingerprint, selection = None, None
     if is_tik:
         from areal_tik.dispatch.fingerprint import compute
-        fp = compute(ops.backend)
-        selection = ops.selection
-        if fp["selection"] == selection:
-            fingerprint = fp["fingerprint"]
+        fp = compute(ops)
+        fingerprint, selection = fp["fingerprint"], fp["selection"]
     if digest_fn is None:
         import torch
 

@@ -1,4 +1,5 @@
-"""Starting AReaL's vLLM server (``rollout.backend: vllm:...``) as :mod:`areal_tik.areal.vllm_server`.
+"""The ``vllm`` rollout engine (``areal_tik.areal.engines``): AReaL's vLLM server (``rollout.backend: vllm:...``)
+started as :mod:`areal_tik.areal.vllm_server`.
 
 Two kinds of server, one command line each, both built from AReaL's own ``vLLMConfig.build_args``
 (the ``vllm.*`` keys of the experiment config, tensor/pipeline sizes from the rollout allocation):
@@ -12,7 +13,8 @@ Two kinds of server, one command line each, both built from AReaL's own ``vLLMCo
 Only the module changes (ours runs AReaL's server after aliasing what vLLM 0.24 moved).
 :class:`TikVLLMBackend` / :class:`TikRemotevLLMEngine` are AReaL's vLLM client whose
 ``launch_server`` starts that module (AReaL's single-controller mode); :func:`launch_local_vllm_server`
-starts it for the SPMD entry point.
+starts it for the SPMD entry point. :func:`server_args_for`, :func:`launch_for` and :func:`check_tik_config` are
+the engine's registry hooks (from an experiment config).
 """
 from __future__ import annotations
 
@@ -22,17 +24,21 @@ import subprocess
 import sys
 from typing import Any
 
+from areal.api import ModelAllocation
 from areal.api.cli_args import InferenceEngineConfig, get_py_cmd, vLLMConfig
 from areal.engine.vllm_remote import RemotevLLMEngine, VLLMBackend
 from areal.infra import RemoteInfEngine
+from areal.utils.network import find_free_ports
 
+from areal_tik.areal.config import ConfigError
 from areal_tik.areal.ports import private_port_draws
 from areal_tik.areal.rollout import wait_healthy
 from areal_tik.areal.vllm_info import TIK_WORKER_EXTENSION
 from areal_tik.settings import BACKEND_ENV, Settings
 
 __all__ = ["SERVER_MODULE", "ENV_KEY", "model_type_of", "tik_engine_args", "vllm_server_args", "vllm_cmd",
-           "server_env", "TikVLLMBackend", "TikRemotevLLMEngine", "launch_local_vllm_server"]
+           "server_env", "TikVLLMBackend", "TikRemotevLLMEngine", "launch_local_vllm_server", "server_args_for",
+           "launch_for", "check_tik_config"]
 
 SERVER_MODULE = "areal_tik.areal.vllm_server"
 ENV_KEY = "areal_tik_env"   # server_args entry holding the server's environment additions (never a flag)
@@ -131,3 +137,43 @@ def launch_local_vllm_server(args: dict[str, Any], device: str | None = None, lo
         proc.terminate()
         raise
     return proc, addr
+
+
+def _parallel(config):
+    return ModelAllocation.from_str(config.rollout.backend, name="rollout").parallel
+
+
+def server_args_for(config, settings: Settings, parallel=None, host: str | None = None,
+                    port: int | None = None) -> dict[str, Any]:
+    """The registry's ``server_args`` hook: :func:`vllm_server_args` from an experiment config (``vllm.*``, the
+    rollout allocation's tensor/pipeline sizes, ``actor.tik.server_pythonpath``)."""
+    par = parallel or _parallel(config)
+    return vllm_server_args(config.vllm, settings, tp_size=par.tp_size, pp_size=par.pp_size, host=host, port=port,
+                            pythonpath=config.actor.tik.server_pythonpath)
+
+
+def launch_for(config, settings: Settings, log_dir: str) -> tuple[subprocess.Popen, str]:
+    """The registry's ``launch`` hook: one vLLM server for the SPMD entry point, on ``actor.tik.server_device``
+    (default: the trainer's GPU), logging to ``<log_dir>/vllm_server.log``."""
+    args = server_args_for(config, settings, host="127.0.0.1", port=find_free_ports(1)[0])
+    return launch_local_vllm_server(args, device=settings.server_device, log_path=os.path.join(log_dir, "vllm_server.log"),
+                                    timeout=max(900.0, float(getattr(config.rollout, "setup_timeout", 0) or 0)))
+
+
+def check_tik_config(config) -> None:
+    """The registry's ``check_config`` hook, for ``actor.kernel_backend=tik``: one GPU per server (tensor and
+    pipeline parallel 1), bf16 weights (what the trainer's digest assumes), no LoRA."""
+    try:
+        par = _parallel(config)
+    except Exception as e:  # noqa: BLE001 - AReaL's parser has several error types
+        raise ConfigError(f"rollout.backend {config.rollout.backend!r}: {e}") from None
+    if par.tp_size != 1 or par.pp_size != 1:
+        raise ConfigError(f"rollout.backend must be 'vllm:dN' (tensor and pipeline parallel 1) with "
+                          f"actor.kernel_backend=tik: the tik vLLM models run on one GPU per server, got "
+                          f"{config.rollout.backend!r}")
+    v = config.vllm
+    if str(v.dtype) != "bfloat16":
+        raise ConfigError(f"vllm.dtype must be 'bfloat16' with actor.kernel_backend=tik (the tik vLLM models "
+                          f"run bf16 weights, as the trainer's digest assumes), got {v.dtype!r}")
+    if v.enable_lora:
+        raise ConfigError("vllm.enable_lora must be false with actor.kernel_backend=tik")

@@ -13,7 +13,8 @@ DEFAULT_STEPS = 12   # 11 measured steps per arm: an interval worth reading (few
 def add_parser(sub):
     p = sub.add_parser(
         "ab", help="throughput A/B of AReaL runs (same recipe, seed, data): stock vLLM (vllm), our engine "
-                   "on default kernels (baseline), tik, vLLM + tik (vllm_tik)",
+                   "on default kernels (baseline), tik, vLLM + tik (vllm_tik), stock vLLM with AReaL's loglinear "
+                   "proximal log-probs (vllm_loglinear)",
         description="Run AReaL's trainer once per arm on the same recipe, seed and data, one arm after the other, "
                     "then write a report folder (summary.md, report.json, steps.csv, step_time.png, reward.png) and "
                     "print the summary: the step-throughput ratio of each arm against the reference (vllm when in "
@@ -37,8 +38,9 @@ def add_parser(sub):
                    help="AReaL's cluster.fileroot for the arms (model dirs, checkpoints, name_resolve records); "
                         "default: <out>/runs")
     p.add_argument("--set", dest="arm_set", default="baseline,tik",
-                   help="the arms compared, comma-separated from vllm, baseline, tik, vllm_tik (vllm,tik,vllm_tik "
-                        "compares with stock vLLM); ratios are taken against vllm when it is in the set, else baseline")
+                   help="the arms compared, comma-separated from vllm, vllm_loglinear, baseline, tik, vllm_tik "
+                        "(vllm,tik,vllm_tik compares with stock vLLM); ratios are taken against vllm when it is in "
+                        "the set, else baseline")
     p.add_argument("--arms", default="both",
                    help="which arms of --set to run now: both/all (every arm), a comma-separated subset (the others are "
                         "read from --out, written by earlier calls; the report is written once all are there), or "
@@ -50,8 +52,9 @@ def add_parser(sub):
 
 def check_args(args) -> None:
     """Refuse bad arguments before either arm starts (``UsageError``)."""
-    from areal_tik.cli.errors import need, need_file, need_float, need_int
-    need_file("--config", args.config)
+    from areal_tik.cli.errors import need, need_float, need_int
+    from areal_tik.cli.train import check_recipe
+    check_recipe(args.config)
     need_int("--steps", args.steps, lo=1)
     need_float("--timeout", args.timeout, lo=0, lo_open=True, optional=True)
     from areal_tik.ab.runner import parse_arms

@@ -26,6 +26,54 @@ def _need_db(db: str) -> None:
         raise UsageError(f"--db {db!r}: no such file; give the SQLite file of an earlier 'areal-tik agent init'")
 
 
+def _store(db: str, read_only: bool = False):
+    """The agent's store in ``db``; a file that is not one is a user error."""
+    import sqlite3
+
+    from areal_tik.agent.store import Store
+    try:
+        store = Store(db, read_only=read_only)
+        store.runs()  # a file that is no SQLite database (or not this one) fails at its first query
+        return store
+    except sqlite3.Error as e:
+        raise UsageError(f"--db {db!r} is not an agent database ({e}); give the file of 'areal-tik agent init'") \
+            from None
+
+
+def _need_run(store, db: str, name: str):
+    run = store.run(name)
+    if run is None:
+        raise UsageError(f"no run {name!r} in {db}; 'areal-tik agent status --db {db}' lists them "
+                         "('areal-tik agent init' starts one)")
+    return run
+
+
+def _need_task(op: str, preset: str) -> None:
+    from areal_tik.agent.tasks import TASKS
+    if op not in TASKS:
+        raise UsageError(f"--op {op!r}: no agent task for it; choose from {', '.join(sorted(TASKS))}")
+    presets = TASKS[op].presets
+    if preset not in presets:
+        raise UsageError(f"--preset {preset!r}: not a workload preset of --op {op}; choose from "
+                         f"{', '.join(sorted(presets))}")
+
+
+def _replay_script(path: str | None) -> list:
+    if not path:
+        raise UsageError("--proposer replay: give --script (a JSON list of {source, meta, description})")
+    if not os.path.isfile(path):
+        raise UsageError(f"--script {path!r}: no such file")
+    try:
+        with open(path) as f:
+            script = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UsageError(f"--script {path!r} is not valid JSON: {str(e).splitlines()[0]}") from None
+    if not isinstance(script, list):
+        raise UsageError(f"--script {path!r} holds a JSON {type(script).__name__}; give a list of "
+                         "{source, meta, description}")
+    return script
+
+
 def _workdir(db: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(db)), "agent_work")
 
@@ -41,8 +89,7 @@ def _proposer(args):
             raise UsageError("llm proposer: give --model")
         return proposers.LLMProposer(cfg)
     if args.proposer == "replay":
-        with open(args.script) as f:
-            return proposers.ReplayProposer(json.load(f))
+        return proposers.ReplayProposer(_replay_script(args.script))
     return proposers.OfflineProposer()
 
 
@@ -58,14 +105,15 @@ def _timer(choice: str) -> str:
 def cmd_init(args) -> int:
     from areal_tik.agent import roles
     from areal_tik.agent.evaluator import Evaluator
-    from areal_tik.agent.store import Store
     from areal_tik.dispatch.fingerprint import environment
+    _need_task(args.op, args.preset)
     timer = _timer(args.timer)
+    proposer = _proposer(args)
     env = environment()
-    store = Store(args.db)
+    store = _store(args.db)
     ev = Evaluator(_workdir(args.db), timeout_s=args.timeout)
     try:
-        run = roles.initialize(store, ev, _proposer(args), args.name, args.op, args.preset, timer,
+        run = roles.initialize(store, ev, proposer, args.name, args.op, args.preset, timer,
                                device=(env.get("gpu") or {}).get("name", "cpu"), env=env)
     finally:
         ev.close()
@@ -119,19 +167,21 @@ def cmd_run(args) -> int:
     from rich.live import Live
     from areal_tik.agent.evaluator import Evaluator
     from areal_tik.agent.loop import Budget, run_loop
-    from areal_tik.agent.store import Store
-    store = Store(args.db)
+    _need_db(args.db)
+    proposer = _proposer(args)
+    store = _store(args.db)
+    _need_run(store, args.db, args.name)
     ev = Evaluator(_workdir(args.db), timeout_s=args.timeout)
     budget = Budget(max_candidates=args.max_candidates, minutes=args.minutes, tokens=args.token_budget_run,
                     stagnation=args.stagnation)
     view = _Live(args.name)
     try:
         if args.no_live:
-            summ = run_loop(store, args.name, _proposer(args), ev, budget,
+            summ = run_loop(store, args.name, proposer, ev, budget,
                             on_event=lambda e: print(json.dumps(e, default=str)))
         else:
             with Live(view.table(), console=view.console, refresh_per_second=4) as live:
-                summ = run_loop(store, args.name, _proposer(args), ev, budget, on_event=lambda e: view(e, live))
+                summ = run_loop(store, args.name, proposer, ev, budget, on_event=lambda e: view(e, live))
     finally:
         ev.close()
     fin = summ.get("final") or {}
@@ -143,9 +193,8 @@ def cmd_run(args) -> int:
 
 def cmd_status(args) -> int:
     from areal_tik.agent.roles import summarize
-    from areal_tik.agent.store import Store
     _need_db(args.db)
-    store = Store(args.db, read_only=True)
+    store = _store(args.db, read_only=True)
     sums = [summarize(store, r.id) for r in store.runs() if not args.name or r.name == args.name]
     if args.json:
         from areal_tik.cli.output import print_json
@@ -168,17 +217,16 @@ def cmd_status(args) -> int:
 
 def cmd_show(args) -> int:
     from areal_tik.agent.roles import summarize
-    from areal_tik.agent.store import Store
     _need_db(args.db)
-    store = Store(args.db, read_only=True)
-    run = store.run(args.name)
-    if run is None:
-        raise UsageError(f"no run {args.name!r} in {args.db}; 'areal-tik agent status --db {args.db}' lists them")
+    store = _store(args.db, read_only=True)
+    run = _need_run(store, args.db, args.name)
     if args.plot:
         from areal_tik.agent.plot import plot_lineage
         print(plot_lineage(store, args.name, args.plot))
     if args.version is not None:
         v = store.version(args.version)
+        if v is None:
+            raise UsageError(f"--version {args.version}: no such version in {args.db}")
         out = {"version": v.to_dict(), "checks": [c.to_dict() for c in store.checks(v.id)],
                "decisions": [d.to_dict() for d in store.decisions(run.id, v.id)],
                "measurements": [m.to_dict() for m in store.measurements(v.id)], "lineage": store.lineage(v.id)}
@@ -194,14 +242,13 @@ def cmd_show(args) -> int:
 
 def cmd_export(args) -> int:
     from areal_tik.agent.export import ExportRefused, export_best
-    from areal_tik.agent.store import Store
     _need_db(args.db)
-    store = Store(args.db, read_only=True)
+    store = _store(args.db, read_only=True)
+    _need_run(store, args.db, args.name)
     try:
         r = export_best(store, args.name, out_dir=args.out_dir)
     except ExportRefused as e:
-        print(f"export refused: {e}")
-        return 2
+        raise UsageError(f"export refused: {e}") from None
     print(json.dumps(r, indent=1))
     return 0
 

@@ -13,12 +13,17 @@ def _version(pkg: str) -> str | None:
 
 def collect() -> dict:
     from areal_tik.dispatch import fingerprint, registry
+    from areal_tik.dispatch.bound import bind
     env = fingerprint.environment()
     env["transformers"] = _version("transformers")
     env["areal"] = _version("areal")
     env["areal_tik"] = _version("areal-tik")
     from areal_tik.settings import Settings
-    fp = fingerprint.compute(Settings.from_env().backend, env=env)
+    spec = Settings.from_env().backend
+    try:   # the ops a process started with this environment would bind
+        fp = fingerprint.compute(bind(spec), env=env)
+    except registry.BackendUnavailable as e:
+        fp = {"fingerprint": f"unavailable: {e}", "selection": {}}
     status = registry.backend_status()
     from areal_tik.kernels.attention import flash_backward as attention_backward
     from areal_tik import vllm_plugin

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 
 def add_parser(sub):
@@ -23,7 +24,9 @@ def add_parser(sub):
     p.add_argument("--no-precompile", action="store_true", help="do not compile the linear tile configs at start-up")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="weight dtype")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (and a preset's weights)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the per-request seed drawn for a request without sampling_seed (and a preset's "
+                        "random weights)")
     p.add_argument("--served-model-name", default=None, help="the model name the API reports (default: --model)")
     p.add_argument("--max-running-requests", type=int, default=256,
                    help="sequences decoded together (the decode batch bound)")
@@ -62,15 +65,54 @@ def check_args(args) -> None:
     need_port_free(args.host, args.port)
 
 
+def ignored_options(args) -> list[str]:
+    """One line for each option given that has no effect with the others."""
+    out = []
+    if args.kernels == "default":
+        if args.backend:
+            out.append("--backend is ignored with --kernels default (the model runs HF's own kernels)")
+        if args.no_precompile:
+            out.append("--no-precompile is ignored with --kernels default (nothing is precompiled)")
+    if args.disable_cuda_graph:
+        for flag, value in (("--cuda-graph-max-bs", args.cuda_graph_max_bs),
+                            ("--prefill-graph-max-tokens", args.prefill_graph_max_tokens)):
+            if value is not None:
+                out.append(f"{flag} is ignored with --disable-cuda-graph (every step runs eager)")
+    return out
+
+
+def check_kernels(args, settings) -> None:
+    """With the tik kernels: the requested backend is available here and keeps its contract at the
+    model's head dim and the engine's KV page size, before the model is built; a refusal is a
+    ``UsageError`` naming where the request came from (``--backend`` or ``AREAL_TIK_BACKEND``)."""
+    if settings.kernels != "tik":
+        return
+    from areal_tik.cli.errors import UsageError
+    from areal_tik.dispatch import BackendUnavailable
+    from areal_tik.engine.kernel_check import KernelShapeError, check_kernel_shapes
+    where = f"--backend {args.backend}" if args.backend else f"AREAL_TIK_BACKEND={settings.backend}"
+    try:
+        check_kernel_shapes(args.model, settings.backend)
+    except BackendUnavailable as e:
+        if not settings.backend:
+            raise
+        raise UsageError(f"{where}: {e}") from None
+    except KernelShapeError as e:
+        raise UsageError(f"{where}: {e}") from None
+
+
 def run(args) -> int:
     check_args(args)
     from areal_tik.dispatch.process import configure_process
     from areal_tik.engine.server import ServerConfig, build, run_server
     from areal_tik.settings import Settings
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for line in ignored_options(args):
+        print(f"areal-tik serve: warning: {line}", file=sys.stderr)
     settings = Settings.from_env(kernels=args.kernels, backend=args.backend, attention_backward=args.attention_backward,
                                  precompile=not args.no_precompile)
+    check_kernels(args, settings)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     configure_process(settings)
     cfg = ServerConfig(model=args.model, kernels=settings.kernels, backend=settings.backend,
                        precompile=settings.precompile, host=args.host, port=args.port,

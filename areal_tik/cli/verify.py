@@ -1,12 +1,18 @@
 """``areal-tik verify``: rollout log-probs vs training log-probs, bit for bit, per regime.
 
-Builds a model (preset or HF directory), patches it (``--kernels tik|default``), runs the
-regime harness (``engine/parity.py``: R2 prefill batch mix, R3 chunked prefill, R4
-continuous batching, R5 abort/resume + weight update + preemption, R1 training packings
-with autograd) and reports mismatching tokens per regime with max |diff|. Exit status 1
-on any mismatch (so ``--kernels default`` is expected to fail: the baseline).
+Runs the ``verify`` entry of the rollout engine named by ``--engine`` (``areal_tik.areal.engines``): ours
+(``tik``: R2 prefill batch mix, R3 chunked prefill, R4 continuous batching, R5 abort/resume + weight update +
+preemption, R1 training packings with autograd), or vLLM's scheduler regimes with the tik plugin (``vllm``).
+Reports mismatching tokens per regime with max |diff|. Exit status 1 on any mismatch, so ``--kernels default`` is
+expected to fail: each engine's negative control (HF's kernels in ours, stock vLLM in vLLM).
 """
 from __future__ import annotations
+
+from areal_tik.areal import engines
+
+
+def _verifiable() -> list[str]:
+    return [e.name for e in engines.all_engines() if e.verify is not None]
 
 
 def add_parser(sub) -> None:
@@ -18,7 +24,8 @@ def add_parser(sub) -> None:
                                    "the tokens whose log-probs differ in any bit. tik kernels: 0 expected.")
     p.add_argument("--model", default="tiny-qwen2", help="preset name (see areal_tik.layers.models.PRESETS) or HF directory")
     p.add_argument("--kernels", choices=("tik", "default"), default="tik",
-                   help="tik: our kernels on both sides; default: HF's (a negative control: tokens differ)")
+                   help="the rollout's kernels. tik: our kernels on both sides; default: HF's (the negative control: "
+                        "tokens must differ)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--dtype", default="bfloat16", help="weight and activation dtype")
     p.add_argument("--prompts", type=int, default=8, help="number of random prompts")
@@ -27,11 +34,11 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per prompt")
     p.add_argument("--pad-to", type=int, default=256, help="R1 micro-batch padding multiple")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of a preset's weights")
-    p.add_argument("--regimes", default="R1,R2,R3,R4,R5", help="the regimes to check, comma-separated")
+    p.add_argument("--regimes", default="R1,R2,R3,R4,R5", help="our engine's regimes (tik) to check, comma-separated")
     p.add_argument("--no-backward", action="store_true", help="R1 forward with autograd but no backward pass")
-    p.add_argument("--engine", choices=("tik", "vllm", "vllm-stock"), default="tik",
-                   help="the rollout engine: ours (R1-R5), vLLM with the tik plugin (its scheduler's regimes: "
-                        "batching, chunked prefill, preemption, CUDA graphs, abort), or stock vLLM (negative control)")
+    p.add_argument("--engine", choices=_verifiable(), default="tik",
+                   help="the rollout engine: " + "; ".join(f"{e.name}: {e.summary}" for e in engines.all_engines()
+                                                         if e.verify is not None))
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     p.set_defaults(func=run)
 
@@ -59,99 +66,54 @@ def check_args(args) -> tuple:
 
 
 def run(args) -> int:
-    if getattr(args, "engine", "tik") != "tik":
-        return _run_vllm(args)
-    regimes = check_args(args)
-    import torch
-
-    from areal_tik.layers.patch import patch_model
-    from areal_tik.verify.parity import ParityConfig, run_parity
-    from areal_tik.layers.models import build_model
-
+    from areal_tik.cli.errors import UsageError
     from areal_tik.settings import Settings
+    from areal_tik.verify.request import VerifyRequest
+    regimes = check_args(args)
+    engine = engines.get(getattr(args, "engine", "tik"))
+    if args.json:   # an engine that logs to stdout (vLLM) must leave stdout the JSON document alone
+        import os
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    ok, why = engine.runs_here()
+    if not ok:
+        raise UsageError(f"--engine {engine.name}: {why}")
     settings = Settings.from_env(kernels=args.kernels)
-    model = build_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
-    patch_model(model, kernels=settings.kernels, backend=settings.backend)
-    cfg = ParityConfig(n_prompts=args.prompts, min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,
-                       max_new_tokens=args.max_new_tokens, seed=args.seed, pad_to=args.pad_to,
-                       backward=not args.no_backward, regimes=regimes)
+    req = VerifyRequest(model=args.model, kernels=settings.kernels, backend=settings.backend, device=args.device,
+                        dtype=args.dtype, prompts=args.prompts, min_prompt_len=args.min_prompt_len,
+                        max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, pad_to=args.pad_to,
+                        seed=args.seed, regimes=regimes, backward=not args.no_backward)
+    verify = engine.need("verify")
     if args.json:
-        rep = run_parity(model, cfg)
+        rep = verify(req, None)
     else:
         from rich.progress import Progress
         with Progress(transient=True) as prog:
             task = prog.add_task("verify", total=1.0)
-            rep = run_parity(model, cfg, progress=lambda name, frac: prog.update(task, completed=frac,
-                                                                                     description=name))
-    rep.update(model=args.model, kernels=args.kernels, device=str(next(model.parameters()).device))
-    if args.kernels == "tik":  # which backend ran each op (AREAL_TIK_BACKEND may pick one per op)
-        from areal_tik.dispatch.fingerprint import compute
-        fp = compute(settings.backend)
-        rep.update(kernel_fingerprint=fp["fingerprint"], kernel_selection=fp["selection"])
+            rep = verify(req, lambda name, frac: prog.update(task, completed=frac, description=name))
+    rep.setdefault("engine", engine.name)
     if args.json:
         from areal_tik.cli.output import print_json
         print_json(rep)
     else:
-        _print(rep)
+        _print(rep, engine.name)
     return 0 if rep["passed"] else 1
 
 
-def _run_vllm(args) -> int:
-    """``--engine vllm|vllm-stock``: one vLLM run through its scheduler's regimes, vs the trainer's forward."""
-    from areal_tik.cli.errors import UsageError, need, need_model
-    need_model("--model", args.model)
-    need(args.kernels == "tik", "--engine vllm compares with the tik trainer: leave --kernels at tik")
-    if args.json:   # vLLM logs to stdout unless told otherwise: keep stdout the JSON document alone
-        import os
-        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    from areal_tik import vllm_plugin
-    ok, why = vllm_plugin.available()
-    if not ok:
-        raise UsageError(f"--engine {args.engine}: {why}")
-    import tempfile
-
-    import torch
-
-    from areal_tik.layers.models import build_model, checkpoint_dir
-    from areal_tik.layers.patch import patch_model
-    from areal_tik.settings import Settings
-    from areal_tik.verify.vllm_parity import run_vllm_parity
-    settings = Settings.from_env(kernels="tik")
-    with tempfile.TemporaryDirectory(prefix="areal_tik_verify_vllm_") as tmp:
-        src = checkpoint_dir(args.model, tmp, device=args.device, seed=args.seed)   # a preset: saved for vLLM
-        model = patch_model(build_model(src, dtype=getattr(torch, args.dtype), device=args.device),
-                            kernels="tik", backend=settings.backend)
-        max_prompt = max(args.max_prompt_len, args.min_prompt_len)
-        rep = run_vllm_parity(src, model, n_prompts=args.prompts, min_prompt_len=args.min_prompt_len,
-                              max_prompt_len=max_prompt, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                              stock=args.engine == "vllm-stock")
-    rep.update(model=args.model, kernels="tik")
-    if args.json:
-        from areal_tik.cli.output import print_json
-        print_json(rep)
-    else:
-        from rich.console import Console
-        from rich.table import Table
-        t = Table(title=f"areal-tik verify --engine {args.engine}: {args.model}")
-        for col in ("regime", "sequences", "tokens", "mismatching", "max |diff|", "preemptions/aborted", "result"):
-            t.add_column(col)
-        for r, v in rep["regimes"].items():
-            t.add_row(r, str(v["n_sequences"]), str(v["n_tokens"]), str(v["n_mismatch"]), f"{v['max_abs_diff']:.3g}",
-                      str(v.get("preemptions", v.get("aborted", ""))), "[green]PASS" if v["passed"] else "[red]FAIL")
-        Console().print(t)
-    return 0 if rep["passed"] else 1
+# the per-regime counts an engine's report may carry beyond tokens, mismatches and max |diff|
+_DETAIL = ("n_sequences", "divergent_sequences", "short_sequences", "steps", "preemptions", "aborted")
 
 
-def _print(rep: dict) -> None:
+def _print(rep: dict, engine: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"areal-tik verify: {rep['model']} kernels={rep['kernels']} on {rep['device']}")
-    for col in ("regime", "tokens", "mismatching", "max |diff|", "divergent seqs", "steps", "preemptions", "result"):
+    t = Table(title=f"areal-tik verify --engine {engine}: {rep.get('model')} kernels={rep.get('kernels')}"
+                    + (f" on {rep['device']}" if rep.get("device") else ""))
+    for col in ("regime", "tokens", "mismatching", "max |diff|", "detail", "result"):
         t.add_column(col)
     for r, v in rep["regimes"].items():
-        e = v.get("engine") or {}
-        t.add_row(r, str(v["n_tokens"]), str(v["n_mismatch"]), f"{v['max_abs_diff']:.3g}",
-                  str(v["divergent_sequences"]), str(e.get("steps", "")), str(e.get("preemptions", "")),
+        counts = {**v, **(v.get("engine") or {})}
+        detail = ", ".join(f"{k.replace('_', ' ')} {counts[k]}" for k in _DETAIL if counts.get(k) is not None)
+        t.add_row(r, str(v["n_tokens"]), str(v["n_mismatch"]), f"{v['max_abs_diff']:.3g}", detail,
                   "[green]PASS" if v["passed"] else "[red]FAIL")
     Console().print(t)

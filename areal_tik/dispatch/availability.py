@@ -1,8 +1,23 @@
-"""Whether the triton, cuda and fa3 backends can run on this machine, and why not."""
+"""Whether each backend (triton, cuda, torch_ref, fa3) can run on this machine, and why not: the one
+availability table, read by the registry's selection and by ``areal-tik env``."""
 from __future__ import annotations
 
 import functools
-import os
+
+from areal_tik.kernels import interpreting
+
+__all__ = ["status", "triton_status", "cuda_status", "torch_ref_status", "fa3_status"]
+
+
+def status(backend: str) -> tuple[bool, str]:
+    """``(ok, reason)`` of ``backend``. The per-backend functions are looked up when this runs, so a test can
+    stand in for a machine's availability by replacing one of them."""
+    table = {"triton": triton_status, "cuda": cuda_status, "torch_ref": torch_ref_status, "fa3": fa3_status}
+    return table[backend]()
+
+
+def torch_ref_status() -> tuple[bool, str]:
+    return True, "pure PyTorch, runs on any device"
 
 
 @functools.lru_cache(maxsize=None)
@@ -14,7 +29,7 @@ def triton_status() -> tuple[bool, str]:
     import torch
     if torch.cuda.is_available():
         return True, f"triton {triton.__version__} on {torch.cuda.get_device_name()}"
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return True, f"triton {triton.__version__} CPU interpreter (TRITON_INTERPRET=1; slow, for tests)"
     return False, "no CUDA GPU (set TRITON_INTERPRET=1 to run Triton kernels on the CPU interpreter)"
 

@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 import time
 
+from areal_tik.kernels import interpreting
+
 TRITON_ARCHS = (80, 90)
 NVCC_ARCHS = ("80", "90a")
 
@@ -38,7 +40,7 @@ def triton_specs():
 
 
 def compile_triton(archs=TRITON_ARCHS) -> list[dict]:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         raise RuntimeError("compile checks need TRITON_INTERPRET unset")
     import triton
     from triton.backends.compiler import GPUTarget

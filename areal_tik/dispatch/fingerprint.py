@@ -2,9 +2,10 @@
 
 The contract (docs/design.md section 2) holds within one backend, on one GPU architecture
 and software stack. The fingerprint hashes exactly what can change the bits: the source
-text and meta-parameters of the implementation selected for every op, the torch,
-triton and CUDA versions, and the GPU architecture. The trainer reuses rollout
-log-probs only when the rollout engine reports the same fingerprint.
+text and meta-parameters of the implementation bound for every op (a :class:`BoundOps`, the
+object ``patch_model`` gives a model: the fingerprint never selects on its own), the torch,
+triton and CUDA versions, and the GPU architecture. The trainer reuses rollout log-probs only
+when the rollout engine reports the same fingerprint.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import hashlib
 import json
 import platform
 
-from areal_tik.dispatch import registry
+from areal_tik.dispatch.bound import BoundOps
 
 
 def _read(path: str) -> bytes:
@@ -40,32 +41,17 @@ def environment() -> dict:
     }
 
 
-def selection(backend: str | None = None) -> dict[str, str]:
-    """op -> backend name that :func:`registry.select_impl` picks now."""
-    out = {}
-    for op in sorted(registry.implementations()):
-        try:
-            out[op] = registry.select_impl(op, backend).backend
-        except registry.BackendUnavailable as e:
-            out[op] = f"unavailable: {e}"
-    return out
-
-
-def compute(backend: str | None = None, env: dict | None = None) -> dict:
-    """``{"fingerprint": hex16, "selection": {...}, "environment": {...}}``."""
+def compute(ops: BoundOps, env: dict | None = None) -> dict:
+    """``{"fingerprint": hex16, "selection": {op: backend}, "environment": {...}}`` of the ops ``ops``
+    binds (a model's ``ops_of(model)``, or ``bind(spec)`` where there is no model) on this stack."""
     env = env or environment()
     h = hashlib.sha256()
-    sel = selection(backend)
-    impls = registry.implementations()
-    for op, be in sel.items():
-        h.update(f"op={op};backend={be};".encode())
-        info = impls[op].get(be)
-        if info is None:
-            continue
+    for op, info in sorted(ops.impls.items()):
+        h.update(f"op={op};backend={info.backend};".encode())
         for src in info.sources:
             h.update(hashlib.sha256(_read(src)).digest())
         h.update(json.dumps(list(info.meta), sort_keys=True, default=str).encode())
     stack = {k: env.get(k) for k in ("torch", "triton", "cuda")}
     stack["arch"] = (env.get("gpu") or {}).get("arch", "cpu")
     h.update(json.dumps(stack, sort_keys=True).encode())
-    return {"fingerprint": h.hexdigest()[:16], "selection": sel, "environment": env}
+    return {"fingerprint": h.hexdigest()[:16], "selection": ops.selection, "environment": env}

@@ -26,6 +26,7 @@ import functools
 import logging
 from typing import Callable
 
+from areal_tik.dispatch import availability
 from areal_tik.settings import BACKEND_ENV, BACKENDS, SettingsError
 from areal_tik.settings import parse_backend_spec as _parse
 
@@ -58,7 +59,10 @@ class ImplInfo:
     ``meta`` holds meta-parameters that change bits (block sizes of reductions);
     ``available`` returns ``(ok, reason)``; ``check_shapes(head_dim, page_size=None)``, when the
     implementation has shape limits beyond its call-time checks, raises ``ValueError`` (one line) for a
-    model or cache it cannot keep its contract on (``BoundOps.check_shapes`` runs it up front).
+    model or cache it cannot keep its contract on (``BoundOps.check_shapes`` runs it up front);
+    ``tile_configs(n, k, dtype, m_min, m_max, device) -> [name]``, for an implementation that compiles one kernel
+    per tile config and takes ``config=name``, lists the configs calls in that row range can compile (what
+    ``layers/precompile.py`` launches the bound op with).
     """
 
     op: str
@@ -69,6 +73,7 @@ class ImplInfo:
     available: Callable[[], tuple[bool, str]] = lambda: (True, "")
     doc: str = ""
     check_shapes: Callable | None = None
+    tile_configs: Callable | None = None
 
 
 _REGISTRY: dict[str, dict[str, ImplInfo]] = {}
@@ -89,23 +94,17 @@ def _ensure_loaded() -> None:
 
     A kernel module declares ``OPS = {op_name: {backend_name: callable}}`` and optionally
     ``META`` (bit-defining meta-parameters), ``CUDA_SOURCES`` (csrc files its cuda
-    implementation is built from) and ``CHECK_SHAPES`` (its implementations' shape limits,
-    :attr:`ImplInfo.check_shapes`).
+    implementation is built from), ``CHECK_SHAPES`` (its implementations' shape limits,
+    :attr:`ImplInfo.check_shapes`) and ``TILE_CONFIGS`` (``{op: {backend: fn}}``, :attr:`ImplInfo.tile_configs`).
     """
     global _LOADED
     if _LOADED:
         return
     import importlib
 
-    from areal_tik.dispatch import availability
     from areal_tik.kernels import module_sources, op_modules
 
-    avail = {   # looked up at call time, so a test can stand in for a machine's availability
-        "triton": lambda: availability.triton_status(),
-        "cuda": lambda: availability.cuda_status(),
-        "torch_ref": lambda: (True, ""),
-        "fa3": lambda: availability.fa3_status(),
-    }
+    avail = {be: functools.partial(availability.status, be) for be in BACKENDS}
     for name in op_modules():
         mod = importlib.import_module(name)
         for op, impls in getattr(mod, "OPS", {}).items():
@@ -116,7 +115,8 @@ def _ensure_loaded() -> None:
                 meta = tuple(sorted(getattr(mod, "META", {}).items()))
                 register(ImplInfo(op=op, backend=be, fn=fn, sources=tuple(srcs), meta=meta,
                                   available=avail[be], doc=(fn.__doc__ or ""),
-                                  check_shapes=getattr(mod, "CHECK_SHAPES", None)))
+                                  check_shapes=getattr(mod, "CHECK_SHAPES", None),
+                                  tile_configs=getattr(mod, "TILE_CONFIGS", {}).get(op, {}).get(be)))
     _load_exported(avail)
     _LOADED = True
 
@@ -165,7 +165,8 @@ def _load_exported(avail: dict) -> None:
                 meta = tuple(sorted({**dict(prev.meta if prev else ()), **getattr(mod, "META", {})}.items()))
                 register(ImplInfo(op=op, backend=be, fn=fn, sources=srcs, meta=meta, available=avail[be],
                                   doc=(fn.__doc__ or ""),
-                                  check_shapes=getattr(mod, "CHECK_SHAPES", prev.check_shapes if prev else None)))
+                                  check_shapes=getattr(mod, "CHECK_SHAPES", prev.check_shapes if prev else None),
+                                  tile_configs=getattr(mod, "TILE_CONFIGS", {}).get(op, {}).get(be)))
 
 
 def implementations() -> dict[str, dict[str, ImplInfo]]:
@@ -260,10 +261,4 @@ def _cuda_available() -> bool:
 
 def backend_status() -> dict[str, tuple[bool, str]]:
     """Whether each backend can run here, with the reason when it cannot."""
-    from areal_tik.dispatch import availability
-    return {
-        "triton": availability.triton_status(),
-        "cuda": availability.cuda_status(),
-        "torch_ref": (True, "pure PyTorch, runs on any device"),
-        "fa3": availability.fa3_status(),
-    }
+    return {be: availability.status(be) for be in BACKENDS}

@@ -40,7 +40,7 @@ from areal_tik.engine.kv_cache import BlockManager
 from areal_tik.engine.model_runner import ModelRunner
 from areal_tik.engine.scheduler import Scheduler
 from areal_tik.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceStatus
-from areal_tik.engine.sampler import _hash32_py
+from areal_tik.kernels.gumbel import mix32
 
 __all__ = ["LLMEngine"]
 
@@ -129,7 +129,7 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seqs = []
         for i in range(params.n):
-            seed = base_seed if params.n == 1 else (base_seed ^ (_hash32_py(i + 0x5BD1E995) << 31)) & ((1 << 63) - 1)
+            seed = base_seed if params.n == 1 else (base_seed ^ (mix32(i + 0x5BD1E995) << 31)) & ((1 << 63) - 1)
             seqs.append(Sequence(rid, ids, params, seed, sample_index=i, version=self._version))
         if params.max_new_tokens > 0:
             self.scheduler.check_fits(seqs[0])  # before anything is queued
@@ -369,7 +369,7 @@ class LLMEngine:
                     last_error=self.last_error, prefill_tokens=self.num_prefill_tokens,
                     decode_tokens=self.num_decode_tokens, preemptions=self.scheduler.num_preemptions,
                     graph_steps=self.runner.num_graph_steps, prefill_graph_steps=self.runner.num_prefill_graph_steps,
-                    eager_steps=self.runner.num_eager_steps, graphs=len(self.runner._graphs),
+                    eager_steps=self.runner.num_eager_steps, graphs=self.runner.num_graphs,
                     graph_capture_s=round(self.runner.graph_capture_seconds, 3),
                     num_pages=self.runner.num_pages, free_pages=self.block_manager.num_free,
                     prefix_sharing=self.block_manager.prefix_sharing,

@@ -18,17 +18,15 @@
   other rows (DESIGN section 2), so the real rows' bits are the eager step's; the padding
   rows' values are never read. Larger prefill steps, and the default kernels (their prefill
   attention needs host lengths), run eagerly. On a CPU everything is eager.
-- Captures run with Python's cyclic garbage collector paused (:func:`_gc_paused`), and a failed capture leaves
-  the device's current stream as it was and makes the next capture start a fresh memory pool
-  (:meth:`ModelRunner._capturing`).
+- How graphs are captured (warm-up, pool, stream, GC paused, failed captures) is
+  ``graph_capture.py``; the prefill graphs' static inputs are ``prefill_staging.py``, the decode
+  graphs' ``decode_staging.py``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import math
-import time
 
 import torch
 
@@ -38,46 +36,20 @@ from areal_tik.layers.patch import kernels_of, ops_of
 from areal_tik.engine.config import EngineConfig
 from areal_tik.engine.context import prepare_step
 from areal_tik.engine.decode_staging import DecodeStaging
+from areal_tik.engine.graph_capture import GraphCapture
+from areal_tik.engine.prefill_staging import PrefillStaging, token_bucket
 from areal_tik.engine.sampler import Sampler, row_key
 from areal_tik.engine.scheduler import ScheduledBatch
 
 __all__ = ["ModelRunner", "PendingDecode"]
 
 _BS_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-_MIN_PREFILL_BUCKET = 16   # token buckets: powers of two from here to prefill_graph_max_tokens
 
 # Test hook: on a CPU, run the graph path with an emulated graph (capture records the
 # forward without running it, replay re-runs it on the static buffers), so the capture /
 # static-buffer / bucket logic is exercised by CPU tests with the same side effects as on
 # the GPU (the eager warm-up before a capture runs for real, as it does there).
 EMULATE_GRAPHS_ON_CPU = False
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Python's cyclic garbage collector off inside the block, then as it was before. A collection inside a
-    CUDA graph capture may free objects that only a reference cycle kept alive -- a dead engine's CUDA graphs
-    (torch >= 2.9 no longer collects before a capture) -- and destroying a graph is not permitted while this
-    thread captures: torch warns "operation not permitted when stream is capturing (function reset)" and the
-    capture is invalidated (its capture_end raises). Explicit ``gc.collect()`` calls still run."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-class _EmulatedGraph:
-    """Stands in for ``torch.cuda.CUDAGraph`` on a CPU: ``replay`` runs ``fn`` and copies
-    its result into the static output ``out`` (allocated, unwritten, at capture)."""
-
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
-
-    def replay(self):
-        self.out.copy_(self.fn())
 
 
 class PendingDecode:
@@ -129,20 +101,28 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
         self.sampler = Sampler(self.vocab_size, self.device, model_ops or bind(), model_ops)
-        self.emulate_graphs = self.device.type != "cuda" and EMULATE_GRAPHS_ON_CPU
-        self.use_graphs = (self.device.type == "cuda" or self.emulate_graphs) and not cfg.enforce_eager
+        emulate = self.device.type != "cuda" and EMULATE_GRAPHS_ON_CPU
+        self.use_graphs = (self.device.type == "cuda" or emulate) and not cfg.enforce_eager
         self.graph_max_bs = min(cfg.cuda_graph_max_bs or cfg.max_num_seqs, _BS_BUCKETS[-1])
-        self._graphs: dict[tuple, tuple] = {}
-        self._pool = None
+        self.capture = GraphCapture(self.device, emulate)
         self._static = None
         self._stage: DecodeStaging | None = None
         # prefill graphs: the tik kernels only (the default kernels' prefill attention loops over host lengths)
         self.prefill_graph_max_tokens = cfg.prefill_graph_max_tokens if self.kernels == "tik" else 0
-        self._pstatic = None
+        self._prefill_stage: PrefillStaging | None = None
         self.num_graph_steps = 0           # decode and prefill steps that replayed a graph
         self.num_prefill_graph_steps = 0   # ... of which prefill
         self.num_eager_steps = 0
-        self.graph_capture_seconds = 0.0  # wall time of warm-ups + captures (decode and prefill)
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured (decode and prefill)."""
+        return len(self.capture.graphs)
+
+    @property
+    def graph_capture_seconds(self) -> float:
+        """Wall time of warm-ups + captures (decode and prefill)."""
+        return self.capture.seconds
 
     # ---- sizing --------------------------------------------------------------------------
     def _page_bytes(self) -> int:
@@ -259,77 +239,14 @@ class ModelRunner:
                                seqlens_k=s["seqk"][:bs], max_seqlen_q=1, kv_caches=self.kv_caches)
         warm = dataclasses.replace(ctx, slot_mapping=s["noslots"][:bs], seqlens_k=s["ones"][:bs])
         if temperature is None:
-            return self._record((bs, width), ctx, warm, lambda: self._forward(s["ids"][:bs], s["pos"][:bs]))
+            return self.capture.record((bs, width), ctx, warm, lambda: self._forward(s["ids"][:bs], s["pos"][:bs]))
         st = self._stage
 
         def fwd():
             tokens, lps = self.sampler.draw(self._forward(s["ids"][:bs], s["pos"][:bs]), st.keys[:bs],
                                             st.temps[:bs], temperature)
             return torch.stack([tokens.to(torch.float64), lps.to(torch.float64)])
-        return self._record((bs, width, temperature), ctx, warm, fwd)
-
-    @contextlib.contextmanager
-    def _capturing(self):
-        """The context of one capture. Python's GC is paused (:func:`_gc_paused`). On a GPU the runner's device is
-        current and, after the block, the device's current stream is the one before it, also when the capture
-        raised (``torch.cuda.graph`` leaves its capture stream current when ``capture_end`` raises). If the block
-        raises, the next capture starts a fresh memory pool: torch's ``capture_end`` raises before it ends the
-        pool's allocation recording, and every later capture into that pool would fail ("beginAllocateToPool:
-        already recording to mempool_id"). The graphs captured before keep their pool."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_gc_paused())
-            if not self.emulate_graphs:
-                stack.enter_context(torch.cuda.device(self.device))
-                stack.enter_context(torch.cuda.stream(torch.cuda.current_stream(self.device)))
-            try:
-                yield
-            except BaseException:
-                self._pool = None
-                raise
-
-    def _record(self, key, ctx: AttentionContext, warm: AttentionContext, fwd, warm_fwd=None):
-        """Warm up ``warm_fwd`` (default ``fwd``) eagerly under ``warm`` (which must not store K/V), then capture
-        ``fwd`` under ``ctx`` into ``self._graphs[key]`` (an emulated graph on a CPU) in :meth:`_capturing`.
-        Returns (graph, static output)."""
-        warm_fwd = warm_fwd or fwd
-        t0 = time.perf_counter()
-        set_context(warm)
-        try:
-            if self.emulate_graphs:
-                out = warm_fwd()   # warm-up (runs for real, as on the GPU)
-
-                def fn(ctx=ctx):
-                    set_context(ctx)
-                    try:
-                        return fwd()
-                    finally:
-                        reset_context()
-                with self._capturing():
-                    graph = _EmulatedGraph(fn, torch.empty_like(out))
-                out = graph.out
-            else:
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    warm_fwd()   # warm-up: compile kernels outside capture
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                set_context(ctx)
-                # On this runner's device, on its own stream: torch.cuda.graph's default capture
-                # stream lives on the *current* device, so a runner on cuda:1 (the rollout server
-                # next to a trainer on cuda:0) captured nothing and failed ("operation not permitted
-                # when stream is capturing", seen on 2x H200). thread_local: other threads' CUDA
-                # calls (the NCCL watchdog of an xccl weight-update group) cannot invalidate it.
-                with self._capturing():
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-                        out = fwd()
-                if self._pool is None:
-                    self._pool = graph.pool()
-        finally:
-            reset_context()
-        self._graphs[key] = (graph, out)
-        self.graph_capture_seconds += time.perf_counter() - t0
-        return graph, out
+        return self.capture.record((bs, width, temperature), ctx, warm, fwd)
 
     def _run_graph(self, batch: ScheduledBatch, temperature: float | None = None, ids_from=None):
         """Replay the decode graph of ``batch``'s buckets: its logits (``[B, V]``), or with ``temperature`` the
@@ -346,12 +263,12 @@ class ModelRunner:
         width = max(width, need)
         if temperature is None:
             self._stage.fill(batch.chunks, width, bs)
-            graph, out = self._graphs.get((bs, width)) or self._capture(bs, width)
+            graph, out = self.capture.graphs.get((bs, width)) or self._capture(bs, width)
         else:
             keys = [row_key(c.seq.seed, c.end) for c in batch.chunks]
             self._stage.fill(batch.chunks, width, bs, keys, temperature,
                              ids_device=None if ids_from is None else ids_from.tokens_device)
-            graph, out = self._graphs.get((bs, width, temperature)) or self._capture(bs, width, temperature)
+            graph, out = self.capture.graphs.get((bs, width, temperature)) or self._capture(bs, width, temperature)
         graph.replay()
         return out[:B] if temperature is None else out[:, :B]
 
@@ -372,62 +289,29 @@ class ModelRunner:
         return self.launch_sampled(batch, temperature).result()
 
     # ---- prefill graphs ------------------------------------------------------------------------
-    @staticmethod
-    def _token_bucket(t: int) -> int:
-        return max(_MIN_PREFILL_BUCKET, 1 << (t - 1).bit_length())
-
-    def _alloc_prefill_static(self):
-        # rows for the largest bucket (a limit that is no power of two still pads up to one)
-        n, b, dev = self._token_bucket(self.prefill_graph_max_tokens), self.graph_max_bs, self.device
-        self._pstatic = dict(
-            ids=torch.zeros(n, dtype=torch.int64, device=dev),
-            pos=torch.zeros(n, dtype=torch.int64, device=dev),
-            slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
-            noslots=torch.full((n,), -1, dtype=torch.int64, device=dev),   # warm-up: store nothing
-            zeros=torch.zeros(b + 1, dtype=torch.int32, device=dev),       # warm-up: empty chunks ...
-            zrows=torch.zeros(b, dtype=torch.int64, device=dev),           # ... sampling row 0
-            cu=torch.zeros(b + 1, dtype=torch.int32, device=dev),
-            seqk=torch.zeros(b, dtype=torch.int32, device=dev),
-            rows=torch.zeros(b, dtype=torch.int64, device=dev),
-            table=torch.zeros(b, self.max_width, dtype=torch.int32, device=dev),
-        )
-
     def _capture_prefill(self, tp: int, bp: int):
-        """Capture the prefill forward for tp tokens and bp chunks on the prefill static buffers. The warm-up
-        stores no K/V, attends nowhere (every chunk empty) and samples row 0, so it is safe whatever the
-        buffers hold (e.g. a previous step's 20-token chunk or its row 19, which a 16-token graph cannot hold)."""
-        s = self._pstatic
-        ctx = AttentionContext(slot_mapping=s["slots"][:tp], block_table=s["table"][:bp], cu_seqlens_q=s["cu"][:bp + 1],
-                               seqlens_k=s["seqk"][:bp], max_seqlen_q=tp, kv_caches=self.kv_caches)
-        warm = dataclasses.replace(ctx, slot_mapping=s["noslots"][:tp], cu_seqlens_q=s["zeros"][:bp + 1],
-                                   seqlens_k=s["zeros"][:bp])
-        return self._record(("prefill", tp, bp), ctx, warm,
-                            lambda: self._forward(s["ids"][:tp], s["pos"][:tp], s["rows"][:bp]),
-                            lambda: self._forward(s["ids"][:tp], s["pos"][:tp], s["zrows"][:bp]))
+        """Capture the prefill forward for tp tokens and bp chunks on the prefill staging buffers; the warm-up stores
+        no K/V, attends nowhere and samples row 0 (``prefill_staging.py``)."""
+        s = self._prefill_staging()
+        ctx = AttentionContext(slot_mapping=s.slots[:tp], block_table=s.table[:bp], cu_seqlens_q=s.cu[:bp + 1],
+                               seqlens_k=s.seqk[:bp], max_seqlen_q=tp, kv_caches=self.kv_caches)
+        warm = dataclasses.replace(ctx, slot_mapping=s.noslots[:tp], cu_seqlens_q=s.zeros[:bp + 1],
+                                   seqlens_k=s.zeros[:bp])
+        return self.capture.record(("prefill", tp, bp), ctx, warm,
+                                   lambda: self._forward(s.ids[:tp], s.pos[:tp], s.rows[:bp]),
+                                   lambda: self._forward(s.ids[:tp], s.pos[:tp], s.zrows[:bp]))
+
+    def _prefill_staging(self) -> PrefillStaging:
+        if self._prefill_stage is None:
+            self._prefill_stage = PrefillStaging(self.prefill_graph_max_tokens, self.graph_max_bs, self.max_width,
+                                                 self.device)
+        return self._prefill_stage
 
     def _run_prefill_graph(self, batch: ScheduledBatch) -> torch.Tensor:
-        if self._pstatic is None:
-            self._alloc_prefill_static()
         inp = prepare_step(batch, self.page_size, self.kv_caches, self.device, width=self.max_width)
-        T, B, S = inp.input_ids.shape[0], len(batch), inp.sample_rows.shape[0]
-        tp = self._token_bucket(T)
-        bp = next(b for b in _BS_BUCKETS if b >= B)
-        bp = min(bp, self.graph_max_bs)
-        s = self._pstatic
-        s["ids"][:T].copy_(inp.input_ids)
-        s["ids"][T:tp].zero_()
-        s["pos"][:T].copy_(inp.positions)
-        s["pos"][T:tp].zero_()
-        s["slots"][:T].copy_(inp.ctx.slot_mapping)
-        s["slots"][T:tp].fill_(-1)
-        s["cu"][:B + 1].copy_(inp.ctx.cu_seqlens_q)
-        s["cu"][B + 1:bp + 1].fill_(T)        # padding chunks: no queries ...
-        s["seqk"][:B].copy_(inp.ctx.seqlens_k)
-        s["seqk"][B:bp].zero_()               # ... and no keys
-        s["table"][:B].copy_(inp.ctx.block_table)
-        s["table"][B:bp].zero_()
-        s["rows"][:S].copy_(inp.sample_rows)
-        s["rows"][S:bp].zero_()
-        graph, out = self._graphs.get(("prefill", tp, bp)) or self._capture_prefill(tp, bp)
+        tp = token_bucket(inp.input_ids.shape[0])
+        bp = min(next(b for b in _BS_BUCKETS if b >= len(batch)), self.graph_max_bs)
+        self._prefill_staging().fill(inp, tp, bp)
+        graph, out = self.capture.graphs.get(("prefill", tp, bp)) or self._capture_prefill(tp, bp)
         graph.replay()
-        return out[:S]
+        return out[:inp.sample_rows.shape[0]]

@@ -1,50 +1,26 @@
 """Token sampling whose result for a row never depends on the other rows.
 
 Per row: greedy (T == 0) takes the first argmax of the logits; otherwise Gumbel-max over
-``logits.float() / T`` restricted to the top-k / top-p set. The Gumbel noise of a row is a
-counter-based hash of ``(seed, position, vocab index)`` -- a per-request random stream
-that plays the role of a per-request ``torch.Generator`` but is computed for the whole
-batch in a few tensor ops: the same request at the same position draws the same noise in
-any batch, after any preemption, and after a client-side resume (R5) with the same seed.
+``logits.float() / T`` restricted to the top-k / top-p set, drawn by the bound ``gumbel_argmax``
+op (the filtered rows first set the logits outside ``kernels.gumbel.kept_mask`` to ``-inf``). The
+Gumbel noise of a row is a counter-based hash of ``(seed, position, vocab index)``
+(``kernels.gumbel.row_key``) -- a per-request random stream that plays the role of a per-request
+``torch.Generator`` but is computed for the whole batch in one pass: the same request at the same
+position draws the same noise in any batch, after any preemption, and after a client-side resume
+(R5) with the same seed.
 
 The log-prob returned with each token is the contract's unfiltered
 ``log_softmax(logits.float() / T)[token]`` from ``layers.logprob_head.logprobs_of``
 (T := 1 for greedy), never the filtered distribution.
-
-Row-invariance on a CPU: the top-p cumulative sums use ``cumsum`` (a sequential scan per
-row) in float64 and ``exp``/``log`` come from ``kernels._torch_math`` (position-independent
-bits); on CUDA the element-wise ``torch.exp``/``torch.log`` are already per-element.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from areal_tik.kernels.gumbel import kept_mask, row_key, vocab_hash
 from areal_tik.layers.logprob_head import logprobs_of
-from areal_tik.kernels import _torch_math
-from areal_tik.kernels.gumbel import C_MIX, M32, uniform_noise, vocab_hash
 
-__all__ = ["Sampler", "row_key", "uniform_noise"]
-
-
-def _hash32_py(x: int) -> int:
-    x &= M32
-    x = (((x >> 16) ^ x) * C_MIX) & M32
-    x = (((x >> 16) ^ x) * C_MIX) & M32
-    return ((x >> 16) ^ x) & M32
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _seed_key(seed: int) -> int:
-    s = int(seed) & ((1 << 64) - 1)
-    k = _hash32_py(s & M32)
-    return _hash32_py(k ^ (s >> 32) ^ 0x9E3779B9)
-
-
-def row_key(seed: int, position: int) -> int:
-    """32-bit key of the random draw for token ``position`` of a request seeded ``seed``."""
-    return _hash32_py(_seed_key(seed) ^ (int(position) * 0x2545F491 & M32))
+__all__ = ["Sampler", "row_key"]
 
 
 class Sampler:
@@ -55,9 +31,6 @@ class Sampler:
         self.device = torch.device(device)
         self.ops, self.logprob_ops = ops, logprob_ops
         self._vhash = vocab_hash(vocab_size, self.device)
-        cpu = self.device.type != "cuda"
-        self._exp = _torch_math.exp if cpu else torch.exp
-        self._log = _torch_math.log if cpu else torch.log
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list, seeds: list[int], positions: list[int]):
@@ -113,29 +86,11 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: list, keys: list[int]) -> torch.Tensor:
         B, V = logits.shape
         dev = logits.device
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)[:, None]
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         keys_t = torch.tensor(keys, dtype=torch.int64, device=dev)
         top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
         top_p = [p.top_p for p in params]
-        if all(k >= V for k in top_k) and all(p >= 1.0 for p in top_p):
-            # unfiltered (the RL case): one fused pass over the logits (kernels/gumbel.py)
-            return self.ops.gumbel_argmax(logits, keys_t, temp[:, 0], self._vhash)
-        x = logits.float() / temp
-        # top-k / top-p: the kept set from a sorted copy, then Gumbel-max over it
-        xs, _ = torch.sort(x, dim=-1, descending=True, stable=True)
-        k_t = torch.tensor(top_k, device=dev)[:, None]
-        ranks = torch.arange(V, device=dev)[None, :]
-        e = self._exp((xs - xs[:, :1]).double())                       # unnormalised probs, sorted
-        e = torch.where(ranks < k_t, e, torch.zeros_like(e))
-        cum = torch.cumsum(e, dim=-1)
-        total = cum[:, -1:]
-        p_t = torch.tensor(top_p, dtype=torch.float64, device=dev)[:, None]
-        kept_sorted = ((cum - e) < p_t * total) & (ranks < k_t)
-        kept_sorted[:, 0] = True
-        n_keep = kept_sorted.sum(-1, keepdim=True)
-        thresh = xs.gather(-1, n_keep - 1)                               # smallest kept value
-        keep = x >= thresh
-        u = uniform_noise(keys_t, self._vhash)
-        gumbel = -self._log(-self._log(u))
-        score = torch.where(keep, x + gumbel, torch.full_like(x, float("-inf")))
-        return torch.argmax(score, dim=-1)
+        if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
+            # top-k / top-p: the same draw over the kept set (the rest of each row at -inf)
+            logits = logits.masked_fill(~kept_mask(logits, temp, top_k, top_p), float("-inf"))
+        return self.ops.gumbel_argmax(logits, keys_t, temp, self._vhash)

@@ -10,9 +10,15 @@ Nothing here imports from a higher layer.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 
-__all__ = ["op_modules", "module_sources"]
+__all__ = ["op_modules", "module_sources", "interpreting"]
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 # Subpackages whose own __init__ is not an op module, or that are discovered another way.
 _NOT_OPS = {"exported"}
@@ -46,7 +52,6 @@ def op_modules() -> list[str]:
 def module_sources(mod) -> list[str]:
     """The files whose text defines an op module's numerics: the module's file, or every
     ``.py`` / ``.json`` file of an op package (hashed into the kernel fingerprint)."""
-    import os
     path = getattr(mod, "__path__", None)
     if not path:
         return [mod.__file__]

@@ -6,16 +6,11 @@ instead of silently falling back to a different (non-invariant) path.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from areal_tik.kernels import interpreting
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_dtype(name: str, t: torch.Tensor, allowed=FLOAT_DTYPES) -> None:

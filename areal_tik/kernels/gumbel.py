@@ -3,9 +3,10 @@
 Maths: ``token[b] = first argmax_v ( logits[b, v] / T[b] + g(key[b], v) )`` with
 ``g = -log(-log(u))`` and ``u`` the fp32 uniform in (0, 1) of a 32-bit hash of
 ``(key[b], vocab index v)`` (:func:`uniform_noise`, exact integer arithmetic, so every backend
-draws the same ``u``). ``key[b]`` (from the request's seed and the token's position, see
-``engine/sampler.py``) is the only per-row state: a row's token never depends on the other
-rows, the batch size, or the row's place in the batch.
+draws the same ``u``). ``key[b]`` (:func:`row_key` of the request's seed and the token's position)
+is the only per-row state: a row's token never depends on the other rows, the batch size, or the
+row's place in the batch. A top-k / top-p draw is the same op on logits outside :func:`kept_mask`
+set to ``-inf``.
 
 Shapes/dtypes: logits ``[B, V]`` (bf16, fp16 or fp32, unit last stride, any row stride),
 keys int64 ``[B]`` (values < 2**32), temperatures fp32 ``[B]`` (> 0). Returns int64 ``[B]``.
@@ -19,6 +20,8 @@ two candidates' scores tie to the last bit of the noise (the log's rounding).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +29,8 @@ import triton.language as tl
 from areal_tik.kernels import _torch_math as tm
 from areal_tik.kernels._dense_common import check_triton_device
 
-__all__ = ["gumbel_argmax_triton", "gumbel_argmax_torch", "uniform_noise", "vocab_hash", "hash32"]
+__all__ = ["gumbel_argmax_triton", "gumbel_argmax_torch", "uniform_noise", "vocab_hash", "hash32", "mix32", "row_key",
+           "kept_mask"]
 
 M32 = 0xFFFFFFFF
 C_MIX = 0x45D9F3B      # < 2**31: products of 32-bit values stay below 2**63 (no int64 overflow)
@@ -40,6 +44,49 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     x = ((x >> 16) ^ x) * C_MIX & M32
     x = ((x >> 16) ^ x) * C_MIX & M32
     return (x >> 16) ^ x
+
+
+def mix32(x: int) -> int:
+    """:func:`hash32` of one Python int (host side)."""
+    x &= M32
+    x = (((x >> 16) ^ x) * C_MIX) & M32
+    x = (((x >> 16) ^ x) * C_MIX) & M32
+    return ((x >> 16) ^ x) & M32
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _seed_key(seed: int) -> int:
+    s = int(seed) & ((1 << 64) - 1)
+    k = mix32(s & M32)
+    return mix32(k ^ (s >> 32) ^ 0x9E3779B9)
+
+
+def row_key(seed: int, position: int) -> int:
+    """32-bit key of the random draw for token ``position`` of a request seeded ``seed`` (the ``keys`` entry of
+    its row)."""
+    return mix32(_seed_key(seed) ^ (int(position) * 0x2545F491 & M32))
+
+
+def kept_mask(logits: torch.Tensor, temperatures: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """bool ``[B, V]``: the entries a top-k then top-p filter keeps in each row of ``logits.float() / T`` (``top_k``
+    per row in 1..V, ``top_p`` in (0, 1]; the most probable entry is always kept, ties at the threshold too).
+    Row-invariant: sorts, the cumulative sum (a sequential scan) and float64 ``exp`` per element (``_torch_math``
+    on a CPU: position-independent bits) depend on the row alone."""
+    dev = logits.device
+    exp = tm.exp if dev.type != "cuda" else torch.exp
+    V = logits.shape[-1]
+    x = logits.float() / temperatures.float()[:, None]
+    xs, _ = torch.sort(x, dim=-1, descending=True, stable=True)
+    k_t = torch.tensor(top_k, device=dev)[:, None]
+    ranks = torch.arange(V, device=dev)[None, :]
+    e = exp((xs - xs[:, :1]).double())                              # unnormalised probs, sorted
+    e = torch.where(ranks < k_t, e, torch.zeros_like(e))
+    cum = torch.cumsum(e, dim=-1)
+    p_t = torch.tensor(top_p, dtype=torch.float64, device=dev)[:, None]
+    kept_sorted = ((cum - e) < p_t * cum[:, -1:]) & (ranks < k_t)
+    kept_sorted[:, 0] = True
+    thresh = xs.gather(-1, kept_sorted.sum(-1, keepdim=True) - 1)    # smallest kept value
+    return x >= thresh
 
 
 def vocab_hash(vocab_size: int, device) -> torch.Tensor:

@@ -9,11 +9,11 @@ Slots must be distinct (two tokens writing one slot is a race).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from areal_tik.kernels import interpreting
 
 __all__ = ["kv_cache_write_triton", "kv_cache_write_torch", "OPS", "META", "COMPILE_SPECS"]
 
@@ -51,7 +51,7 @@ def _check(k, v, k_cache, v_cache, slot_mapping, triton_path):
     if len(devs) != 1:
         raise ValueError(f"{name}: tensors on different devices {devs}")
     if triton_path:
-        if k.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if k.device.type != "cuda" and not interpreting():
             raise ValueError(f"{name}: the triton backend needs CUDA tensors (got {k.device})")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError(f"{name}: caches must be contiguous")

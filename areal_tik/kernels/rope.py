@@ -39,14 +39,14 @@ from areal_tik.kernels._dense_common import (
     check_contiguous, check_dtype, check_last_dim_contiguous, check_same_device, check_triton_device, div16_attrs,
 )
 
-__all__ = ["rope_table", "apply_rope_triton", "apply_rope_torch", "apply_rope_reference"]
+__all__ = ["MAX_ANGLE", "rope_table", "apply_rope_triton", "apply_rope_torch", "apply_rope_reference"]
 
 # pi/2 split into 33-bit pieces (fdlibm): n * PIO2_1 and n * PIO2_2 are exact for |n| < 2**20
 _PIO2_1 = 1.57079632673412561417e+00
 _PIO2_2 = 6.07710050630396597660e-11
 _PIO2_3 = 2.02226624871116645580e-21
 _TWO_OVER_PI = 6.36619772367581382433e-01
-_MAX_ANGLE = 1.6e6
+MAX_ANGLE = 1.6e6   # largest angle (rad) the exact range reduction of _sincos64 handles
 
 
 def _sincos64(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,9 +107,9 @@ def rope_table(head_dim: int, max_positions: int, theta: float = 10000.0, device
     if kind == "linear":
         pos = pos / float(scaling["factor"])
     ang = pos[:, None] * inv[None, :]
-    if float(ang.abs().max()) >= _MAX_ANGLE:
+    if float(ang.abs().max()) >= MAX_ANGLE:
         raise ValueError(f"rope_table: angles up to {float(ang.abs().max()):.3g} rad exceed the exact range reduction "
-                         f"limit {_MAX_ANGLE:g}")
+                         f"limit {MAX_ANGLE:g}")
     s, c = _sincos64(ang)
     cos = torch.cat([c, c], 1).to(torch.float32)
     sin = torch.cat([s, s], 1).to(torch.float32)

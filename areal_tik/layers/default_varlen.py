@@ -3,7 +3,7 @@
 The baseline an AReaL user gets on a GPU is FlashAttention over packed sequences
 (``attn_impl=flash_attention_2``). The device image has no ``flash-attn`` package, and
 AReaL's ``sdpa`` path attends across the sequences of a packed row (AREAL_NOTES), so the
-default mode of ``PagedAttention`` used to loop over sequences calling SDPA once each:
+default kernels' attention (``steps.DefaultStep``) used to loop over sequences calling SDPA once each:
 correct, but thousands of small launches per micro-batch (28 layers x 128 sequences in
 the 1.5B GRPO run), which made the baseline's train step and recompute slower than a
 real AReaL baseline. This module picks, once per process:

@@ -5,7 +5,7 @@ either a named preset built from an HF config with seeded random weights (no dow
 ever), or a local HF checkpoint directory. The model is *not* patched; call
 ``areal_tik.patch_model(model, kernels=...)`` next.
 
-Presets:
+Presets (each family entry holds its own, ``layers/family.py``):
 - ``tiny-qwen2``, ``tiny-qwen3``, ``tiny-llama``: 2 layers, hidden 128, head_dim 64,
   GQA 2/1, vocab 512 -- small enough for fast CPU tests through the torch_ref kernels.
 - ``qwen2.5-1.5b``, ``qwen2.5-7b``: the released shapes (random weights).
@@ -13,45 +13,35 @@ Presets:
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
-__all__ = ["PRESETS", "preset_config", "build_model"]
+from areal_tik.layers.family import FAMILIES, TableView
 
-_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-             num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
-             rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+__all__ = ["PRESETS", "preset_config", "build_model", "checkpoint_dir"]
 
-PRESETS: dict[str, dict] = {
-    "tiny-qwen2": dict(model_type="qwen2", **_TINY, rope_theta=10000.0),
-    "tiny-qwen3": dict(model_type="qwen3", **{**_TINY, "num_attention_heads": 4}, rope_theta=10000.0),
-    "tiny-llama": dict(model_type="llama", **_TINY, rope_theta=500000.0),
-    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                         rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645),
-    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                       rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645),
-}
+
+# preset name -> {"model_type": ..., **HF config fields}
+PRESETS: Mapping[str, dict] = TableView(lambda: {name: {"model_type": f.model_type, **kw}
+                                                  for f in FAMILIES.values() for name, kw in f.presets.items()})
 
 
 def preset_config(name: str, **overrides):
     """The HF config object of preset ``name`` (``overrides`` replace fields)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig   # lazy: seconds to import; argument checks read PRESETS without it
 
     if name not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; presets: {sorted(PRESETS)}")
     kw = {**PRESETS[name], **overrides}
-    model_type = kw.pop("model_type")
+    family = FAMILIES[kw.pop("model_type")]
     theta = kw.pop("rope_theta")
     kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": theta})
-    if model_type == "qwen2":
-        kw.setdefault("use_sliding_window", False)
-    if model_type in ("qwen2", "llama") and kw.get("head_dim") == kw["hidden_size"] // kw["num_attention_heads"]:
+    for field, value in family.config_defaults.items():
+        kw.setdefault(field, value)
+    if not family.head_dim_in_config and kw.get("head_dim") == kw["hidden_size"] // kw["num_attention_heads"]:
         kw.pop("head_dim")  # implied by hidden_size / heads
-    cfg = AutoConfig.for_model(model_type, **kw)
+    cfg = AutoConfig.for_model(family.model_type, **kw)
     # Older/newer transformers spell RoPE theta differently; keep both in agreement.
     if getattr(cfg, "rope_parameters", None) is None:
         cfg.rope_theta = theta
@@ -66,7 +56,7 @@ def build_model(name_or_dir: str, dtype: torch.dtype = torch.bfloat16, device: s
     device (``torch.device`` context) with ``torch.manual_seed(seed)``; the same seed and
     device give the same weights.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM   # lazy, as in preset_config
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"

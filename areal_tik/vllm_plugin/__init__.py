@@ -3,9 +3,10 @@
 vLLM finds ``register`` through the ``vllm.general_plugins`` entry point (setup.py) in every
 process it starts, and the plugin adds:
 
-- model classes ``TikQwen2ForCausalLM``, ``TikQwen3ForCausalLM``, ``TikLlamaForCausalLM``
-  (``ModelRegistry.register_model``): the decoder of ``layers/modules.py`` (same ops, same
-  rounding points, HF parameter names, so HF checkpoints load as they are), attention through
+- a model class per model family (``ModelRegistry.register_model``; the names are the family
+  table's ``vllm_architecture``: ``TikQwen2ForCausalLM``, ``TikQwen3ForCausalLM``,
+  ``TikLlamaForCausalLM``): the one decoder graph of ``layers/decoder.py`` (same modules, same
+  ops, same rounding points, HF parameter names, so HF checkpoints load as they are), attention through
 - an attention backend in vLLM's CUSTOM slot (``register_backend``) that runs
   ``ops.kv_cache_write`` + ``ops.attention_paged`` on vLLM's own paged KV cache
   (per layer ``[2, blocks, block_size, kv_heads, head_dim]``: each half is our page layout);
@@ -22,13 +23,17 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
+from collections.abc import Mapping
+
+from areal_tik.layers.family import FAMILIES, TableView
 
 __all__ = ["VLLM_VERSION", "ARCHITECTURES", "available", "llm_kwargs", "architecture_for"]
 
 VLLM_VERSION = "0.24.0"   # the vLLM the plugin is written and measured against
 
+
 # model_type -> the architecture name the plugin registers
-ARCHITECTURES = {"qwen2": "TikQwen2ForCausalLM", "qwen3": "TikQwen3ForCausalLM", "llama": "TikLlamaForCausalLM"}
+ARCHITECTURES: Mapping[str, str] = TableView(lambda: {mt: f.vllm_architecture for mt, f in FAMILIES.items()})
 
 
 def process_ops():

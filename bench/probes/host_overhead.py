@@ -32,7 +32,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from areal_tik.dispatch import ops  # noqa: E402
-from areal_tik.dispatch import fingerprint, registry  # noqa: E402
+from areal_tik.dispatch import registry  # noqa: E402
+from areal_tik.dispatch.bound import bind  # noqa: E402
 
 
 def _time_calls(fn, n: int, sync) -> tuple[float, float]:
@@ -155,7 +156,7 @@ def main() -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
-           "selection": fingerprint.selection()}
+           "selection": bind().selection}
     if "ops" in a.parts:
         res["ops"] = measure_ops(a.tokens, a.calls, dev)
     if "cprofile" in a.parts:

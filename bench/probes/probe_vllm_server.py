@@ -75,6 +75,7 @@ def probe(kernels: str, model_dir: str, args, out: str) -> dict:
 
     from areal_tik.areal.consensus import server_disagreements
     from areal_tik.areal.vllm_launch import launch_local_vllm_server, vllm_cmd, vllm_server_args
+    from areal_tik.dispatch.bound import bind
     from areal_tik.dispatch.fingerprint import compute
     from areal_tik.settings import Settings
     settings = Settings.from_env(kernels=kernels)
@@ -113,7 +114,7 @@ def probe(kernels: str, model_dir: str, args, out: str) -> dict:
         mism = int((got.view(torch.int32) != want.view(torch.int32)).sum())
         res["logprobs"] = {"tokens": int(got.numel()), "mismatch_tokens": mism,
                            "max_abs_diff": float((got - want).abs().max()) if got.numel() else 0.0}
-        fp = compute(settings.backend)["fingerprint"]
+        fp = compute(bind(settings.backend))["fingerprint"]   # what a trainer with these settings binds
         _http(addr, "/areal_pause_generation", {})
         upd = _http(addr, "/areal_update_weights", {"model_path": model_dir})
         _http(addr, "/areal_continue_generation", {})

@@ -183,15 +183,31 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="KV page size of every arm's engine")
     ap.add_argument("--prefill", action="store_true",
                     help="also profile a prefill of B fresh prompts per batch size (prefill graphs where the engine uses them)")
+    ap.add_argument("--k-splits", help="replace the linear op's fixed K splits for this run: 'K:S,K:S' or 'none' "
+                    "(a before/after of a split in one process; the bits change with it)")
+    ap.add_argument("--linear-table", help="replace the linear op's tuned tile table for this run (a linear_tuned.json; "
+                    "speed only) — with --k-splits, an earlier commit's linear op in one process")
     ap.add_argument("--emulate-graphs-on-cpu", action="store_true",
                     help="CPU test hook: run the CUDA-graph code path with the engine's CPU graph emulation")
     a = ap.parse_args()
+    if a.k_splits is not None:
+        from areal_tik.kernels.linear.splits import K_SPLITS
+        K_SPLITS.clear()
+        K_SPLITS.update({int(k): int(v) for k, v in (p.split(":") for p in a.k_splits.split(",") if p != "none")})
+    if a.linear_table:
+        from areal_tik.kernels.linear import selection
+        with open(a.linear_table) as f:
+            table = selection.parse_tuned_table(f.read())
+        selection.TUNED.clear()
+        selection.TUNED.update(table)
+        selection.pick_config.cache_clear()
     if a.emulate_graphs_on_cpu:
         from areal_tik.engine import model_runner
         model_runner.EMULATE_GRAPHS_ON_CPU = True
     os.makedirs(a.out, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    res = {"model": a.model, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+    from areal_tik.kernels.linear.splits import K_SPLITS
+    res = {"model": a.model, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "k_splits": dict(K_SPLITS),
            "torch": torch.__version__, "prompt_len": a.prompt_len, "steps": a.steps,
            "page_size": a.page_size, "runs": {}}
     for arm in parse_arms(a.kernels):

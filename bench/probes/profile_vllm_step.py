@@ -40,12 +40,12 @@ def _arm(a) -> int:
     ids = torch.randint(3, meta["vocab_size"], (B, P), generator=g).tolist()
     t0 = time.perf_counter()
     if a.arm == "engine":                                   # our engine on the tik-patched HF model
-        sys.path.insert(0, os.path.join(HERE, ".."))
-        import bench_rollout as br
-        eng = br._engine_setup(a.model_dir, meta["max_model_len"])
+        from areal_tik.verify.offline import OurEngine
+        eng = OurEngine(a.model_dir, kernels="tik", max_model_len=meta["max_model_len"], max_num_seqs=256,
+                        gpu_memory_utilization=0.5, async_decode=False)
 
         def run(n):
-            br._engine_generate(eng, ids, n, seed=1)
+            eng.generate(ids, n, seeds=[100003 + i for i in range(len(ids))])
     else:
         llm = LLM(**kw)
         prompts = [{"prompt_token_ids": p} for p in ids]

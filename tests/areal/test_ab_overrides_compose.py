@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("areal.api")  # "areal" alone would find tests/areal itself (a namespace package)
 
-from areal_tik.ab.runner import arm_overrides  # noqa: E402
+from areal_tik.ab.runner import ARM_WIRING, arm_overrides  # noqa: E402
+from areal_tik.areal import engines  # noqa: E402
 from areal_tik.areal.train import load_config  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.areal
 
 
 def _shared(tmp_path, **env):
-    e = {**os.environ, "DRY_RUN": "1", "SET": "vllm,tik,vllm_tik,baseline", "RECIPES": "grpo ppo",
+    e = {**os.environ, "DRY_RUN": "1", "SET": "vllm,tik,vllm_tik,baseline,vllm_loglinear", "RECIPES": "grpo ppo grpo_async",
          "AB_OUT": str(tmp_path / "ab"), "EXTRA_OVERRIDES": "train_dataset.batch_size=16", **env}
     e.pop("SERVER_DEVICE", None) if "SERVER_DEVICE" not in env else None
     p = subprocess.run(["bash", os.path.join(ROOT, "bench", "run_ab_gpu.sh")], env=e, capture_output=True,
@@ -35,16 +36,22 @@ def test_every_arm_config_composes(tmp_path, layout):
     # (on a CPU the script sees no GPU and would pick disk: the two-GPU layout names its update mode)
     env = {"SERVER_DEVICE": "cuda:1", "WEIGHT_UPDATE": "xccl"} if layout == "two_gpus" else {}
     recipes = _shared(tmp_path, **env)
-    assert len(recipes) == 2
+    assert len(recipes) == 3
     for cfg_path, *shared in recipes:
         cfg_path = os.path.join(ROOT, cfg_path)
         # the vLLM server's path, as the script passes it when /tmp/site-vllm exists on the device
         shared = shared + ["actor.tik.server_pythonpath='/repo:/tmp/vsite:/tmp/site-vllm'"]
-        for arm in ("vllm", "tik", "vllm_tik", "baseline"):
+        for arm in ("vllm", "tik", "vllm_tik", "baseline", "vllm_loglinear"):
             loaded = load_config(["--config", cfg_path, *arm_overrides(arm, cfg_path), *shared])
             c = loaded[0] if isinstance(loaded, tuple) else loaded
+            # the loglinear arm: AReaL's approximation, no recompute forward; every other arm recomputes or skips
+            assert c.actor.prox_logp_method == ("loglinear" if arm == "vllm_loglinear" else "recompute"), arm
+            assert c.actor.should_compute_prox_logp() == (arm != "vllm_loglinear"), arm
+            if "async" in cfg_path:
+                assert c.rollout.max_head_offpolicyness >= 2 and c.actor.use_decoupled_loss
             assert c.rollout.backend.startswith("vllm:") == arm.startswith("vllm"), (arm, c.rollout.backend)
             assert c.actor.kernel_backend == ("tik" if "tik" in arm else "default"), arm
+            assert engines.for_config(c).name == ARM_WIRING[arm][0], arm      # the arm's rollout engine, by name
             assert c.train_dataset.batch_size == 16
             if layout == "one_gpu":
                 assert c.actor.weight_update_mode == "disk" and c.vllm.gpu_memory_utilization == 0.35

@@ -131,3 +131,14 @@ def test_critic_takes_the_actors_settings():
     assert c.critic.tik is c.actor.tik
     assert settings_of(c.critic, c.critic.kernel_backend) == settings_of(c.actor, "tik")
     assert settings_of(c.critic, "tik").attention_backward == "triton"
+
+
+def test_actor_tik_backend_wins_over_the_environment(monkeypatch):
+    """What the docs state: ``actor.tik.backend``, when set, is the backend; ``AREAL_TIK_BACKEND`` fills it only
+    when the key is null."""
+    from areal_tik.settings import BACKEND_ENV
+    monkeypatch.setenv(BACKEND_ENV, "torch_ref")
+    assert _load("actor.kernel_backend=tik", "actor.tik.backend=triton").actor.tik.settings("tik").backend == "triton"
+    assert _load("actor.kernel_backend=tik").actor.tik.settings("tik").backend == "torch_ref"
+    monkeypatch.delenv(BACKEND_ENV)
+    assert _load("actor.kernel_backend=tik").actor.tik.settings("tik").backend is None

@@ -297,42 +297,26 @@ def test_weight_version_counts_updates_not_buckets():
 
 # ---- what a worker reports -----------------------------------------------------------------------
 def _tik_vllm_like_model(name="TikQwen2ForCausalLM", stray_ops=False):
-    """The plugin's model without vLLM: ``stack.TikDecoder`` with a stand-in for vLLM's ``Attention`` (it holds
-    a KV-cache scale parameter) and the lm_head, loaded from a tiny HF Qwen2 the way the plugin loads one."""
+    """The plugin's model without vLLM (``causal_lm.TikCausalLM``, what ``model.py`` subclasses) with a stand-in for
+    vLLM's ``Attention`` (it holds a KV-cache scale parameter), loaded from a tiny HF Qwen2 the way the plugin
+    loads one."""
     from areal_tik.dispatch.bound import bind
     from areal_tik.layers.models import build_model
     from areal_tik.layers.modules import TikLinear
-    from areal_tik.vllm_plugin import stack
+    from areal_tik.vllm_plugin.causal_lm import TikCausalLM
     ops = bind(None)
     hf = build_model("tiny-qwen2", device="cpu", seed=3)
-    tied = bool(hf.config.tie_word_embeddings)
-
-    class Model(torch.nn.Module):
-        def __init__(self, cfg):
-            super().__init__()
-            self.model = stack.TikDecoder(cfg, ops)
-            for layer in self.model.layers:     # vLLM's Attention layer, with a scale parameter
-                layer.self_attn.attn = torch.nn.Module()
-                layer.self_attn.attn.k_scale = torch.nn.Parameter(torch.ones(1))
-            self.lm_head = TikLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
-            self.lm_head._tik_ops = ops
-            self.tied = tied
-            if tied:
-                self.lm_head.weight = self.model.embed_tokens.weight
-    if hasattr(stack.TikDecoder, "hf_named_parameters"):   # a decoder that stacks projections names them back
-        def hf_named_parameters(self):
-            yield from self.model.hf_named_parameters("model")
-            if not self.tied:
-                yield "lm_head.weight", self.lm_head.weight
-        Model.hf_named_parameters = hf_named_parameters
-    Model.__name__ = name
-    m = Model(hf.config).to(torch.bfloat16)
-    weights = [(k, v) for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")]
-    if hasattr(stack, "load_hf_tensors"):
-        stack.load_hf_tensors(m, weights, tied)
-    else:
-        res = m.load_state_dict(dict(weights), strict=False)
-        assert not res.unexpected_keys and all(".attn.k_scale" in k for k in res.missing_keys), res
+    Model = type(name, (TikCausalLM,), {})
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)     # as vLLM builds it
+    try:
+        m = Model(hf.config, ops)
+    finally:
+        torch.set_default_dtype(prev)
+    for layer in m.model.layers:     # vLLM's Attention layer, with a scale parameter
+        layer.self_attn.attn = torch.nn.Module()
+        layer.self_attn.attn.k_scale = torch.nn.Parameter(torch.ones(1))
+    m.load_weights(hf.state_dict().items())
     if stray_ops:
         [x for x in m.model.layers[1].modules() if isinstance(x, TikLinear)][-1]._tik_ops = bind(None)
     return m, ops, hf
@@ -347,11 +331,12 @@ def _bump(m):
 
 
 def test_worker_facts_digest_equals_the_trainers():
+    from areal_tik.dispatch.bound import bind
     from areal_tik.dispatch.fingerprint import compute
     from areal_tik.layers.weights_digest import model_digest
     m, ops, hf = _tik_vllm_like_model()
     facts = vllm_info.worker_facts(m, ops, hook_installed=True)
-    assert facts["tik_model"] and facts["kernel_fingerprint"] == compute(None)["fingerprint"]
+    assert facts["tik_model"] and facts["kernel_fingerprint"] == compute(bind(None))["fingerprint"]
     assert facts["weights_digest"] == model_digest(hf)          # the trainer's digest of the same weights
     _bump(m)
     assert vllm_info.worker_facts(m, ops, True)["weights_digest"] != model_digest(hf)
@@ -481,8 +466,8 @@ def test_backend_launches_our_module(model_dir, monkeypatch):
 
 
 def test_config_accepts_vllm_with_tik_and_names_what_it_refuses():
+    from areal_tik.areal import engines
     from areal_tik.areal.config import ConfigError
-    from areal_tik.areal.rollout import rollout_server_kind
     from areal_tik.areal.train import load_config
     import os
     recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny.yaml")
@@ -490,9 +475,9 @@ def test_config_accepts_vllm_with_tik_and_names_what_it_refuses():
     def load(*ov):
         return load_config(["--config", recipe, "stats_logger.fileroot=/tmp/areal_tik/test_cfg", *ov])
     c = load("actor.kernel_backend=tik", "rollout.backend=vllm:d1p1t1")
-    assert rollout_server_kind(c) == "vllm"
-    assert rollout_server_kind(load("actor.kernel_backend=tik")) == "tik"
-    assert rollout_server_kind(load("rollout.backend=vllm:d1p1t1")) == "vllm"
+    assert engines.for_config(c).name == "vllm"
+    assert engines.for_config(load("actor.kernel_backend=tik")).name == "tik"
+    assert engines.for_config(load("rollout.backend=vllm:d1p1t1")).name == "vllm"
     for ov, key in [("rollout.backend=vllm:d1t2", "rollout.backend"), ("+vllm.dtype=float16", "vllm.dtype"),
                     ("+vllm.enable_lora=true", "vllm.enable_lora"), ("rollout.backend=trt:d1", "rollout.backend")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

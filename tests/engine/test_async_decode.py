@@ -257,8 +257,8 @@ def test_dead_graphs_collected_during_a_capture(model, monkeypatch):
     with GC enabled (as an automatic one may at any allocation): captures pause GC, so none runs there."""
     dead = _engine(model, True)
     _drive(dead, [("add", "a", _prompts(8, [10])[0], SamplingParams(temperature=0.9, max_new_tokens=40, seed=1))])
-    assert len(dead.runner._graphs) >= 3
-    junk = [dead.runner._graphs]
+    assert len(dead.runner.capture.graphs) >= 3
+    junk = [dead.runner.capture.graphs]
     junk.append(junk)
     del dead, junk
     eng, ref_eng = _engine(model, True), _engine(model, False)

@@ -153,7 +153,7 @@ def test_default_engine_prefill_paths_agree_with_hf(chunked, seed_rng, monkeypat
     from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
     from areal_tik.layers.models import build_model
 
-    from areal_tik.layers import modules as M
+    from areal_tik.layers import steps as M
     seen = {"packed": 0, "paged": 0}
     for name, key in (("packed_causal_attention", "packed"), ("default_paged_attention", "paged")):
         real = getattr(M, name)

@@ -117,3 +117,30 @@ def test_score_matches_engine_logprobs(model):
     sc = eng.score(o.prompt_ids + o.output_ids, 1.0)
     assert sc[len(o.prompt_ids) - 1:] == o.output_logprobs
     assert all(math.isfinite(x) for x in sc)
+
+
+def test_greedy_scores_at_temperature_one(model):
+    """Greedy (T = 0) log-probs are taken at T = 1, by the log-prob head's one rule, for generated tokens and for
+    scored ones alike (the server passes the request's temperature through unchanged)."""
+    eng = _eng(model)
+    o = eng.generate([[3, 4, 5, 6]], SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True))[0]
+    ids = o.prompt_ids + o.output_ids
+    assert eng.score(ids, 0.0) == eng.score(ids, 1.0)
+    assert eng.score(ids, 0.0)[len(o.prompt_ids) - 1:] == o.output_logprobs
+    assert eng.score(ids, 0.5) != eng.score(ids, 1.0)      # the temperature does reach the scores
+
+
+def test_filtered_rows_draw_through_the_bound_op():
+    """Top-k / top-p rows are drawn by the bound ``gumbel_argmax`` like unfiltered ones, on logits whose entries
+    outside the kept set are -inf (no second Gumbel path in the sampler)."""
+    V = 300
+    ops, seen = bind(), []
+    real = ops.gumbel_argmax
+    ops.gumbel_argmax = lambda logits, *a: seen.append(logits.clone()) or real(logits, *a)
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(top_k=5), SamplingParams(top_p=0.5), SamplingParams()]
+    toks, _ = Sampler(V, "cpu", ops, bind())(logits, params, [1, 2, 3], [4, 5, 6])
+    assert len(seen) == 1
+    kept = torch.isfinite(seen[0]).sum(-1).tolist()
+    assert kept[0] == 5 and 1 <= kept[1] < V and kept[2] == V
+    assert all(torch.isfinite(seen[0][i, t]) for i, t in enumerate(toks))

@@ -122,3 +122,75 @@ def test_weight_updates_are_all_or_nothing(model, tmp_path):
         assert eng.version == 1 and all(torch.equal(model.get_parameter(n), t) for n, t in good.items())
     finally:
         model.load_state_dict(snap)
+
+
+NON_FINITE = [("model.norm.weight", 0, float("nan")), ("lm_head.weight", 777, float("inf")),
+              ("model.layers.1.mlp.down_proj.weight", -1, float("-inf")),
+              ("model.embed_tokens.weight", 12345, float("nan"))]
+
+
+@pytest.mark.parametrize("name,index,value", NON_FINITE, ids=lambda v: str(v))
+def test_non_finite_weights_are_refused_naming_the_tensor(model, tmp_path, name, index, value):
+    """A checkpoint (state dict or HF directory) with one NaN or infinity anywhere is refused as a
+    whole, naming the tensor; the weights and the version are unchanged, and the same checkpoint
+    without it loads."""
+    from areal_tik.engine.weight_staging import WeightUpdateError
+    eng = _eng(model)
+    snap = _snapshot(model)
+    g = torch.Generator().manual_seed(index & 0xFFFF)
+    new = {n: (torch.randn(p.shape, generator=g) * 0.02).to(p.dtype) for n, p in model.named_parameters()}
+    bad = dict(new)
+    bad[name] = new[name].clone()
+    bad[name].view(-1)[index] = value
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    from safetensors.torch import save_file
+    save_file(bad, str(ckpt / "model.safetensors"))
+    try:
+        for src in (bad, str(ckpt)):
+            with pytest.raises(WeightUpdateError, match=name.replace(".", r"\.") + " holds 1 NaN or infinite value"):
+                eng.update_weights(src, version=3)
+            assert _same(model, snap) and eng.version == 0 and eng.weights_serial == 0
+        eng.update_weights(new, version=3)  # the same update without the bad value: accepted
+        assert eng.version == 3 and torch.equal(model.get_parameter(name), new[name])
+    finally:
+        model.load_state_dict(snap)
+
+
+def test_staged_buckets_of_one_update_refuse_a_name_twice(model):
+    from areal_tik.engine.weight_staging import WeightUpdateError
+    eng = _eng(model)
+    params = list(model.named_parameters())
+    a = eng.stage_weights({n: p.detach().clone() for n, p in params[:2]})
+    b = eng.stage_weights({n: p.detach().clone() for n, p in params[1:3]})
+    with pytest.raises(WeightUpdateError, match="appears twice in this update"):
+        a.extend(b)
+    assert a.names == [n for n, _ in params[:2]]  # unchanged by the refused extend
+    a.extend(eng.stage_weights({n: p.detach().clone() for n, p in params[2:4]}))
+    assert a.names == [n for n, _ in params[:4]] and a.nbytes == sum(p.numel() * p.element_size()
+                                                                      for _, p in params[:4])
+
+
+@pytest.mark.gpu
+def test_an_update_that_does_not_fit_on_the_device_is_staged_in_host_memory():
+    """With no room on the device, every staged tensor waits in host memory and is still checked
+    (a NaN refused, naming the tensor); the commit then loads exactly the bits staged on the device
+    would have."""
+    from areal_tik.engine.weight_staging import WeightUpdateError, stage
+    model = patch_model(build_model("tiny-qwen2", device="cuda"))
+    eng = _eng(model, num_pages=8)  # first: the engine stacks projections (new parameter tensors)
+    g = torch.Generator().manual_seed(5)
+    new = {n: (torch.randn(p.shape, generator=g) * 0.02).to(p.dtype) for n, p in model.named_parameters()}
+    on_host = stage(model, new, room=lambda device: 0)
+    on_device = stage(model, new)
+    assert on_host.host_bytes == on_host.nbytes > 0 and on_device.host_bytes == 0
+    bad = dict(new)
+    bad["model.norm.weight"] = new["model.norm.weight"].clone()
+    bad["model.norm.weight"][1] = float("nan")
+    with pytest.raises(WeightUpdateError, match="model.norm.weight holds 1 NaN"):
+        stage(model, bad, room=lambda device: 0)
+    eng.commit_weights(on_host, version=1)
+    host_loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+    eng.commit_weights(on_device, version=2)
+    assert all(torch.equal(host_loaded[n], p) for n, p in model.named_parameters())
+    assert all(torch.equal(p.cpu(), new[n]) for n, p in model.named_parameters())

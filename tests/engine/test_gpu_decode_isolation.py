@@ -344,7 +344,7 @@ def test_gpu_engine_capture_leaves_kv_untouched(model15):
     assert r.num_graph_steps > 0
     before = [(k.clone(), v.clone()) for k, v in r.kv_caches]
     for key in [(1, 16), (16, 20), (8, 20), (2, 17)]:
-        if key not in r._graphs:
+        if key not in r.capture.graphs:
             r._capture(*key)
     torch.cuda.synchronize()
     for (k0, v0), (k1, v1) in zip(before, r.kv_caches):

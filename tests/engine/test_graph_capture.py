@@ -15,7 +15,7 @@ import gc
 import pytest
 import torch
 
-import areal_tik.engine.model_runner as mr
+from areal_tik.engine import graph_capture
 from areal_tik.layers.logprob_head import packed_logprobs
 from areal_tik.layers.patch import patch_model
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
@@ -70,7 +70,7 @@ def test_capture_warmup_leaves_kv_cache_untouched(graphs, model, seed_rng):
     assert eng.runner.num_graph_steps > 0
     runner = eng.runner
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    new_keys = [(bs, w) for bs in (1, 2, 4, 8) for w in (1, 2, 4, 8, 10) if (bs, w) not in runner._graphs]
+    new_keys = [(bs, w) for bs in (1, 2, 4, 8) for w in (1, 2, 4, 8, 10) if (bs, w) not in runner.capture.graphs]
     for bs, w in new_keys[:6]:
         runner._capture(bs, w)
     for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
@@ -90,11 +90,11 @@ def _gc_state_in_captures(runner, monkeypatch) -> list[bool]:
             return forward(*args, **kw)
         monkeypatch.setitem(runner.__dict__, "_forward", probe)
     else:
-        class Probe(mr._EmulatedGraph):
+        class Probe(graph_capture.EmulatedGraph):
             def __init__(self, fn, out):
                 seen.append(gc.isenabled())
                 super().__init__(fn, out)
-        monkeypatch.setattr(mr, "_EmulatedGraph", Probe)
+        monkeypatch.setattr(graph_capture, "EmulatedGraph", Probe)
     return seen
 
 
@@ -129,7 +129,7 @@ def test_failed_capture_keeps_the_stream_and_later_captures(model, monkeypatch):
     params = [SamplingParams(temperature=1.0, max_new_tokens=40, seed=i, ignore_eos=True) for i in range(2)]
     _run(eng, prompts[:1], params[:1])
     runner = eng.runner
-    assert runner._pool is not None
+    assert runner.capture.pool is not None
     forward = runner._forward
 
     def forward_syncing(*args, **kw):
@@ -141,9 +141,9 @@ def test_failed_capture_keeps_the_stream_and_later_captures(model, monkeypatch):
         m.setitem(runner.__dict__, "_forward", forward_syncing)
         with pytest.raises(Exception):
             runner._capture(8, 8)
-    assert torch.cuda.current_stream() == stream and runner._pool is None and (8, 8) not in runner._graphs
+    assert torch.cuda.current_stream() == stream and runner.capture.pool is None and (8, 8) not in runner.capture.graphs
     got = _run(eng, prompts, params)               # captures new graphs (a fresh pool), same bits as eager
-    assert eng.stats()["failed_steps"] == 0 and runner._pool is not None
+    assert eng.stats()["failed_steps"] == 0 and runner.capture.pool is not None
     assert got == _run(_engine(model, eager=True), prompts, params)
 
 
@@ -157,7 +157,7 @@ def test_graphs_equal_eager_and_training_across_width_buckets(graphs, model, see
     e_graph = _engine(model, eager=False)
     got = _run(e_graph, prompts, params)
     ref = _run(_engine(model, eager=True), prompts, params)
-    assert e_graph.runner.num_graph_steps > 0 and len(e_graph.runner._graphs) >= 3
+    assert e_graph.runner.num_graph_steps > 0 and len(e_graph.runner.capture.graphs) >= 3
     _assert_same_as_eager_and_training(model, prompts, params, got, ref, "graph decode")
 
 
@@ -171,14 +171,14 @@ def test_sampling_graphs_equal_sampling_after_the_graph(graphs, model, seed_rng,
     prompts = _prompts(lens, seed_rng)
     e_fused = _engine(model, eager=False)
     got = _run(e_fused, prompts, params)
-    fused_keys = [k for k in e_fused.runner._graphs if len(k) == 3 and k[0] != "prefill"]
-    assert fused_keys and all(k[2] == 0.8 for k in fused_keys), list(e_fused.runner._graphs)
+    fused_keys = [k for k in e_fused.runner.capture.graphs if len(k) == 3 and k[0] != "prefill"]
+    assert fused_keys and all(k[2] == 0.8 for k in fused_keys), list(e_fused.runner.capture.graphs)
     e_split = _engine(model, eager=False)
     # on the instance dict: its undo deletes the key (setattr's undo would leave a bound method there, a reference
     # cycle that keeps the engine's CUDA graphs alive until some later GC pass, which could land in a capture)
     monkeypatch.setitem(e_split.runner.__dict__, "fused_temperature", lambda batch: None)
     split = _run(e_split, prompts, params)
-    assert not [k for k in e_split.runner._graphs if len(k) == 3 and k[0] != "prefill"]
+    assert not [k for k in e_split.runner.capture.graphs if len(k) == 3 and k[0] != "prefill"]
     assert e_split.runner.num_graph_steps > 0
     ref = _run(_engine(model, eager=True), prompts, params)
     _assert_same_as_eager_and_training(model, prompts, params, got, split, "sampling graph vs logits graph")
@@ -187,7 +187,7 @@ def test_sampling_graphs_equal_sampling_after_the_graph(graphs, model, seed_rng,
     _run(e_topk, prompts[:2], [SamplingParams(temperature=0.8, top_k=5, max_new_tokens=30, seed=1, ignore_eos=True),
                                SamplingParams(temperature=0.8, max_new_tokens=8, seed=2, ignore_eos=True)])
     assert e_topk.runner.num_graph_steps > 0
-    assert not [k for k in e_topk.runner._graphs if len(k) == 3 and k[0] != "prefill"]
+    assert not [k for k in e_topk.runner.capture.graphs if len(k) == 3 and k[0] != "prefill"]
 
 
 def test_parity_all_regimes_with_graphs(graphs, model, seed_rng):
@@ -235,9 +235,9 @@ def _prefill_graph_case(model, seed, **kw):
     r = e_graph.runner
     assert r.num_prefill_graph_steps >= 3 and e_eager.runner.num_prefill_graph_steps == 0
     st = e_graph.stats()
-    assert st["prefill_graph_steps"] == r.num_prefill_graph_steps and st["graphs"] == len(r._graphs)
+    assert st["prefill_graph_steps"] == r.num_prefill_graph_steps and st["graphs"] == len(r.capture.graphs)
     assert st["graph_capture_s"] > 0 and e_eager.stats()["graph_capture_s"] == 0
-    assert len({k[1] for k in r._graphs if k[0] == "prefill"}) >= 2, sorted(k for k in r._graphs if k[0] == "prefill")
+    assert len({k[1] for k in r.capture.graphs if k[0] == "prefill"}) >= 2, sorted(k for k in r.capture.graphs if k[0] == "prefill")
     _assert_same_as_eager_and_training(model, prompts, params, got, ref, "graph prefill")
     for (k0, v0), (k1, v1) in zip(r.kv_caches, e_eager.runner.kv_caches):
         # same allocation order: the same pages hold the same tokens (the spare last page aside)
@@ -269,7 +269,7 @@ def test_prefill_capture_warmup_leaves_kv_cache_untouched(graphs, model, seed_rn
     assert runner.num_prefill_graph_steps == 1
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     for tp, bp in [(16, 1), (64, 2), (128, 4), (256, 8)]:
-        if ("prefill", tp, bp) not in runner._graphs:
+        if ("prefill", tp, bp) not in runner.capture.graphs:
             runner._capture_prefill(tp, bp)
     for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
         assert torch.equal(k0, k1) and torch.equal(v0, v1), "prefill graph capture wrote the KV cache"
@@ -284,8 +284,8 @@ def test_prefill_graph_limits(graphs, model, seed_rng):
     assert small.runner.num_prefill_graph_steps == 0 and small.runner.num_graph_steps > 0
     odd = _engine(model, eager=False, prefill_graph_max_tokens=100)   # no power of two: 90 tokens run as 128
     assert _run(odd, prompts, params) == _run(_engine(model, eager=True), prompts, params)
-    assert odd.runner.num_prefill_graph_steps == 1 and ("prefill", 128, 2) in odd.runner._graphs
-    assert odd.runner._pstatic["ids"].shape[0] == 128
+    assert odd.runner.num_prefill_graph_steps == 1 and ("prefill", 128, 2) in odd.runner.capture.graphs
+    assert odd.runner._prefill_stage.ids.shape[0] == 128
     off = _engine(model, eager=False, prefill_graph_max_tokens=0)
     _run(off, prompts, params)
     assert off.runner.num_prefill_graph_steps == 0

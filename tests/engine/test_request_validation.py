@@ -83,3 +83,45 @@ def test_sampling_params_refuse_what_the_engine_cannot_sample():
                {"seed": "1"}, {"max_new_tokens": 2.0}, {"top_k": True}, {"stop_token_ids": [1.5]}):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
+
+
+AREAL_SAMPLING = {"top_p": 1.0, "top_k": 100000000, "max_new_tokens": 8, "temperature": 1.0,
+                  "stop_token_ids": [2, None], "ignore_eos": False, "skip_special_tokens": True,
+                  "frequency_penalty": 0.0}
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("min_p", 0.05, "sampling_params.min_p is not supported"),
+    ("logit_bias", {"5": 10.0}, "sampling_params.logit_bias is not supported"),
+    ("presence_penalty", 0.3, "presence_penalty"), ("repetition_penalty", 1.2, "repetition_penalty"),
+    ("custom_params", {"x": 1}, "custom_params"), ("min_tokens", 3, "min_tokens is not a key"),
+    ("temperture", 0.5, "temperture is not a key"), ("top_a", 0.1, "top_a is not a key"),
+])
+def test_sampling_keys_that_would_change_the_distribution_are_refused(key, value, why):
+    """A sampling key the server does not implement is a one-line 400, not silently ignored, also
+    next to everything AReaL's client sends."""
+    with pytest.raises(RequestError) as ei:
+        parse_generate({"input_ids": [1], "sampling_params": {**AREAL_SAMPLING, key: value}}, LIM)
+    assert ei.value.status == 400 and why in ei.value.message and "\n" not in ei.value.message, ei.value.message
+
+
+def test_neutral_values_and_every_key_areal_sends_are_accepted():
+    neutral = {"min_p": 0.0, "logit_bias": {}, "presence_penalty": 0, "repetition_penalty": 1.0, "n": 1,
+               "min_new_tokens": 0, "stop": [], "regex": None, "custom_params": None, "no_stop_trim": True,
+               "spaces_between_special_tokens": False, "seed": 4}
+    r = parse_generate({"input_ids": [1], "sampling_params": {**AREAL_SAMPLING, **neutral}}, LIM)
+    assert r.sampling == dict(temperature=1.0, top_p=1.0, top_k=100000000, max_new_tokens=8, stop_token_ids=[2],
+                              ignore_eos=False, seed=4)
+    r = parse_generate({"input_ids": [1], "sampling_params": {**AREAL_SAMPLING, "logit_bias": None}}, LIM)
+    assert r.sampling["seed"] is None
+
+
+def test_the_documented_key_table_is_the_one_the_server_applies():
+    """docs/interfaces.md lists every sampling key the server accepts, as request_validation does."""
+    import re
+
+    from areal_tik.engine.server.request_validation import SAMPLING_KEYS
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "interfaces.md")).read()
+    rows = dict((m.group(1), (m.group(2), m.group(3).strip()))
+                for m in re.finditer(r"^\| `(\w+)` \| ([\w ]+) \| (.*)\|$", doc, flags=re.M))
+    assert rows == SAMPLING_KEYS

@@ -11,27 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import contextlib
-import http.client
 import json
 import os
 import socket
-import threading
+import sys
 import time
 import types
-
-import sys
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
 from areal_tik.engine.sequence import SamplingParams
-from areal_tik.engine.server import EngineWorker, ServerConfig, TikServer, build, run_server
+from areal_tik.engine.server import EngineWorker, ServerConfig, TikServer, build
 from areal_tik.engine.server.worker import _Pending
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hostile  # noqa: E402  (tests/engine/hostile.py: hypothesis strategies)
+from http_helpers import (bits, call, free_port as _free_port, in_thread, info, refused, serving,  # noqa: E402
+                          wait_active, wait_idle)
 
 CTX = 64
 VOCAB = 512
@@ -39,77 +37,6 @@ REF = {"input_ids": [3, 5, 7, 9], "return_logprob": True,
        "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 11, "ignore_eos": True}}
 LONG = {"input_ids": [4, 6, 8], "return_logprob": True,
         "sampling_params": {"max_new_tokens": 40, "temperature": 0.8, "sampling_seed": 12, "ignore_eos": True}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def call(addr: str, path: str, body=None, raw: bytes | None = None, method: str = "POST", timeout: float = 120):
-    """(status, mime type, decoded JSON or {"raw": text}) of one request."""
-    host, port = addr.split(":")
-    c = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    c.request(method, path, body=data, headers={"Content-Type": "application/json"} if data is not None else {})
-    r = c.getresponse()
-    payload = r.read()
-    c.close()
-    try:
-        obj = json.loads(payload) if payload else None
-    except ValueError:
-        obj = {"raw": payload.decode(errors="replace")}
-    return r.status, (r.getheader("Content-Type") or "").split(";")[0].strip(), obj
-
-
-def refused(res, status: int = 400, match: str | None = None) -> str:
-    """Assert ``res`` is a JSON error reply with a one-line message; return the message."""
-    code, ctype, obj = res
-    assert code == status, (code, obj)
-    assert ctype == "application/json", (ctype, obj)
-    msg = obj.get("message") or (obj.get("error") or {}).get("message")
-    assert isinstance(msg, str) and msg and "\n" not in msg, obj
-    if match is not None:
-        assert match.lower() in msg.lower(), msg
-    return msg
-
-
-def bits(res) -> tuple:
-    code, ctype, obj = res
-    assert code == 200 and ctype == "application/json", (code, obj)
-    lps = obj["meta_info"]["output_token_logprobs"]
-    return obj["output_ids"], [x[0] for x in lps], [x[1] for x in lps]
-
-
-def info(addr: str) -> dict:
-    code, _, obj = call(addr, "/get_server_info", method="GET")
-    assert code == 200
-    return obj
-
-
-def wait_idle(addr: str, timeout: float = 60.0) -> dict:
-    t0 = time.time()
-    while True:
-        i = info(addr)
-        if i["active_requests"] == 0 and i.get("held_requests", 0) == 0:
-            return i
-        assert time.time() - t0 < timeout, f"requests still in flight: {i['active_requests']}"
-        time.sleep(0.05)
-
-
-def wait_active(addr: str, n: int = 1, timeout: float = 30.0) -> None:
-    t0 = time.time()
-    while info(addr)["active_requests"] < n:
-        assert time.time() - t0 < timeout, "the request never started"
-        time.sleep(0.01)
-
-
-def in_thread(fn, *args):
-    box = {}
-    th = threading.Thread(target=lambda: box.setdefault("r", fn(*args)), daemon=True)
-    th.start()
-    return th, box
 
 
 def assert_healthy(S) -> None:
@@ -123,26 +50,12 @@ def assert_healthy(S) -> None:
     assert bits(call(S.addr, "/generate", REF)) == S.ref
 
 
-@contextlib.contextmanager
-def serving(server, port: int, ready_timeout: float = 120, join_timeout: float = 30):
-    """``run_server(server)`` on a thread for the block: yields its address once it is ready, stops it after."""
-    ready, stop = threading.Event(), threading.Event()
-    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True)
-    th.start()
-    try:
-        assert ready.wait(ready_timeout)
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop.set()
-        th.join(join_timeout)
-
-
 @pytest.fixture(scope="module")
 def S(tmp_path_factory):
     cfg = ServerConfig(model="tiny-qwen2", kernels="tik", port=_free_port(), max_running_requests=8,
                        context_length=CTX)
     server = build(cfg, device="cpu")
-    with serving(server, cfg.port) as addr:
+    with serving(server) as addr:
         ckpt = tmp_path_factory.mktemp("orig")
         server.worker.engine.model.save_pretrained(ckpt)  # nothing in flight yet
         i0 = info(addr)
@@ -252,7 +165,7 @@ def test_engine_that_raises_or_refuses_leaves_no_stuck_or_phantom_request():
     eng = _FaultyEngine()
     cfg = ServerConfig(model="faulty", port=_free_port())
     server = TikServer(EngineWorker(eng, SamplingParams, model_info=lambda: {"weights_digest": "d"}), cfg, {})
-    with serving(server, cfg.port, ready_timeout=30, join_timeout=15) as addr:
+    with serving(server, ready_timeout=30, join_timeout=15) as addr:
         gen = {"input_ids": [5], "sampling_params": {"max_new_tokens": 3}}
         code, _, _ = call(addr, "/generate", {"input_ids": [13], "sampling_params": {"max_new_tokens": 3}})
         assert code == 500
@@ -490,9 +403,10 @@ def test_update_with_requests_in_flight_and_no_abort_is_409_then_a_good_update_w
 
 
 def _xccl_trainer(addr: str, fileroot: str, q_out, q_in) -> None:
-    """AReaL's trainer side (rank 0, gloo): a bucket the server must refuse (a changed real
-    tensor and an unknown name), a bucket with a wrong shape, then, when told, the model's
-    original weights in one bucket. Reports each outcome."""
+    """AReaL's trainer side (rank 0, gloo). One update (between pause and continue) of three
+    buckets: the first half of the weights with new values (valid), a bucket with a NaN in a real
+    tensor, then a bucket naming an unknown parameter; then, when told, one update of the
+    model's original weights in two buckets. Reports each outcome."""
     try:
         import torch.distributed as dist
         from areal.api.alloc_mode import ModelAllocation
@@ -528,12 +442,20 @@ def _xccl_trainer(addr: str, fileroot: str, q_out, q_in) -> None:
             except Exception as e:  # noqa: BLE001 - the refusal is the expected outcome
                 return f"refused: {e}"
 
+        half = len(named) // 2
         client.pause_generation()
-        first = named[0]
-        q_out.put(send([(first[0], torch.full_like(first[1], 0.25)), ("model.bogus.weight", torch.zeros(4))]))
-        q_out.put(send([(first[0], torch.zeros(first[1].shape[0] + 1, dtype=torch.bfloat16))]))
+        q_out.put(send([(n, torch.full_like(t, 0.25)) for n, t in named[:half]]))
+        n0, t0 = named[half]
+        nan = torch.full_like(t0, 0.5)
+        nan.view(-1)[3] = float("nan")
+        q_out.put(send([(n0, nan)]))
+        q_out.put(send([(named[-1][0], torch.zeros_like(named[-1][1])), ("model.bogus.weight", torch.zeros(4))]))
+        client.continue_generation()
+        q_out.put("continued")
         assert q_in.get(timeout=120) == "go"
-        q_out.put(send(named))
+        client.pause_generation()
+        q_out.put(send(named[:half]))
+        q_out.put(send(named[half:]))
         client.continue_generation()
         dist.destroy_process_group(pg)
         client.destroy()
@@ -544,10 +466,10 @@ def _xccl_trainer(addr: str, fileroot: str, q_out, q_in) -> None:
 
 
 def test_refused_xccl_buckets_change_nothing_and_the_group_stays_usable(S, tmp_path):
-    """xccl: a bucket naming an unknown parameter (next to a real one with new values) and a
-    bucket with a wrong shape are refused after their broadcasts are drained; the weights,
-    version and digest stay the old ones, and the next (valid) bucket loads through the same
-    group."""
+    """xccl, all or nothing across the buckets of one update: a valid first bucket, then a bucket
+    with a NaN (refused) and one naming an unknown parameter (refused, its broadcasts drained);
+    at continue nothing of the update is applied, not even the valid first bucket (the weights,
+    version and digest stay the old ones). The next update, through the same group, loads."""
     pytest.importorskip("areal.api")
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
@@ -555,23 +477,23 @@ def test_refused_xccl_buckets_change_nothing_and_the_group_stays_usable(S, tmp_p
     p = ctx.Process(target=_xccl_trainer, args=(S.addr, str(tmp_path), q_out, q_in))
     p.start()
     try:
+        assert q_out.get(timeout=240) == "ok"  # staged, not applied
         for _ in range(2):  # AReaL's client reports the status only (the reason is in the server's log)
             res = q_out.get(timeout=240)
             assert res.startswith("refused") and "status=400" in res, res
-        i = info(S.addr)
-        assert (i["weight_version"], i["weights_digest"]) == (S.version, S.digest), "a refused bucket changed weights"
-        # the server is paused (no step runs): read the weights themselves, not the digest the server cached
-        from areal_tik.layers.weights_digest import model_digest
-        assert model_digest(S.server.worker.engine.model, dtype=torch.bfloat16) == S.digest, \
-            "a refused bucket changed the weights under the old version and digest"
+        assert q_out.get(timeout=120) == "continued"
+        i = wait_idle(S.addr)
+        assert not i["paused"]
+        assert (i["weight_version"], i["weights_digest"]) == (S.version, S.digest), "a refused update changed weights"
+        assert bits(call(S.addr, "/generate", REF)) == S.ref
         q_in.put("go")
-        assert q_out.get(timeout=120) == "ok"
+        assert q_out.get(timeout=120) == "ok" and q_out.get(timeout=120) == "ok"
         assert q_out.get(timeout=120) == "done"
     finally:
         p.join(60)
         if p.is_alive():
             p.kill()
-    S.version += 1  # the valid bucket: the original weights as a new version
+    S.version += 1  # the valid update: the original weights as a new version
     server_groups = S.server.worker.groups
     if "fault_group" in server_groups:  # the trainer destroyed its side; the server leaves too
         call(S.addr, "/destroy_weights_update_group", {"group_name": "fault_group"})

@@ -16,7 +16,7 @@ import pytest
 from areal_tik.engine.server import ServerConfig, build
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_faults import _free_port, bits, call, serving, wait_idle  # noqa: E402
+from http_helpers import bits, call, free_port as _free_port, serving, wait_idle  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("graphs")
 
@@ -30,7 +30,7 @@ def _serve(stack: contextlib.ExitStack, overlap: bool):
     cfg = ServerConfig(model="tiny-qwen2", kernels="tik", port=_free_port(), max_running_requests=8,
                        context_length=64, precompile=False, disable_overlap_schedule=not overlap)
     server = build(cfg, device="cpu")
-    return server.worker.engine, stack.enter_context(serving(server, cfg.port))
+    return server.worker.engine, stack.enter_context(serving(server))
 
 
 def _answers(addr: str) -> list:

@@ -155,7 +155,7 @@ def _r1(backend, seqs, rng, block_m):
     cu = cu_of(plens, device)
     q, k, v = (torch.cat([p[j] for p in parts]) for j in range(3))
     if block_m is not None and backend == "triton":
-        out = TO._varlen_fwd(q, k, v, cu, max(plens), CHK._qk_scale(None, d)[1], False, block_m=block_m)[0]
+        out = TO._varlen_fwd(q, k, v, cu, max(plens), CHK.softmax_scales(None, d)[1], False, block_m=block_m)[0]
     else:
         out = varlen(q, k, v, cu, max(plens))
     r1 = [None] * len(seqs)
@@ -517,7 +517,7 @@ def test_tuned_json_is_applied_and_fingerprinted(tmp_path, restore_config, monke
              "decode": {"num_stages": 2}, "_source": "test"}
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"sm90": entry}))
-    monkeypatch.setattr(A.tuning, "_interpreting", lambda: False)
+    monkeypatch.setattr(A.tuning, "interpreting", lambda: False)
     assert not A.load_tuned(str(path), arch="sm80")
     assert A.load_tuned(str(path), arch="sm90")
     assert (A.tuning.BLOCK_N, A.tuning.KV_PARTITION) == (128, 512)

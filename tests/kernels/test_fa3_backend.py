@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from areal_tik.dispatch import availability, fingerprint, registry
+from areal_tik.dispatch.bound import bind
 from areal_tik.kernels.attention.reference import attention_reference, paged_case
 from areal_tik.kernels.attention.torch_ref import attention_paged_torch, attention_varlen_torch
 from areal_tik.kernels.fa3 import attention as fa3
@@ -124,9 +125,9 @@ def test_selection_and_fingerprint_follow_the_fa3_spec(stand_in):
     spec = "attention=fa3"
     assert registry.select_impl("attention_varlen", spec).fn is fa3.attention_varlen_fa3
     assert registry.select_impl("attention_paged", spec).fn is fa3.attention_paged_fa3
-    fp = fingerprint.compute(spec)
+    fp = fingerprint.compute(bind(spec))
     assert fp["selection"]["attention_paged"] == "fa3" and fp["selection"]["attention_varlen"] == "fa3"
-    assert fp["fingerprint"] != fingerprint.compute(None)["fingerprint"]
+    assert fp["fingerprint"] != fingerprint.compute(bind(None))["fingerprint"]
     info = registry.implementations()["attention_paged"]["fa3"]
     assert dict(info.meta)["fa3_num_splits"] == 1 and "vllm" in dict(info.meta)
     assert info.sources == (fa3.__file__,)

@@ -1,13 +1,16 @@
 """``layers/precompile.py``: the linear tile configs compiled before the first step are all the
-ones ``linear_fwd`` can pick, and afterwards no M in range compiles anything (GPU)."""
+ones ``linear_fwd`` can pick, launched through the model's bound linear, and afterwards no M in
+range compiles anything (GPU)."""
 import pytest
 import torch
 
-from areal_tik.layers.patch import patch_model
-from areal_tik.layers.precompile import _m_grid, linear_config_names, linear_shapes, precompile_linears
+from areal_tik.dispatch.bound import bind
 from areal_tik.kernels import jit_watch
-from areal_tik.kernels.linear import config_name_for
+from areal_tik.kernels.linear import config_name_for, config_names, row_grid
+from areal_tik.kernels.linear import selection
 from areal_tik.layers.models import build_model
+from areal_tik.layers.patch import patch_model
+from areal_tik.layers.precompile import linear_shapes, precompile_linears, precompile_plan
 
 # the 1.5B model's linear shapes as the patched HF model runs them (q/o, k/v, gate/up, down), the fused
 # qkv and gate_up, lm_head and a value head
@@ -23,8 +26,8 @@ def test_grid_reaches_every_config(arch, lo, hi):
     for dtype in (torch.bfloat16, torch.float32):
         for n, k in SHAPES_15B:
             every = {config_name_for(m, n, k, dtype, arch) for m in range(lo, hi + 1)}
-            assert set(linear_config_names(n, k, arch, lo, hi, dtype)) == every, (n, k, dtype)
-    assert _m_grid(lo, hi)[0] == lo and _m_grid(lo, hi)[-1] == hi
+            assert set(config_names(n, k, dtype, arch, lo, hi)) == every, (n, k, dtype)
+    assert row_grid(lo, hi)[0] == lo and row_grid(lo, hi)[-1] == hi
 
 
 def test_shapes_of_a_patched_model():
@@ -33,6 +36,23 @@ def test_shapes_of_a_patched_model():
     want = {(int(mod.weight.shape[0]), int(mod.weight.shape[1]), mod.weight.dtype, mod.bias is not None)
             for mod in m.modules() if isinstance(mod, torch.nn.Linear)}
     assert set(shapes) == want and len(shapes) == len(want)
+
+
+@pytest.mark.parametrize("spec", ["linear=triton", "linear=torch_ref"])
+def test_plan_launches_the_bound_linear(spec, monkeypatch):
+    """Precompilation calls the linear ``patch_model`` bound, with the configs that implementation lists: the
+    Triton linear's every reachable config, and nothing for torch_ref (no tile configs to compile)."""
+    monkeypatch.setattr(selection, "interpreting", lambda: False)     # plan as on a GPU
+    m = patch_model(build_model("tiny-qwen2", device="cpu", seed=0), backend=spec)
+    ops = m.lm_head._tik_ops
+    plan = precompile_plan(m, max_tokens=4096, min_tokens=1, device="cuda")
+    if spec == "linear=torch_ref":
+        assert plan == []
+        return
+    assert plan and all(fn == ops.linear for fn, *_ in plan)
+    want = {(n, k, dt, hb, name) for n, k, dt, hb in linear_shapes(m)
+            for name in config_names(n, k, dt, "sm_90", 1, 4096)}
+    assert {tuple(p[1:]) for p in plan} == want
 
 
 def test_no_op_off_cuda():
@@ -68,6 +88,7 @@ def test_after_precompile_no_m_compiles():
     for n, k in SHAPES_15B[:4]:
         lin = torch.nn.Linear(k, n, bias=(n == 256), device=dev, dtype=torch.bfloat16)  # k/v carry a bias
         lin.__class__ = TikLinear
+        lin._tik_ops = bind("linear=triton")
         m.layers.append(lin)
     res = precompile_linears(m, max_tokens=8192, min_tokens=1)
     assert res["configs"] > 0
@@ -103,4 +124,4 @@ def test_shapes_in_the_compute_dtype():
     shapes = linear_shapes(m, torch.bfloat16)
     assert {d for _, _, d, _ in shapes} == {torch.bfloat16} and len(shapes) == len(linear_shapes(m))
     n, k, d, _ = shapes[0]
-    assert not any(c.startswith("f32_") for c in linear_config_names(n, k, "sm_90", 64, 16384, d))
+    assert not any(c.startswith("f32_") for c in config_names(n, k, d, "sm_90", 64, 16384))

@@ -2,6 +2,7 @@
 translation onto our paged-attention ops (against the engine's own call), the decoder on
 flattened tokens against the trainer's forward, and the sampled-token log-probs."""
 import importlib
+import os
 import subprocess
 import sys
 
@@ -9,20 +10,21 @@ import pytest
 import torch
 
 from areal_tik.dispatch import ops
-from areal_tik.dispatch.bound import bind
-from areal_tik.layers.logprob_head import logprobs_of, packed_logprobs
-from areal_tik.layers import weights_digest
+from areal_tik.layers.logprob_head import logprobs_of
 from areal_tik.layers.patch import patch_model
 from areal_tik.layers.models import build_model
-from areal_tik.vllm_plugin import glue, logprobs as vlp, stack
+from areal_tik.vllm_plugin import glue, logprobs as vlp
+from areal_tik.vllm_plugin.causal_lm import TikCausalLM
 
-OPS = bind()
+sys.path.insert(0, os.path.dirname(__file__))
+from plugin_sim import OPS, load_from, run_plugin_path  # noqa: E402  (tests/vllm_plugin/plugin_sim.py)
+
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 def test_import_areal_tik_never_imports_vllm():
     code = ("import sys, areal_tik, areal_tik.vllm_plugin, areal_tik.vllm_plugin.glue, "
-            "areal_tik.vllm_plugin.stack, areal_tik.vllm_plugin.logprobs, areal_tik.vllm_plugin.register, "
+            "areal_tik.vllm_plugin.causal_lm, areal_tik.vllm_plugin.logprobs, areal_tik.vllm_plugin.register, "
             "areal_tik.cli.env; assert 'vllm' not in sys.modules, 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -91,7 +93,7 @@ def test_glue_matches_engine_call_with_graph_padding():
     c = _step_case(gen)
     shape = (c["n_pages"], c["P"], c["hkv"], c["D"])
     hist = torch.tensor(c["hist"], dtype=torch.int64)
-    # the engine: separate caches, AttentionContext fields (PagedAttention._tik)
+    # the engine: separate caches, AttentionContext fields (steps.TikStep.attend)
     kc, vc = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
     ops.kv_cache_write(c["hk"], c["hv"], kc, vc, hist)
     slots = torch.tensor(c["slots"], dtype=torch.int64)
@@ -128,111 +130,28 @@ def test_glue_rejects_wrong_layouts():
 
 # ---- the decoder on flattened tokens vs the trainer's forward -------------------------------------------
 
-class _Holder(torch.nn.Module):
-    """model.* + lm_head as the vLLM model class lays them out (HF names)."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.model = stack.TikDecoder(cfg, OPS)
-        self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-
-class _PagedSim:
-    """vLLM's side of a run: per-layer [2, pages, P, Hkv, D] caches, block tables, steps."""
-
-    def __init__(self, cfg, n_seqs, P=16, width=8):
-        D = stack.head_dim_of(cfg)
-        n_pages = n_seqs * width + 1
-        self.P, self.width = P, width
-        self.kv = [torch.zeros(2, n_pages, P, cfg.num_key_value_heads, D, dtype=torch.bfloat16)
-                   for _ in range(cfg.num_hidden_layers)]
-        perm = (torch.randperm(n_pages - 1, generator=torch.Generator().manual_seed(1)) + 1).to(torch.int32)
-        self.bt = perm[: n_seqs * width].view(n_seqs, width)
-        self.scale = D ** -0.5
-
-    def step(self, model, chunks):
-        """chunks: (seq index, token ids, start position). Returns final hidden states [T, H]."""
-        ids, pos, slots, cu, seqk, rows = [], [], [], [0], [], []
-        for s, toks, start in chunks:
-            ids += toks
-            pos += list(range(start, start + len(toks)))
-            slots += [int(self.bt[s, p // self.P]) * self.P + p % self.P for p in range(start, start + len(toks))]
-            cu.append(cu[-1] + len(toks))
-            seqk.append(start + len(toks))
-            rows.append(s)
-        meta = glue.metadata_from_common(cu[-1], max(len(t) for _, t, _ in chunks), torch.tensor(cu, dtype=torch.int32),
-                                         torch.tensor(seqk, dtype=torch.int32), self.bt[rows].contiguous(),
-                                         torch.tensor(slots, dtype=torch.int64))
-
-        def attend_for(kv):
-            def attend(q, k, v):
-                glue.write_kv(k, v, kv, meta.slot_mapping, OPS)
-                return glue.paged_attention(q, kv, meta, self.scale, OPS)
-            return attend
-        return model.model(torch.tensor(ids), torch.tensor(pos), [attend_for(kv) for kv in self.kv]), cu
-
-
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3", "tiny-llama"])
-def test_stack_rollout_equals_trainer_logprobs(name):
-    """Prefill (one prompt chunked) then decode steps in a changing batch, on vLLM-layout caches:
-    every next-token log-prob equals the trainer's packed_logprobs, torch.equal."""
+def test_plugin_model_rollout_equals_trainer_logprobs(name):
+    """The plugin's model (stacked projections, vLLM-layout caches): every next-token log-prob of a chunked
+    prefill and decode steps in a changing batch equals the trainer's packed_logprobs, torch.equal."""
     torch.manual_seed(0)
     hf = patch_model(build_model(name, device="cpu"), kernels="tik")
-    cfg = hf.config
-    m = _Holder(cfg).to(torch.bfloat16)
-    for p in m.parameters():                            # poison: every parameter must be written by the load
-        p.data.fill_(float("nan"))
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    loaded = stack.load_hf_tensors(m, hf.state_dict().items(), tied)
-    assert loaded == {n for n, _ in m.named_parameters()} - ({"lm_head.weight"} if tied else set())
-    if tied:
-        m.lm_head.weight = m.model.embed_tokens.weight
-    # the HF-named views are the trainer's tensors, so the weights digests agree
-    ours = dict(m.model.hf_named_parameters("model"))
-    theirs = {n: t for n, t in hf.named_parameters() if n.startswith("model.")}
-    assert sorted(ours) == sorted(theirs)
-    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
-    assert weights_digest.digest(ours.items()) == weights_digest.digest(theirs.items())
+    m = load_from(hf, hf.config)
     lens = [(9, 6), (14, 4), (5, 7)]                   # (prompt, generated) per sequence
-    seqs = [torch.randint(3, cfg.vocab_size, (a + b,)).tolist() for a, b in lens]
-    sim = _PagedSim(cfg, len(seqs))
-    got = {i: [] for i in range(len(seqs))}
-    with torch.no_grad():
-        # step 1: prefill seq 0 whole, the first 8 tokens of seq 1 (chunked), nothing of seq 2 yet
-        h, cu = sim.step(m, [(0, seqs[0][:9], 0), (1, seqs[1][:8], 0)])
-        lp = logprobs_of(ops.linear(h[[cu[1] - 1]], m.lm_head.weight), torch.tensor([seqs[0][9]]), 1.0, OPS)
-        got[0].append(lp)
-        # step 2: rest of seq 1's prompt, prefill seq 2, decode seq 0; then decode steps as rows finish
-        chunks = [(1, seqs[1][8:14], 8), (0, [seqs[0][9]], 9), (2, seqs[2][:5], 0)]
-        while chunks:
-            h, cu = sim.step(m, chunks)
-            nxt = []
-            for j, (s, toks, start) in enumerate(chunks):
-                end = start + len(toks)
-                if end < len(seqs[s]):
-                    lp = logprobs_of(ops.linear(h[[cu[j + 1] - 1]], m.lm_head.weight), torch.tensor([seqs[s][end]]), 1.0, OPS)
-                    got[s].append(lp)
-                    if end + 1 < len(seqs[s]):
-                        nxt.append((s, [seqs[s][end]], end))
-            chunks = nxt
-    ids = torch.tensor(sum(seqs, []))
-    cu_t = torch.tensor([0] + list(torch.cumsum(torch.tensor([len(s) for s in seqs]), 0)), dtype=torch.int32)
-    with torch.no_grad():
-        train = packed_logprobs(hf, ids, cu_t, temperature=1.0)
-    for i, (a, b) in enumerate(lens):
-        ref = train[int(cu_t[i]) + a - 1: int(cu_t[i]) + a + b - 1]
-        mine = torch.cat(got[i])
+    seqs = [torch.randint(3, hf.config.vocab_size, (a + b,)).tolist() for a, b in lens]
+    got, refs = run_plugin_path(m, hf, lens, seqs)
+    for i, (mine, ref) in enumerate(zip(got, refs)):
         assert mine.shape == ref.shape, (i, mine.shape, ref.shape)
         assert torch.equal(mine, ref), (name, i, (mine - ref).abs().max())
 
 
 def test_check_config_refuses_what_kernels_lack():
-    from areal_tik.layers.patch import UnsupportedModelError
+    from areal_tik.layers.family import UnsupportedModelError
     from areal_tik.layers.models import preset_config
     with pytest.raises(UnsupportedModelError):
-        stack.check_config(preset_config("tiny-qwen2", hidden_act="gelu"))
+        TikCausalLM(preset_config("tiny-qwen2", hidden_act="gelu"), OPS)
     with pytest.raises(UnsupportedModelError):
-        stack.check_config(preset_config("tiny-qwen2", head_dim=32, hidden_size=64))
+        TikCausalLM(preset_config("tiny-qwen2", head_dim=32, hidden_size=64), OPS)
 
 
 # ---- sampled-token log-probs ----------------------------------------------------------------------
@@ -258,20 +177,12 @@ def test_host_temperatures_cached_per_tensor_and_greedy_is_one():
     assert c.get(None, 2) == [1.0, 1.0]
 
 
-def test_stacked_names_map_both_ways():
-    assert stack.stacked_target("model.layers.3.mlp.up_proj.weight") == ("model.layers.3.mlp.gate_up_proj.weight", 1)
-    assert stack.stacked_target("model.layers.0.self_attn.v_proj.bias") == ("model.layers.0.self_attn.qkv_proj.bias", 2)
-    assert stack.stacked_target("model.layers.0.self_attn.o_proj.weight") is None
-    assert stack.stacked_target("model.norm.weight") is None
-
-
 def test_load_refuses_unknown_names_and_shapes():
-    cfg = build_model("tiny-qwen2", device="cpu").config
-    m = _Holder(cfg)
+    m = TikCausalLM(build_model("tiny-qwen2", device="cpu").config, OPS)
     with pytest.raises(ValueError, match="does not have"):
-        stack.load_hf_tensors(m, [("model.layers.0.self_attn.x_proj.weight", torch.zeros(1))], False)
+        m.load_weights([("model.layers.0.self_attn.x_proj.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="checkpoint shape"):
-        stack.load_hf_tensors(m, [("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 3))], False)
+        m.load_weights([("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 3))])
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="checks the message of a machine without vLLM")

@@ -22,11 +22,14 @@ Endpoints (responses are ``Content-Type: application/json``; AReaL's client refu
 - ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
   backend, group_name}`` -> joins the trainer's process group (AReaL's ``xccl`` mode);
   ``POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
-  abort_all_requests}`` -> receives one bucket by broadcast from the trainer and loads it.
-  One weight update is several buckets between ``/pause_generation`` and
-  ``/continue_generation``: the version advances once, at its first bucket;
+  abort_all_requests}`` -> receives one bucket by broadcast from the trainer, checks and stages
+  it. One weight update is every bucket between ``/pause_generation`` and
+  ``/continue_generation``, applied as a whole at continue (the version advances once; a
+  refused bucket refuses the whole update); a bucket outside a pause is an update of its own;
   ``POST /destroy_weights_update_group {group_name}`` -> leaves it (NCCL's teardown is
   collective: the trainer's own destroy waits for this one);
+- ``POST /abort_request {rid | abort_all}`` -> ends one request, or every request (running or
+  held during a pause), with ``finish_reason.type == "abort"`` and its output so far;
 - ``POST /flush_cache`` -> no-op success (the engine keeps no cross-request cache that
   could go stale: weights changed means every KV page was freed by the abort).
 
@@ -36,18 +39,19 @@ hand it commands through a queue and await futures.
 Hostile input: every body is checked before the engine sees it (``request_validation``); a
 refusal is 400 (409: request id in flight, or a weight update with requests in flight and
 no abort) with ``{"success": false, "message", "error": {"message", "type"}}``. A request
-the engine fails on later fails alone (500); the others and the server carry on. Weight
-updates are all or nothing (``worker_weights``).
+the engine fails on later fails alone (500); the others and the server carry on. A request
+whose client goes away is ended in the engine (``client_watch``). Weight updates are all or
+nothing (``worker_weights``).
 
-Modules: ``config`` (ServerConfig), ``routes`` (TikServer, run_server), ``worker``
-(EngineWorker), ``worker_weights`` + ``weight_group`` (weight updates from disk and by
+Modules: ``config`` (ServerConfig), ``routes`` (TikServer, run_server), ``client_watch``
+(clients that went away), ``worker`` (EngineWorker), ``worker_weights`` + ``weight_group`` (weight updates from disk and by
 broadcast), ``request_validation`` + ``http_errors`` (the edge), ``compose`` (the composition root: ``build``).
 """
 from __future__ import annotations
 
 from areal_tik.engine.server.compose import build
 from areal_tik.engine.server.config import ServerConfig
-from areal_tik.engine.server.routes import TikServer, run_server
+from areal_tik.engine.server.routes import TikServer, run_server, serving
 from areal_tik.engine.server.worker import EngineWorker
 
-__all__ = ["ServerConfig", "TikServer", "EngineWorker", "build", "run_server"]
+__all__ = ["ServerConfig", "TikServer", "EngineWorker", "build", "run_server", "serving"]

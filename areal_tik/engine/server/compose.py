@@ -37,14 +37,20 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     jit_watch.install()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, dtype=getattr(torch, dtype), device=device)
-    from areal_tik.layers.patch import patch_model
+    model = build_model(cfg.model, dtype=getattr(torch, dtype), device=device, seed=cfg.seed)
+    from areal_tik.layers.patch import ops_of, patch_model
     model = patch_model(model, kernels=cfg.kernels, backend=cfg.backend)
     model.eval()
     t1 = time.perf_counter()
     max_pos = int(getattr(model.config, "max_position_embeddings", 8192))
-    graphs = {} if cfg.prefill_graph_max_tokens is None else {"prefill_graph_max_tokens": int(cfg.prefill_graph_max_tokens)}
+    optional = {}  # EngineConfig's defaults unless the server config sets them
+    if cfg.prefill_graph_max_tokens is not None:
+        optional["prefill_graph_max_tokens"] = int(cfg.prefill_graph_max_tokens)
+    if cfg.page_size is not None:
+        optional["page_size"] = int(cfg.page_size)
+    if cfg.max_total_tokens is not None:
+        page = optional.get("page_size", EngineConfig.page_size)
+        optional["num_pages"] = -(-int(cfg.max_total_tokens) // page)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=int(cfg.max_running_requests),
                                            max_model_len=min(int(cfg.context_length), max_pos)
                                            if cfg.context_length else None,
@@ -52,8 +58,8 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
                                            enforce_eager=bool(cfg.disable_cuda_graph),
                                            cuda_graph_max_bs=cfg.cuda_graph_max_bs,
                                            enable_prefix_sharing=not cfg.disable_radix_cache,
-                                           async_decode=not cfg.disable_overlap_schedule, **graphs))
-    _attach_score(engine, model)
+                                           async_decode=not cfg.disable_overlap_schedule, seed=int(cfg.seed),
+                                           **optional))
     logger.info("start-up: model built/loaded + patched in %.1fs, engine (KV cache) in %.1fs",
                 t1 - t0, time.perf_counter() - t1)
     if cfg.kernels == "tik":
@@ -65,7 +71,7 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
 
     if cfg.kernels == "tik":
         from areal_tik.dispatch.fingerprint import compute
-        fp = compute(cfg.backend)
+        fp = compute(ops_of(model))      # the ops patch_model bound to the served model
         fingerprint, selection = fp["fingerprint"], fp["selection"]
     else:
         fingerprint, selection = _default_fingerprint(), {}
@@ -92,22 +98,3 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     worker = EngineWorker(engine, SamplingParams, model_info=model_info)
     return TikServer(worker, cfg, info)
 
-
-def _attach_score(engine, model):
-    """Give the engine a ``score(ids, T)``: log-prob of ids[i+1] given ids[:i+1], one plain
-    forward on the same patched model, through the same log-prob op the sampler uses."""
-    if hasattr(engine, "score"):
-        return
-    import torch
-
-    from areal_tik.dispatch import ops
-
-    @torch.no_grad()
-    def score(ids, temperature):
-        dev = next(model.parameters()).device
-        x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
-        pos = torch.arange(x.shape[1], device=dev)[None]
-        logits = model(input_ids=x, position_ids=pos, use_cache=False).logits[0]
-        return ops.logprobs_from_logits(logits[:-1], x[0, 1:], float(temperature)).tolist()
-
-    engine.score = score

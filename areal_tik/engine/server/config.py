@@ -18,7 +18,9 @@ class ServerConfig:
     ``cuda_graph_max_bs``; ``prefill_graph_max_tokens``: ``EngineConfig``'s (``None``: its default).
     ``disable_radix_cache`` (SGLang's name): ``EngineConfig.enable_prefix_sharing = False``.
     ``disable_overlap_schedule`` (SGLang's name): ``EngineConfig.async_decode = False`` (no pipelined decode
-    steps)."""
+    steps). ``page_size`` / ``max_total_tokens`` (SGLang's names): the KV cache's page size and its size in tokens
+    (``None``: ``EngineConfig``'s page size, the cache sized from ``mem_fraction``). ``seed``: ``EngineConfig.seed`` (draws the seed of each request that gives none) and a preset's
+    random weights."""
     model: str
     kernels: str = "tik"
     backend: str | None = None          # Settings.backend: the op implementations (bound at patch time)
@@ -35,3 +37,5 @@ class ServerConfig:
     prefill_graph_max_tokens: int | None = None
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
+    page_size: int | None = None
+    max_total_tokens: int | None = None

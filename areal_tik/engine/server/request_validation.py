@@ -4,8 +4,10 @@ Every parser takes the decoded JSON body and returns plain values, or raises
 :class:`RequestError` with the HTTP status and a one-line reason (400: malformed, out of range or unsupported
 here; 409: conflicts with the server's state, e.g. a request id already in flight). A
 value is never coerced: a float or bool where an integer belongs, a NaN or an infinity, a
-list where an object belongs are refused, not truncated. Unknown keys are ignored (SGLang
-clients send many the tik server has no use for). No torch here.
+list where an object belongs are refused, not truncated. In ``sampling_params`` only the keys of
+:data:`SAMPLING_KEYS` are accepted (a key the server does not implement could change the
+distribution); other unknown keys of a body are ignored (SGLang clients send many the tik server
+has no use for). No torch here.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any
 
 __all__ = ["RequestError", "Limits", "GenerateRequest", "parse_generate", "parse_abort", "parse_disk_update",
            "parse_distributed_update", "parse_group_init", "parse_group_name", "TOP_K_DISABLED",
-           "MIN_TEMPERATURE", "MAX_TEMPERATURE", "MAX_RID_LEN"]
+           "MIN_TEMPERATURE", "MAX_TEMPERATURE", "MAX_RID_LEN", "SAMPLING_KEYS"]
 
 TOP_K_DISABLED = 1 << 30   # top_k at or above this (AReaL sends 1e8 when unset) means no top-k
 MIN_TEMPERATURE = 1e-6     # below this (and above 0) logits / T overflow float32: greedy is T = 0
@@ -143,11 +145,61 @@ def _token_ids(ids, limits: Limits) -> list[int]:
     return [int(t) for t in ids]
 
 
+# Every ``sampling_params`` key the server accepts, and what it does with it (docs/interfaces.md
+# lists the same table; tests/engine/test_request_validation.py keeps the two equal). A key not
+# here is refused: a key that changes the distribution must either work or be refused.
+USED, IGNORED, NEUTRAL_ONLY = "used", "ignored", "neutral value only"
+SAMPLING_KEYS = {
+    "temperature": (USED, "0 = greedy; log-probs are log_softmax(logits/T) (T = 1 when greedy)"),
+    "top_p": (USED, "filters the draw; log-probs stay unfiltered"),
+    "top_k": (USED, "filters the draw; log-probs stay unfiltered; <= 0 or >= 2^30 (AReaL's 1e8) = off"),
+    "max_new_tokens": (USED, "0 = scoring only"),
+    "stop_token_ids": (USED, "null entries (AReaL's missing pad id) are dropped"),
+    "ignore_eos": (USED, ""),
+    "sampling_seed": (USED, "the request's seed (same seed, same tokens); else one drawn from the server's --seed"),
+    "seed": (USED, "the same as sampling_seed"),
+    "skip_special_tokens": (IGNORED, "no text is returned"),
+    "spaces_between_special_tokens": (IGNORED, "no text is returned"),
+    "no_stop_trim": (IGNORED, "no text is returned"),
+    "frequency_penalty": (NEUTRAL_ONLY, "0 (a penalty would change the log-probs)"),
+    "presence_penalty": (NEUTRAL_ONLY, "0"),
+    "repetition_penalty": (NEUTRAL_ONLY, "1"),
+    "min_p": (NEUTRAL_ONLY, "0 (a min-p filter: not implemented)"),
+    "logit_bias": (NEUTRAL_ONLY, "null or {} (a bias changes the distribution the tokens are drawn from)"),
+    "min_new_tokens": (NEUTRAL_ONLY, "0"),
+    "n": (NEUTRAL_ONLY, "1 (send one request per sample)"),
+    "stop": (NEUTRAL_ONLY, "null or [] (string stops need text; use stop_token_ids)"),
+    "regex": (NEUTRAL_ONLY, "null (constrained decoding)"),
+    "json_schema": (NEUTRAL_ONLY, "null (constrained decoding)"),
+    "ebnf": (NEUTRAL_ONLY, "null (constrained decoding)"),
+    "structural_tag": (NEUTRAL_ONLY, "null (constrained decoding)"),
+    "custom_params": (NEUTRAL_ONLY, "null (custom logit processors)"),
+}
+
+
+def _neutral(get, key: str, value) -> None:
+    """Refuse ``key`` unless it is absent or ``value`` (a number compared as such)."""
+    v = get(key)
+    if v is None:
+        return
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        same = _need_number(f"sampling_params.{key}", v) == value
+    else:
+        same = _absent(v)
+    if not same:
+        raise RequestError(f"sampling_params.{key} is not supported by the tik server; send "
+                           f"{SAMPLING_KEYS[key][1].split(' (')[0]} or leave it out")
+
+
 def _sampling(sp) -> dict:
     if sp is None:
         sp = {}
     if not isinstance(sp, dict):
         raise RequestError(f"sampling_params must be a JSON object, got {_show(sp)}")
+    unknown = sorted(str(k) for k in sp if k not in SAMPLING_KEYS)
+    if unknown:
+        raise RequestError(f"sampling_params.{unknown[0][:60]} is not a key the tik server knows (it could change "
+                           "the sampling); the accepted keys are listed in docs/interfaces.md")
     get = sp.get
     t = 1.0 if get("temperature") is None else _need_number("sampling_params.temperature", get("temperature"))
     if t < 0 or (0 < t < MIN_TEMPERATURE) or t > MAX_TEMPERATURE:
@@ -170,13 +222,9 @@ def _sampling(sp) -> dict:
     seed = get("sampling_seed", get("seed"))
     if seed is not None:
         seed = _need_int("sampling_params.sampling_seed", seed, lo=0, hi=MAX_SEED - 1)
-    for key in ("frequency_penalty", "presence_penalty"):
-        if get(key) is not None and _need_number(f"sampling_params.{key}", get(key)) != 0.0:
-            raise RequestError(f"sampling_params.{key} is not supported by the tik server (it would change the "
-                               "log-probs); send 0")
-    if get("repetition_penalty") is not None and _need_number("sampling_params.repetition_penalty",
-                                                             get("repetition_penalty")) != 1.0:
-        raise RequestError("sampling_params.repetition_penalty is not supported; send 1")
+    for key in ("frequency_penalty", "presence_penalty", "min_p"):
+        _neutral(get, key, 0.0)
+    _neutral(get, "repetition_penalty", 1.0)
     if get("min_new_tokens") is not None and _need_int("sampling_params.min_new_tokens", get("min_new_tokens")):
         raise RequestError("sampling_params.min_new_tokens is not supported; send 0")
     if get("n") is not None and _need_int("sampling_params.n", get("n")) != 1:
@@ -186,6 +234,8 @@ def _sampling(sp) -> dict:
     for key in ("regex", "json_schema", "ebnf", "structural_tag"):
         if not _absent(get(key)):
             raise RequestError(f"sampling_params.{key} (constrained decoding) is not supported")
+    for key in ("logit_bias", "custom_params"):
+        _neutral(get, key, None)
     return dict(temperature=t, top_p=top_p, top_k=top_k, max_new_tokens=max_new, stop_token_ids=stops,
                 ignore_eos=_need_bool("sampling_params.ignore_eos", get("ignore_eos")), seed=seed)
 
@@ -197,7 +247,8 @@ def parse_generate(body: Any, limits: Limits) -> GenerateRequest:
         raise RequestError("stream=true is not supported")
     if body.get("input_ids") is None and body.get("text") is not None:
         raise RequestError("text prompts are not supported; send input_ids")
-    for key, what in (("image_data", "image_data"), ("lora_path", "LoRA"), ("input_embeds", "input_embeds")):
+    for key, what in (("image_data", "image_data"), ("lora_path", "LoRA"), ("input_embeds", "input_embeds"),
+                      ("custom_logit_processor", "custom_logit_processor (it changes the distribution)")):
         if not _absent(body.get(key)):
             raise RequestError(f"{what} is not supported")
     ids = _token_ids(body.get("input_ids"), limits)

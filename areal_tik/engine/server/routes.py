@@ -3,12 +3,14 @@ the edge (``request_validation``) before the worker sees it, and the server's ev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
 import threading
 import time
 
+from areal_tik.engine.server.client_watch import ClientWatch
 from areal_tik.engine.server.config import MAX_BODY_BYTES, ServerConfig
 from areal_tik.engine.server.http_errors import error_middleware, error_reply, json_reply
 from areal_tik.engine.server.request_validation import (Limits, RequestError, parse_abort, parse_disk_update,
@@ -24,14 +26,19 @@ class TikServer:
 
     Every request body is checked at the edge (``request_validation``): a bad one is
     answered 400 (409 for a request id already in flight) with a one-line reason and never
-    reaches the engine; every reply, errors included, is JSON (``http_errors``)."""
+    reaches the engine; every reply, errors included, is JSON (``http_errors``).
+
+    A ``/generate`` whose client goes away (its connection closes) is ended in the engine
+    within ``ClientWatch``'s sweep interval, running or held during a pause: its KV pages and
+    its request id are free again, and a retry with the same ``rid`` is served."""
 
     def __init__(self, worker: EngineWorker, cfg: ServerConfig, info: dict):
         self.worker = worker
         self.cfg = cfg
         self.info = info  # static: fingerprint, kernels, model path, ...
         self._rid = itertools.count()
-        self._inflight: set[str] = set()  # /generate ids between arrival and reply (event-loop thread only)
+        self._inflight: dict[str, _Pending] = {}  # /generate ids between arrival and reply (event-loop thread only)
+        self.clients = ClientWatch(self._client_gone)
         self.started = time.time()
 
     # ---- helpers -----------------------------------------------------------------
@@ -59,8 +66,15 @@ class TikServer:
             pass
         return rid
 
+    def _client_gone(self, p: _Pending) -> None:
+        """``p``'s client went away: end it in the engine thread (its reply goes nowhere)."""
+        p.client_gone = True
+        self.worker.submit(lambda: self.worker.cmd_cancel(p))
+
     def server_info(self) -> dict:
         w = self.worker
+        stats = getattr(w.engine, "stats", None)
+        st = stats() if stats is not None else {}
         return {
             **self.info,
             "weight_version": int(w.engine.version),
@@ -70,6 +84,11 @@ class TikServer:
             "engine_steps": w.n_steps,
             "generated_tokens": w.n_generated,
             "failed_requests": w.n_failed,
+            "pending_replies": len(self._inflight),
+            "client_disconnects": self.clients.gone,
+            "kv_pages_total": st.get("num_pages"),
+            "kv_pages_free": st.get("free_pages"),
+            "preemptions": st.get("preemptions"),
             "uptime_s": time.time() - self.started,
             "last_error": w.last_error,
             **(w.model_info() if w.model_info else {}),
@@ -96,25 +115,29 @@ class TikServer:
         except (RequestError, ValueError, TypeError) as e:
             return error_reply(getattr(e, "message", str(e)), getattr(e, "status", 400))
         rid = req.rid or self._new_rid()
-        if rid in self._inflight:
+        holder = self._inflight.get(rid)
+        if holder is not None and not holder.client_gone:
+            self.clients.sweep()  # a client retrying its rid after a timeout: its first request may be gone
+        if holder is not None and not holder.client_gone:
             return error_reply(f"request id {rid!r} is already in flight; give each request its own rid", 409)
         ids = req.input_ids
-        temp = params.temperature if params.temperature > 0 else 1.0
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        p = _Pending(rid, ids, params, fut, loop, req.want_input_logprobs, max(0, req.logprob_start_len or 0), temp)
-        self._inflight.add(rid)
+        p = _Pending(rid, ids, params, fut, loop, req.want_input_logprobs, max(0, req.logprob_start_len or 0),
+                     params.temperature)   # greedy (0) scores at T = 1: the log-prob head's effective_temperature
+        self._inflight[rid] = p  # a gone holder's end is queued before this request: the engine sees them in order
+        self.clients.add(p, request)
         try:
             await self.worker.submit(lambda: self.worker.cmd_add(p))
-            try:
-                res = await fut
-            except asyncio.CancelledError:  # client went away
-                await self.worker.submit(lambda: self.worker.cmd_abort_rid(rid))
-                raise
+            res = await fut
         except RequestError as e:
             return error_reply(e.message, e.status)
         finally:
-            self._inflight.discard(rid)
+            self.clients.discard(p)
+            if not fut.done():  # the handler itself was cancelled (server shutting down): end the request too
+                self.worker.submit(lambda: self.worker.cmd_cancel(p))
+            if self._inflight.get(rid) is p:
+                del self._inflight[rid]
         meta = {
             "id": rid,
             "finish_reason": self._finish_reason(res, params),
@@ -149,8 +172,12 @@ class TikServer:
         return self._json({"success": True, "aborted": n})
 
     async def continue_generation(self, request):
-        await self.worker.submit(self.worker.cmd_continue)
-        return self._json({"success": True})
+        """Generation resumes; a distributed weight update staged during the pause is applied
+        first (reported under ``weight_update``; a refused one is dropped: ``applied`` false)."""
+        res, err = await self._weights_call("continue_generation", self.worker.cmd_continue)
+        if err is not None:
+            return err
+        return self._json({"success": True, **({"weight_update": res} if res is not None else {})})
 
     async def _weights_call(self, what: str, fn):
         """Run weight-update command ``fn`` in the engine thread; a refusal is a one-line reply
@@ -239,7 +266,7 @@ class TikServer:
         except RequestError as e:
             return error_reply(e.message, e.status)
         if abort_all:
-            n = await self.worker.submit(self.worker.abort_all)
+            n = await self.worker.submit(self.worker.cmd_abort_all)
             return self._json({"success": True, "aborted": n})
         ok = await self.worker.submit(lambda: self.worker.cmd_abort_rid(rid))
         return self._json({"success": bool(ok)})
@@ -248,9 +275,16 @@ class TikServer:
         return error_reply(f"{request.path} is not supported by the areal-tik server (no LoRA, no memory offload)",
                            400)
 
+    async def _watch_clients(self, app):
+        """aiohttp cleanup context: the client watch's sweep runs while the app serves."""
+        task = asyncio.create_task(self.clients.run())
+        yield
+        task.cancel()
+
     def app(self):
         from aiohttp import web
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware()])
+        app.cleanup_ctx.append(self._watch_clients)
         r = app.router
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
@@ -272,6 +306,22 @@ class TikServer:
                      "/unload_lora_adapter", "/release_memory_occupation", "/resume_memory_occupation"):
             r.add_post(path, self.unsupported)
         return app
+
+
+@contextlib.contextmanager
+def serving(server: TikServer, ready_timeout: float = 120, join_timeout: float = 30):
+    """:func:`run_server` on a daemon thread for the length of the block: yields ``"host:port"``
+    once the server listens, stops it (engine thread included) after."""
+    ready, stop = threading.Event(), threading.Event()
+    th = threading.Thread(target=run_server, args=(server, ready, stop), daemon=True, name="tik-server")
+    th.start()
+    try:
+        if not ready.wait(ready_timeout):
+            raise TimeoutError(f"the server did not listen within {ready_timeout} s")
+        yield f"{server.cfg.host}:{server.cfg.port}"
+    finally:
+        stop.set()
+        th.join(join_timeout)
 
 
 def run_server(server: TikServer, ready: threading.Event | None = None, stop: threading.Event | None = None):

@@ -21,7 +21,7 @@ class _Pending:
     """One /generate request in the engine thread's hands."""
 
     __slots__ = ("rid", "prompt_ids", "params", "fut", "loop", "out_ids", "out_lps", "version",
-                 "want_input_lps", "logprob_start_len", "temperature")
+                 "want_input_lps", "logprob_start_len", "temperature", "client_gone")
 
     def __init__(self, rid, prompt_ids, params, fut, loop, want_input_lps, logprob_start_len, temperature):
         self.rid, self.prompt_ids, self.params, self.fut, self.loop = rid, prompt_ids, params, fut, loop
@@ -31,6 +31,7 @@ class _Pending:
         self.want_input_lps = want_input_lps
         self.logprob_start_len = logprob_start_len
         self.temperature = temperature
+        self.client_gone = False  # set (event-loop thread) once its client went away
 
 
 class EngineWorker(WeightUpdateCommands):
@@ -64,7 +65,6 @@ class EngineWorker(WeightUpdateCommands):
         self.n_failed = 0  # requests failed after they were accepted (an engine fault)
         self.last_error: str | None = None
         self.groups: dict[str, Any] = {}  # weight-update process groups by name (xccl mode)
-        self._dist_update_open = False  # a bucketed update has started and not been closed by continue
         self._interval_reset()
 
     def _interval_reset(self):
@@ -78,7 +78,7 @@ class EngineWorker(WeightUpdateCommands):
         return int(getattr(getattr(self.engine, "runner", None), name, 0) or 0)
 
     def _graph_count(self) -> int:
-        return len(getattr(getattr(self.engine, "runner", None), "_graphs", None) or ())
+        return self._runner_counter("num_graphs")
 
     def interval_stats(self) -> dict:
         """Also: eager steps (prefill, or decode past the graph buckets) and their seconds, the
@@ -257,6 +257,8 @@ class EngineWorker(WeightUpdateCommands):
             self.iv["first_add"] = time.perf_counter()
 
     def abort_all(self):
+        """End every request the engine holds (finish reason ``abort``, output so far); the held
+        ones stay held. The number ended."""
         outs = []
         for rid in list(self._active):
             r = self.engine.abort(rid)
@@ -271,30 +273,51 @@ class EngineWorker(WeightUpdateCommands):
             self._finish(p, "abort")
         return len(outs)
 
+    def cmd_abort_all(self) -> int:
+        """``/abort_request {abort_all}``: every request the engine holds and every request held
+        during a pause ends now with ``abort``. The number ended."""
+        n = self.abort_all()
+        held, self._held = self._held, []
+        for p in held:
+            self._finish(p, "abort")
+        return n + len(held)
+
     def cmd_pause(self):
         self.paused = True
         return self.abort_all()
 
     def cmd_continue(self):
-        self.paused = False
-        self._dist_update_open = False
-        held, self._held = self._held, []
-        for p in held:
-            self._add_now(p)
+        """Apply the distributed weight update staged during the pause (if any), then run the
+        held requests; what happened to the update, or None."""
+        try:
+            update = self.close_open_update()
+        finally:
+            self.paused = False
+            held, self._held = self._held, []
+            for p in held:
+                self._add_now(p)
+        return update
 
     def cmd_abort_rid(self, rid: str):
         held = next((h for h in self._held if h.rid == rid), None)
-        if held is not None:  # never reached the engine
-            self._held.remove(held)
-            self._finish(held, "abort")
-            return True
-        p = self._active.get(rid)
+        return self.cmd_cancel(held if held is not None else self._active.get(rid))
+
+    def cmd_cancel(self, p: _Pending | None) -> bool:
+        """End ``p`` now with ``abort`` and its output so far: held during a pause (it never reached
+        the engine), or in the engine (removed there, its KV pages freed). False when ``p`` has
+        already ended (or is None)."""
         if p is None:
             return False
-        r = self.engine.abort(rid)
+        if p in self._held:
+            self._held.remove(p)
+            self._finish(p, "abort")
+            return True
+        if self._active.get(p.rid) is not p:
+            return False
+        r = self.engine.abort(p.rid)
         outs = r if isinstance(r, (list, tuple)) else ([] if r is None else [r])
         for o in outs:  # LLMEngine.abort returns the request's unfinished samples
-            if str(o.request_id) == rid and len(o.output_ids) >= len(p.out_ids):
+            if str(o.request_id) == p.rid and len(o.output_ids) >= len(p.out_ids):
                 p.out_ids, p.out_lps = list(o.output_ids), [float(x) for x in (o.output_logprobs or [])]
         self._finish(p, "abort")
         return True

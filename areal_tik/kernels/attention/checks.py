@@ -1,14 +1,20 @@
-"""Argument validation shared by every attention implementation (Triton, csrc, torch_ref): one
-message per mistake, raised before any launch."""
+"""Argument validation of the attention pair, the one module every implementation (Triton, csrc, fa3,
+torch_ref) calls: one message per mistake, raised before any launch. ``triton_path``: the Triton kernels'
+own needs (CUDA tensors or the interpreter, contiguous caches); ``contiguous_caches``: kernels that read the
+caches by raw strides (Triton, csrc)."""
 from __future__ import annotations
 
 import math
 
 import torch
 
+from areal_tik.kernels import interpreting
 from areal_tik.kernels.attention import tuning as T
 
-def _qk_scale(scale, head_dim) -> tuple[float, float]:
+__all__ = ["softmax_scales", "check_window", "check_varlen", "check_paged"]
+
+
+def softmax_scales(scale, head_dim) -> tuple[float, float]:
     """(scale, scale*log2(e)) computed one way for every entry point."""
     s = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if not (s > 0 and math.isfinite(s)):
@@ -16,7 +22,7 @@ def _qk_scale(scale, head_dim) -> tuple[float, float]:
     return s, s * T.LOG2E
 
 
-def _check_window(window_size):
+def check_window(window_size):
     if window_size is not None and tuple(window_size) != (-1, -1):
         raise NotImplementedError(f"attention: sliding windows are not supported (window_size={window_size!r}); "
                                   "only full causal attention")
@@ -30,7 +36,7 @@ def _check_qkv(q, k, v, name, triton_path):
             raise TypeError(f"{name}: {nm} must be bfloat16, got {t.dtype}")
     if q.dim() != 3:
         raise ValueError(f"{name}: q must be [T, Hq, D], got shape {tuple(q.shape)}")
-    if k.dim() != v.dim() or k.shape[-2:] != v.shape[-2:]:
+    if k.shape != v.shape:
         raise ValueError(f"{name}: k {tuple(k.shape)} and v {tuple(v.shape)} differ in layout")
     D = q.shape[-1]
     if D not in T.SUPPORTED_HEAD_DIMS:
@@ -43,7 +49,7 @@ def _check_qkv(q, k, v, name, triton_path):
     devs = {q.device, k.device, v.device}
     if len(devs) != 1:
         raise ValueError(f"{name}: q, k, v on different devices {devs}")
-    if triton_path and q.device.type != "cuda" and not T._interpreting():
+    if triton_path and q.device.type != "cuda" and not interpreting():
         raise ValueError(f"{name}: the triton backend needs CUDA tensors (got {q.device}); use backend='torch_ref'")
     for t, nm in ((q, "q"), (k, "k"), (v, "v")):
         if t.stride(-1) != 1:
@@ -59,7 +65,7 @@ def _check_index(t, nm, name, device, dims=1):
         raise ValueError(f"{name}: {nm} on {t.device}, expected {device}")
 
 
-def _varlen_checks(q, k, v, cu_seqlens, max_seqlen, triton_path):
+def check_varlen(q, k, v, cu_seqlens, max_seqlen, triton_path):
     D, hq, hkv = _check_qkv(q, k, v, "attention_varlen", triton_path)
     if k.dim() != 3 or k.shape[0] != q.shape[0]:
         raise ValueError(f"attention_varlen: k/v must be [T, Hkv, D] with T={q.shape[0]}, got {tuple(k.shape)}")
@@ -71,7 +77,8 @@ def _varlen_checks(q, k, v, cu_seqlens, max_seqlen, triton_path):
     return D, hq, hkv
 
 
-def _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, triton_path):
+def check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, triton_path,
+                contiguous_caches=None):
     name = "attention_paged"
     D, hq, hkv = _check_qkv(q, k_cache, v_cache, name, triton_path)
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -80,7 +87,8 @@ def _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max
     ps = k_cache.shape[1]
     if ps < 16 or ps > 256 or ps & (ps - 1):
         raise ValueError(f"{name}: page size {ps} must be a power of two in 16..256")
-    if triton_path and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if (triton_path if contiguous_caches is None else contiguous_caches) and not (
+            k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"{name}: caches must be contiguous")
     _check_index(block_table, "block_table", name, q.device, dims=2)
     _check_index(cu_seqlens_q, "cu_seqlens_q", name, q.device)

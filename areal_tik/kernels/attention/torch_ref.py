@@ -10,7 +10,7 @@ import torch
 from areal_tik.kernels import _torch_math
 from areal_tik.kernels.attention import tuning as T
 from areal_tik.kernels.attention import workspace as W
-from areal_tik.kernels.attention.checks import _check_window, _paged_checks, _qk_scale, _varlen_checks
+from areal_tik.kernels.attention.checks import check_paged, check_varlen, check_window, softmax_scales
 
 def _tree_sum_blocks(x: torch.Tensor, dim: int, bn: int) -> torch.Tensor:
     """Sum over ``dim`` (length a multiple of bn): fixed pairwise tree inside each aligned
@@ -114,9 +114,9 @@ def attention_varlen_torch(q, k, v, cu_seqlens, max_seqlen, scale=None, window_s
     """torch_ref of :func:`attention_varlen_triton`: same layouts and invariance contract,
     its own bits (two-pass exact-max softmax; fixed-tree sums; deterministic exp).
     Autograd through a float32 recompute backward."""
-    _check_window(window_size)
-    _varlen_checks(q, k, v, cu_seqlens, max_seqlen, False)
-    sm_scale, _ = _qk_scale(scale, q.shape[-1])
+    check_window(window_size)
+    check_varlen(q, k, v, cu_seqlens, max_seqlen, False)
+    sm_scale, _ = softmax_scales(scale, q.shape[-1])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _VarlenTorchFunction.apply(q, k, v, cu_seqlens, sm_scale)
     return _varlen_torch_fwd(q, k, v, cu_seqlens, sm_scale)
@@ -135,10 +135,10 @@ def attention_paged_torch(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlen
                           scale=None, window_size=None):
     """torch_ref of :func:`attention_paged_triton` (same layouts and contract, own bits;
     bitwise equal to :func:`attention_varlen_torch` for the same query position)."""
-    _check_window(window_size)
-    D, hq, hkv, ps, B = _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k,
+    check_window(window_size)
+    D, hq, hkv, ps, B = check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k,
                                       max_seqlen_q, False)
-    sm_scale, _ = _qk_scale(scale, D)
+    sm_scale, _ = softmax_scales(scale, D)
     bn, _ = T._cfg()
     out = W.alloc(q.shape, q.dtype, q.device)
     cu = cu_seqlens_q.tolist()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from areal_tik.kernels import interpreting
 from areal_tik.kernels.attention import tuning as T
 from areal_tik.kernels.attention import workspace as W
 
@@ -143,7 +144,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, qk_scale, sm_scale,
 
 
 def _bwd_tiles(D):
-    if T._interpreting():
+    if interpreting():
         return dict(BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, num_warps=4, num_stages=1)
     t = dict(T._BWD_GPU[D])
     if t["BLOCK_N1"] % t["BLOCK_M1"] or t["BLOCK_M2"] % t["BLOCK_N2"]:

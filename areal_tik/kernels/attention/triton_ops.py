@@ -6,14 +6,15 @@ from __future__ import annotations
 import torch
 import triton
 
+from areal_tik.kernels import interpreting
 from areal_tik.kernels.attention import tuning as T
 from areal_tik.kernels.attention import workspace as W
-from areal_tik.kernels.attention.checks import _check_window, _paged_checks, _qk_scale, _varlen_checks
+from areal_tik.kernels.attention.checks import check_paged, check_varlen, check_window, softmax_scales
 from areal_tik.kernels.attention.flash_backward import varlen_attention_backward
 from areal_tik.kernels.attention.triton_kernels import _attn_decode_kernel, _attn_fwd_kernel
 
 def _fwd_tiles(D):
-    if T._interpreting():
+    if interpreting():
         return dict(BLOCK_M=T._INTERP_BLOCK_M, num_warps=4, num_stages=1, FLAT=T._FWD_GPU[D].get("FLAT", 1))
     return dict(T._FWD_GPU[D])
 
@@ -58,7 +59,7 @@ class AttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
-        sm_scale, qk_scale = _qk_scale(scale, q.shape[-1])
+        sm_scale, qk_scale = softmax_scales(scale, q.shape[-1])
         out, lse = _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, qk_scale, True)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.max_seqlen, ctx.sm_scale, ctx.qk_scale = int(max_seqlen), sm_scale, qk_scale
@@ -78,11 +79,11 @@ def attention_varlen_triton(q, k, v, cu_seqlens, max_seqlen, scale=None, window_
     Returns ``[T, Hq, D]`` bf16. Each token's output bits depend only on its sequence's
     tokens up to it and equal ``attention_paged`` for the same position (module docstring).
     Autograd when any input requires grad; the output bits are the same either way."""
-    _check_window(window_size)
-    _varlen_checks(q, k, v, cu_seqlens, max_seqlen, True)
+    check_window(window_size)
+    check_varlen(q, k, v, cu_seqlens, max_seqlen, True)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return AttentionVarlenFunction.apply(q, k, v, cu_seqlens, int(max_seqlen), scale)
-    _, qk_scale = _qk_scale(scale, q.shape[-1])
+    _, qk_scale = softmax_scales(scale, q.shape[-1])
     return _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, qk_scale, False)[0]
 
 
@@ -99,10 +100,10 @@ def attention_paged_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seqle
     kernel; both give the same bits per query position. No host synchronisation; decode
     uses a persistent per-device counter buffer that returns to zero after every launch
     (CUDA-graph safe; two decode launches must not run concurrently on one device)."""
-    _check_window(window_size)
-    D, hq, hkv, ps, B = _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k,
+    check_window(window_size)
+    D, hq, hkv, ps, B = check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k,
                                       max_seqlen_q, True)
-    _, qk_scale = _qk_scale(scale, D)
+    _, qk_scale = softmax_scales(scale, D)
     out = W.alloc(q.shape, q.dtype, q.device)
     if B == 0 or int(max_seqlen_q) == 0:
         return out
@@ -121,7 +122,7 @@ def _decode(q, k_cache, v_cache, block_table, cu_q, seqlens_k, out, qk_scale):
     group = hq // hkv
     # interpreter: tiny launch settings, but the configured HSPLIT (a launch choice the CPU
     # tests check for bit-equality; the defaults keep HSPLIT=1)
-    cfg = (dict(num_warps=4, num_stages=1, HSPLIT=T._DEC_GPU.get("HSPLIT", 1)) if T._interpreting()
+    cfg = (dict(num_warps=4, num_stages=1, HSPLIT=T._DEC_GPU.get("HSPLIT", 1)) if interpreting()
            else dict(T._DEC_GPU))
     hsplit = int(cfg.get("HSPLIT", 1))
     if hsplit < 1 or group % hsplit:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from areal_tik.kernels import interpreting
 from areal_tik.kernels._device import gpu_arch_name as _gpu_arch_name
 
 # ---- bit-defining meta-parameters (fingerprinted through META) -------------------------
@@ -90,7 +91,7 @@ def load_tuned(path: str | None = None, arch: str | None = None) -> bool:
     {...configure() dict..., "_source": "bench/results/..."}}``), or the table at ``path``.
     Returns True if an entry was applied."""
     path = path or TUNED_JSON
-    if _interpreting() or not os.path.exists(path):
+    if interpreting() or not os.path.exists(path):
         return False
     arch = arch or _gpu_arch_name()
     if arch is None:
@@ -108,10 +109,6 @@ def load_tuned(path: str | None = None, arch: str | None = None) -> bool:
     META["tuned"] = f"{os.path.basename(path)}:{arch}:{digest}"
     return True
 
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _cfg() -> tuple[int, int]:

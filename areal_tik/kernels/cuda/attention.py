@@ -49,10 +49,10 @@ recompute through PyTorch's ``scaled_dot_product_attention`` per sequence.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from areal_tik.kernels.attention.checks import check_paged, check_varlen, check_window, softmax_scales
+from areal_tik.kernels.attention.tuning import LOG2E
 from areal_tik.kernels.cuda.extension import (  # CUDA_SOURCES, META: the registry reads them here
     CUDA_SOURCES, META, PREFILL_KERNEL, _need_cuda, extension,
 )
@@ -60,44 +60,12 @@ from areal_tik.kernels.cuda.extension import (  # CUDA_SOURCES, META: the regist
 __all__ = ["attention_varlen_cuda", "attention_paged_cuda", "describe", "OPS", "META", "CUDA_SOURCES",
            "DECODE_MERGE", "PREFILL_KERNEL"]
 
-HEAD_DIMS = (64, 128)
 _MODES = {"auto": 0, "fold": 1, "split": 2}
 _DECODE_MERGES = {"fused": 0, "kernel": 1}
 # Default split-KV merge of decode-shaped launches ("fused": in the decode launch; "kernel":
 # the separate merge kernel); a launch may pass decode_merge=. Same bits either way.
 DECODE_MERGE = "fused"
 _PREFILL = {"auto": 0, "mma": 1, "wgmma": 2}
-LOG2E = 1.4426950408889634
-
-
-def _check_int(name, nm, t, dims=1):
-    if t.dtype != torch.int32 or t.dim() != dims:
-        raise TypeError(f"{name}: {nm} must be int32 with {dims} dim(s), got {t.dtype} {tuple(t.shape)}")
-
-
-def _check_qkv(name, q, k, v):
-    for t, nm in ((q, "q"), (k, "k"), (v, "v")):
-        if t.dtype != torch.bfloat16:
-            raise TypeError(f"{name}: {nm} must be bfloat16, got {t.dtype}")
-    if q.dim() != 3:
-        raise ValueError(f"{name}: q must be [T, Hq, D], got {tuple(q.shape)}")
-    D = q.shape[-1]
-    if D not in HEAD_DIMS:
-        raise ValueError(f"{name}: head dim {D} unsupported by the cuda backend; supported {HEAD_DIMS}")
-    if k.shape != v.shape or k.shape[-1] != D:
-        raise ValueError(f"{name}: k {tuple(k.shape)} / v {tuple(v.shape)} must match and have head dim {D}")
-    hq, hkv = q.shape[1], k.shape[-2]
-    if hkv < 1 or hq % hkv:
-        raise ValueError(f"{name}: Hq={hq} must be a multiple of Hkv={hkv}")
-
-
-def _check_window(window_size):
-    if window_size is not None and tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"attention (cuda): sliding windows are not supported (window_size={window_size!r})")
-
-
-def _scale(scale, D):
-    return 1.0 / math.sqrt(D) if scale is None else float(scale)
 
 
 def _mode(mode):
@@ -189,16 +157,10 @@ def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_si
     for the same positions (module docstring). Autograd: ``kernels/attention_backward.py`` on the
     log-sum-exp the forward writes alongside (float32 PyTorch recompute under ``mode="split"``).
     ``prefill_kernel``: ``"auto"``, ``"mma"``, ``"wgmma"`` or None (``PREFILL_KERNEL``); same bits."""
-    name = "attention_varlen"
-    _check_window(window_size)
-    _need_cuda(name, ("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens))
-    _check_qkv(name, q, k, v)
-    if k.dim() != 3 or k.shape[0] != q.shape[0]:
-        raise ValueError(f"{name}: k/v must be [T, Hkv, D] with T = q.shape[0], got {tuple(k.shape)}")
-    _check_int(name, "cu_seqlens", cu_seqlens)
-    if int(max_seqlen) < 0:
-        raise ValueError(f"{name}: max_seqlen must be >= 0")
-    sc = _scale(scale, q.shape[-1])
+    check_window(window_size)
+    _need_cuda("attention_varlen", ("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens))
+    check_varlen(q, k, v, cu_seqlens, max_seqlen, triton_path=False)
+    sc, _ = softmax_scales(scale, q.shape[-1])
     md = _mode(mode)
     pk = _prefill_kernel(prefill_kernel)
     q, k, v, cu = q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous()
@@ -224,30 +186,14 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
     counter buffer, created by the first eager (not graph-captured) attention call on the
     device; a capture before any eager call falls back to the merge kernel. ``prefill_kernel``: as
     :func:`attention_varlen_cuda` (launches that are not decode-shaped)."""
-    name = "attention_paged"
-    _check_window(window_size)
-    _need_cuda(name, ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
+    check_window(window_size)
+    _need_cuda("attention_paged", ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
                ("cu_seqlens_q", cu_seqlens_q), ("seqlens_k", seqlens_k))
-    _check_qkv(name, q, k_cache, v_cache)
-    if k_cache.dim() != 4:
-        raise ValueError(f"{name}: caches must be [num_pages, page_size, Hkv, D], got {tuple(k_cache.shape)}")
-    ps = k_cache.shape[1]
-    if ps < 16 or ps > 256 or ps & (ps - 1):
-        raise ValueError(f"{name}: page size {ps} must be a power of two in 16..256")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"{name}: caches must be contiguous")
-    _check_int(name, "block_table", block_table, 2)
-    _check_int(name, "cu_seqlens_q", cu_seqlens_q)
-    _check_int(name, "seqlens_k", seqlens_k)
-    B = cu_seqlens_q.shape[0] - 1
-    if seqlens_k.shape[0] != B or block_table.shape[0] < B:
-        raise ValueError(f"{name}: {B} sequences but seqlens_k has {seqlens_k.shape[0]} entries and block_table "
-                         f"{block_table.shape[0]} rows")
-    if int(max_seqlen_q) < 0:
-        raise ValueError(f"{name}: max_seqlen_q must be >= 0")
+    check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, triton_path=False,
+                contiguous_caches=True)
     return extension().attention_paged_fwd(q.contiguous(), k_cache, v_cache, block_table.contiguous(),
                                            cu_seqlens_q.contiguous(), seqlens_k.contiguous(), int(max_seqlen_q),
-                                           _scale(scale, q.shape[-1]), _mode(mode), out=out,
+                                           softmax_scales(scale, q.shape[-1])[0], _mode(mode), out=out,
                                            decode_merge=_decode_merge(decode_merge),
                                            prefill_kernel=_prefill_kernel(prefill_kernel))
 

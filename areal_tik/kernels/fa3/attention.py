@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from areal_tik.kernels.attention.checks import _check_window, _paged_checks, _qk_scale, _varlen_checks
+from areal_tik.kernels.attention.checks import check_paged, check_varlen, check_window, softmax_scales
 
 __all__ = ["attention_varlen_fa3", "attention_paged_fa3", "flash_fn", "OPS", "META", "NUM_SPLITS", "FA_VERSION",
            "HEAD_DIMS", "PAGE_SIZES", "check_shapes", "CHECK_SHAPES"]
@@ -108,7 +108,7 @@ class _VarlenFa3Function(torch.autograd.Function):
     def backward(ctx, dout):
         from areal_tik.kernels.attention.flash_backward import varlen_attention_backward
         q, k, v, cu, out, lse2 = ctx.saved_tensors
-        _, qk_scale = _qk_scale(ctx.scale, q.shape[-1])
+        _, qk_scale = softmax_scales(ctx.scale, q.shape[-1])
         dq, dk, dv = varlen_attention_backward(q, k, v, out, lse2, cu, ctx.max_seqlen, ctx.scale, qk_scale, dout)
         return dq, dk, dv, None, None, None
 
@@ -117,10 +117,10 @@ def attention_varlen_fa3(q, k, v, cu_seqlens, max_seqlen, scale=None, window_siz
     """R1 packed causal GQA attention on FA3 (one walk). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` bf16,
     ``cu_seqlens`` int32 ``[B+1]``, ``max_seqlen`` host int >= the longest segment. Returns ``[T, Hq, D]`` bf16,
     bitwise equal to :func:`attention_paged_fa3` for the same positions. ``out``: optional buffer (no autograd)."""
-    _check_window(window_size)
-    _varlen_checks(q, k, v, cu_seqlens, max_seqlen, triton_path=False)
+    check_window(window_size)
+    check_varlen(q, k, v, cu_seqlens, max_seqlen, triton_path=False)
     check_shapes(q.shape[-1], name="attention_varlen")
-    sc, _ = _qk_scale(scale, q.shape[-1])
+    sc, _ = softmax_scales(scale, q.shape[-1])
     m = int(max_seqlen)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _VarlenFa3Function.apply(q, k, v, cu_seqlens, m, sc)
@@ -136,10 +136,10 @@ def attention_paged_fa3(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_
     its queries' own included: the queries are its last positions); ``max_seqlen_q`` host int. No host sync:
     the key bound FA3 sizes its launch by is the table's width in positions, so the call can be graph-captured.
     ``out``: optional ``[Tq, Hq, D]`` buffer to write."""
-    _check_window(window_size)
-    _paged_checks(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, triton_path=False)
+    check_window(window_size)
+    check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, triton_path=False)
     check_shapes(q.shape[-1], k_cache.shape[1], name="attention_paged")
-    sc, _ = _qk_scale(scale, q.shape[-1])
+    sc, _ = softmax_scales(scale, q.shape[-1])
     return flash_fn()(q, k_cache, v_cache, max_seqlen_q=int(max_seqlen_q), cu_seqlens_q=cu_seqlens_q,
                       max_seqlen_k=block_table.shape[1] * k_cache.shape[1], seqused_k=seqlens_k,
                       block_table=block_table, softmax_scale=sc, causal=True, out=out, num_splits=NUM_SPLITS,

@@ -12,9 +12,14 @@ Accuracy: relative Frobenius error against :func:`linear_reference` (float64) be
 ``1e-2`` for bf16 (a final bf16 rounding dominates, ~2e-3 typical), ``1e-5`` for fp32.
 
 Invariance (triton backend): output row m depends only on x[m], W and b, bit for bit —
-not on M, on the other rows, on where row m sits in the batch, on padding rows. Every
-output tile is reduced as ``acc = tl.dot(x_tile, w_tile^T, acc)`` over K in ascending
-BLOCK_K=64 steps, fp32 accumulator, no split-K. The tile sizes in M and N (and warps,
+not on M, on the other rows, on where row m sits in the batch, on padding rows, on N (a
+stacked weight or a slice of the rows gives the same columns). K is cut into a fixed number
+of chunks that depends on K alone (:mod:`.splits`; one chunk for most K); each chunk of an
+output tile is reduced as ``acc = tl.dot(x_tile, w_tile^T, acc)`` over its K in ascending
+BLOCK_K=64 steps from a fresh fp32 accumulator, and the chunk sums are added to +0.0 in
+ascending order (one chunk: its sum alone), either in the tile's program or, in the split kernel (one program per tile and
+chunk, for decode-sized M on narrow outputs), by the tile's last program to finish
+(fp32 partials through a workspace: the same adds, the same bits). The tile sizes in M and N (and warps,
 stages, K-loop unrolling) are chosen per problem size from :data:`CONFIGS`; on the H200
 with Triton 3.6 that form has been measured bit-identical across such tiles, and
 ``tests/kernels/test_linear.py::test_gpu_all_configs_bit_identical`` proves it for every
@@ -40,16 +45,23 @@ import hashlib
 
 from areal_tik.kernels.linear.configs import BLOCK_K, CONFIGS
 from areal_tik.kernels.linear.launcher import linear_fwd, linear_triton
-from areal_tik.kernels.linear.selection import _TABLE_TEXT, config_name_for, pick_config
-from areal_tik.kernels.linear.selection import _arch_of as _arch_of  # read by layers/precompile.py
+from areal_tik.kernels.linear.selection import (
+    _TABLE_TEXT, config_name_for, config_names, pick_config, row_grid, tile_configs,
+)
 from areal_tik.kernels.linear.specs import compile_specs
+from areal_tik.kernels.linear.splits import K_SPLITS, k_split
 from areal_tik.kernels.linear.torch_ref import linear_reference, linear_torch
 
 __all__ = ["linear_triton", "linear_torch", "linear_reference", "linear_fwd", "pick_config", "config_name_for",
-           "CONFIGS", "OPS", "META", "COMPILE_SPECS"]
+           "config_names", "row_grid", "tile_configs", "CONFIGS", "OPS", "META", "COMPILE_SPECS", "TILE_CONFIGS",
+           "K_SPLITS", "k_split"]
 
 OPS = {"linear": {"triton": linear_triton, "torch_ref": linear_torch}}
-META = {"linear.BLOCK_K": BLOCK_K, "linear.form": "acc=tl.dot(a,b^T,acc) ascending K, fp32 acc, no split-K",
+# the implementations that compile one kernel per tile config: what precompilation launches them with
+TILE_CONFIGS = {"linear": {"triton": tile_configs}}
+META = {"linear.BLOCK_K": BLOCK_K,
+        "linear.form": "acc=tl.dot(a,b^T,acc) ascending K per fixed K chunk, fp32 acc, chunk sums ascending",
+        "linear.k_splits": ",".join(f"{k}:{s}" for k, s in sorted(K_SPLITS.items())) or "none",
         "linear.torch_ref": "ascending-k fp32 mul+add",
         # the tuned tile table picks among configs proven bit-identical, but it is fingerprinted anyway
         "linear.tuned_table": hashlib.sha256(_TABLE_TEXT.encode()).hexdigest()[:16] if _TABLE_TEXT else "none"}

@@ -12,7 +12,7 @@ BLOCK_K = 64  # the bit-defining reduction step (fixed for every config)
 def _cfg(bm, bn, warps, stages, unroll=1, group=8, kernel="ptr", flatten=False, ws=False):
     c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=group, num_warps=warps, num_stages=stages,
              kernel=kernel)
-    if kernel == "ptr":
+    if kernel in ("ptr", "splitk"):
         c["K_UNROLL"] = unroll
     if kernel == "tma_p":
         c.update(FLATTEN=flatten, WARP_SPEC=ws)
@@ -25,7 +25,9 @@ def _cfg(bm, bn, warps, stages, unroll=1, group=8, kernel="ptr", flatten=False, 
 #: fresh fp32 accumulator per output tile); the GPU test checks each against the others
 #: bit for bit, and bench/tune_linear.py re-checks every candidate before timing it.
 #: "kernel": "ptr" = :func:`_linear_fwd_kernel`, "tma" = :func:`_linear_fwd_tma_kernel`,
-#: "tma_p" = :func:`_linear_fwd_tma_persistent_kernel` (TMA kinds: sm_90+ only).
+#: "tma_p" = :func:`_linear_fwd_tma_persistent_kernel` (TMA kinds: sm_90+ only), "splitk" =
+#: :func:`_linear_fwd_splitk_kernel` (one program per tile and chunk of the fixed K split; with one chunk
+#: it runs its pointer twin). Every kind reduces the same fixed split of K (:mod:`.splits`).
 CONFIGS = {
     # decode: memory bound, small M tile, N tile sized for enough programs, loads in flight
     "dec16_n16": _cfg(16, 16, 4, 4, unroll=4),
@@ -69,6 +71,15 @@ CONFIGS = {
     "tma128_n128_w4": _cfg(128, 128, 4, 4, kernel="tma"),
     "tma128_n256": _cfg(128, 256, 8, 3, kernel="tma"),
     "tma256_n128": _cfg(256, 128, 8, 3, kernel="tma"),
+    # one program per (tile, chunk of the fixed K split): decode M on narrow outputs (N 1.5K-4.6K) leaves
+    # most SMs idle with one program per tile; the chunk sums are added by each tile's last program
+    "sk16_n64": _cfg(16, 64, 4, 4, unroll=2, kernel="splitk"),
+    "sk32_n64": _cfg(32, 64, 4, 6, kernel="splitk"),
+    "sk64_n32": _cfg(64, 32, 4, 6, kernel="splitk"),
+    "sk64_n64": _cfg(64, 64, 4, 6, kernel="splitk"),
+    "sk64_n128": _cfg(64, 128, 4, 4, kernel="splitk"),
+    "sk128_n64": _cfg(128, 64, 4, 4, kernel="splitk"),
+    "sk128_n128": _cfg(128, 128, 8, 4, kernel="splitk"),
     # persistent TMA (grouped tile order; optional loop flattening / warp specialisation)
     "tmap128_n128": _cfg(128, 128, 8, 4, kernel="tma_p"),
     "tmap128_n256": _cfg(128, 256, 8, 3, kernel="tma_p"),
@@ -121,5 +132,7 @@ def arch_has_tma(arch: str) -> bool:
 
 
 def _fallback_ptr_config(cfg: dict) -> dict:
-    """A TMA config's pointer-kernel twin (same tile; used when TMA preconditions fail)."""
-    return _cfg(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], group=cfg["GROUP_M"])
+    """A TMA or split config's pointer-kernel twin (same tile, same bits; used when TMA preconditions fail,
+    or when a split launch has one chunk or no arrival counters)."""
+    return _cfg(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], unroll=cfg.get("K_UNROLL", 1),
+                group=cfg["GROUP_M"])

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from areal_tik.kernels._dense_common import interpreting
+from areal_tik.kernels import interpreting
 from areal_tik.kernels.linear.configs import (
     CONFIGS, CONFIGS_FP32, INTERPRETER_CONFIG, TMA_KERNELS, arch_has_tma, default_config_name,
 )
@@ -107,3 +107,27 @@ def _config_for(M: int, N: int, K: int, x2: torch.Tensor) -> dict:
         return INTERPRETER_CONFIG
     name = config_name_for(M, N, K, x2.dtype, _arch_of(x2.device))
     return (CONFIGS_FP32 if x2.dtype == torch.float32 else CONFIGS)[name]
+
+
+def row_grid(m_min: int, m_max: int) -> list[int]:
+    """Row counts that reach every tile config between m_min and m_max: every M up to 512 (the
+    decode/medium rules), then every multiple of 128 (all tuned bounds and the built-in rule's
+    tile-count threshold are multiples of 128), then m_max."""
+    ms = set(range(max(1, m_min), min(512, m_max) + 1))
+    ms.update(range(max(512, m_min - m_min % 128), m_max + 1, 128))
+    ms.add(m_max)
+    return sorted(m for m in ms if m_min <= m <= m_max)
+
+
+def config_names(n: int, k: int, dtype: torch.dtype, arch: str, m_min: int, m_max: int) -> list[str]:
+    """The tile configs ``linear_fwd`` can pick for ``[M, k] x [k, n]`` on ``arch`` with m_min <= M <= m_max."""
+    return sorted({config_name_for(m, n, k, dtype, arch) for m in row_grid(m_min, m_max)})
+
+
+def tile_configs(n: int, k: int, dtype: torch.dtype, m_min: int, m_max: int, device) -> list[str]:
+    """The Triton linear's ``TILE_CONFIGS`` hook: every config a call on ``device`` with m_min <= M <= m_max can
+    compile (each is its own Triton compile; :func:`linear_triton` takes one as ``config=``); none under the CPU
+    interpreter, which compiles nothing."""
+    if interpreting():
+        return []
+    return config_names(n, k, dtype, _arch_of(torch.device(device)), m_min, m_max)

@@ -1,0 +1,103 @@
+"""The vLLM plugin's causal LM without vLLM: the one decoder graph (``layers/decoder.py``) in vLLM's
+calling convention. No vLLM import here; ``model.py`` adds vLLM's ``Attention`` layers, and CPU
+tests put a stand-in in their place.
+
+- Modules: :func:`~areal_tik.layers.decoder.build_decoder` builds the family's decoder (HF
+  parameter names, the family table's biases and q/k norms) and ``lm_head`` is a ``TikLinear``
+  (tied to ``embed_tokens`` when the checkpoint ties them). q/k/v and gate/up are stacked into
+  one GEMM each, as in our engine (``layers/stacking.py``: the separate GEMMs' bits, views under
+  the HF names).
+- Forward: tokens flattened to ``[T]`` with absolute ``positions`` ``[T]``; the step applies RoPE
+  from the fp32 table (``steps.TikRope``) and attends through each layer's ``self_attn.attn``
+  (vLLM's ``Attention``: stores K/V in vLLM's paged cache and runs our CUSTOM backend).
+- Weights: an HF checkpoint's tensors are copied by name into the parameters (the stacked
+  tensors behind them are written through the views).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from areal_tik.layers.decoder import build_decoder, decoder_forward, embed
+from areal_tik.layers.family import tied_embeddings
+from areal_tik.layers.modules import TikLinear
+from areal_tik.layers.stacking import stack_projections
+from areal_tik.layers.steps import TikRope
+
+__all__ = ["TikCausalLM", "LayerAttentionStep", "load_hf_tensors"]
+
+
+@dataclasses.dataclass
+class LayerAttentionStep(TikRope):
+    """tik RoPE, then the attention layer each decoder layer holds as ``self_attn.attn`` (``[T, Hq*D]`` out)."""
+
+    def attend(self, attn, q, k, v) -> torch.Tensor:
+        return attn.attn(q, k, v)
+
+
+class TikCausalLM(nn.Module):
+    """``model`` (the family's decoder) and ``lm_head``, HF names; every tik module on ``ops``."""
+
+    def __init__(self, cfg, ops):
+        super().__init__()
+        self.config = cfg
+        self.model = build_decoder(cfg, ops)
+        self.tied = tied_embeddings(cfg)
+        self.lm_head = TikLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head._tik_ops = ops
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._tik_ops = ops
+        stack_projections(self.model)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        h = embed(self.model, input_ids, inputs_embeds)
+        cos, sin = self.model._tik_rope.get(h.device)
+        return decoder_forward(self.model, h, LayerAttentionStep(self._tik_ops, cos, sin, positions.reshape(-1).long()))
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)       # ops.linear: bf16 logits, rows batch-invariant
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in place (:func:`load_hf_tensors`)."""
+        return load_hf_tensors(self, weights)
+
+    def hf_named_parameters(self):
+        """``(HF name, tensor)`` pairs of the weights as the trainer names them (the tied ``lm_head`` once, as
+        ``model.embed_tokens.weight``; no attention-layer state): what a weights digest of this model must hash
+        to equal the trainer's."""
+        for name, p in self.named_parameters():
+            if ".self_attn.attn." not in name:
+                yield name, p
+
+
+def load_hf_tensors(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy HF-named tensors in place into ``lm``'s parameters of the same names (a tied ``lm_head`` and RoPE
+    buffers skipped). Returns the parameter names written. Unknown names or wrong shapes raise ``ValueError``
+    before anything of the offending tensor is written."""
+    params = dict(lm.named_parameters())
+    loaded: set[str] = set()
+    unknown = []
+    with torch.no_grad():
+        for name, w in weights:
+            if "rotary_emb.inv_freq" in name or (lm.tied and name.startswith("lm_head.")):
+                continue
+            dst = params.get(name)
+            if dst is None:
+                unknown.append(name)
+                continue
+            if dst.shape != w.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model {tuple(dst.shape)}")
+            dst.copy_(w)
+            loaded.add(name)
+    if unknown:
+        raise ValueError(f"checkpoint tensors the tik model does not have: {unknown[:8]}"
+                         f"{' ...' if len(unknown) > 8 else ''}")
+    return loaded
