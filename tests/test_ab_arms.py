@@ -299,4 +299,5 @@ def test_per_sequence_skip_and_loglinear_arm_in_the_report():
            "recomputed: 3 stale, 1 mixed-version sequences; recompute time saved (estimate) 2.80 s" in md
     assert "step throughput vllm_loglinear/vllm: 1.333x" in md and "prox_logp_method=loglinear" in md
     assert ab.arm_overrides("vllm_loglinear", CFG) == ["actor.kernel_backend=default", "rollout.backend=vllm:d1p1t1",
-                                                      "actor.prox_logp_method=loglinear"]
+                                                      "actor.prox_logp_method=loglinear",
+                                                      "++actor.tik.rollout_engine=vllm"]
