@@ -50,6 +50,8 @@ def test_check_keys_reads_hydras_rules_from_the_recipe():
         check_keys(RECIPE, ["foo.bar=1"])
     with pytest.raises(OverrideError, match="not key=value"):
         check_keys(RECIPE, ["gconfig.n_samples"])
+    with pytest.raises(OverrideError, match="names no key before '='"):
+        check_keys(RECIPE, ["=broken"])
     assert closest_key("n_samples", keys) == "gconfig.n_samples"   # a bare leaf finds its section
 
 

@@ -56,6 +56,8 @@ def check_keys(config_path: str, overrides) -> None:
         if "=" not in o:
             raise OverrideError(f"override {o!r} is not key=value")
         key = o.split("=", 1)[0].strip()
+        if not key.lstrip("+"):
+            raise OverrideError(f"override {o!r} names no key before '='")
         if key.startswith("++"):
             continue
         if key.startswith("+"):
@@ -71,15 +73,15 @@ def check_keys(config_path: str, overrides) -> None:
 def config_error_line(e: BaseException) -> str:
     """One line for an error of loading a recipe with overrides (Hydra's composition, OmegaConf's typed
     merge, our config checks): the message's first line, the override Hydra could not parse (values
-    holding '=' need quotes), the key it names and the cause Hydra wraps (e.g. "Key 'x' is not in
-    struct" under "Could not override 'x'")."""
+    holding '=' need quotes), the key it names, or else the cause it wraps (e.g. "Key 'x' is not in
+    struct" under Hydra's "Could not override 'x'")."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
     line = lines[0] if lines else type(e).__name__
     if getattr(e, "override", None):
         line = f"override {e.override!r}: {line}"
     key = getattr(e, "full_key", None) or next((x.split(":", 1)[1].strip() for x in lines
                                                 if x.startswith("full_key:")), None)
-    cause = e.__cause__ or e.__context__
-    more = (str(cause).splitlines() or [""])[0] if cause is not None else ""
+    cause = e.__cause__ or e.__context__   # an error that names no key: the one it wraps says which and why
+    more = (str(cause).splitlines() or [""])[0] if cause is not None and key is None else ""
     return " ".join(x for x in (line, f"({key})" if key and key not in line else "",
                                 f"[{more}]" if more and more not in line else "") if x)
