@@ -44,6 +44,19 @@ def test_one_measured_step_prints_no_spread_figure(n_steps):
     assert math.isnan(rep["step_time_ratio"]["std"])
 
 
+def test_two_measured_steps_are_a_smoke_test_without_a_throughput_interval():
+    """Two measured steps (steps=3) have a spread but too little of one: the verdict and the ratio line both
+    say so, and neither prints a throughput interval."""
+    rep = _report(3)
+    assert rep["n_measured"] == 2 and rep["smoke"]
+    md = report.summary_markdown(rep, META)
+    head = md.split("## Mean seconds")[0]
+    assert "**Smoke test (2 measured steps: too few for an interval).**" in head
+    line = next(x for x in head.splitlines() if x.startswith("- **step throughput tik/baseline"))
+    assert "2 measured steps: too few for an interval; per-step ratios" in line
+    assert "CI [" not in line.split("; generated tokens/s")[0]
+
+
 def test_enough_measured_steps_give_an_interval_around_the_ratio():
     rep = _report(8)
     assert rep["n_measured"] == 7 and not rep["smoke"]

@@ -84,6 +84,8 @@ def _ratio_lines(r: dict) -> list[str]:
             reward = f"reward ratio {fmt(v['reward_ratio'])}, 95% CI [{', '.join(fmt(x) for x in ci)}]"
         if n < 2:
             per_step = "one measured step: no spread"
+        elif r.get("smoke"):   # as the verdict says: no interval from so few steps
+            per_step = f"{n} measured steps: too few for an interval; per-step ratios {fmt(st['min'])} to {fmt(st['max'])}"
         else:
             per_step = (f"{_ci_text(v.get('throughput_ratio_ci95') or [math.nan, math.nan])}; per-step ratios "
                         f"{fmt(st['min'])} to {fmt(st['max'])}")
