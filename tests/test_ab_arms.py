@@ -13,7 +13,8 @@ def _fake_run_arm(log_steps, crash_after=None):
     killed device call would, leaving its start record and partial log behind)."""
     calls = []
 
-    def run_arm(config, arm, steps, out, overrides=(), on_step=None, timeout=None, runs_dir=None, partial_ok=False):
+    def run_arm(config, arm, steps, out, overrides=(), on_step=None, timeout=None, runs_dir=None, partial_ok=False,
+                on_phase=None):
         calls.append((arm, steps, list(overrides)))
         n = min(steps, log_steps[arm])
         with open(os.path.join(out, arm, "steps.jsonl"), "w") as f:
@@ -122,17 +123,20 @@ def test_arm_that_hangs_after_its_last_step_is_complete(tmp_path, monkeypatch):
 
 
 def test_reward_ratio_interval():
-    """The reward ratio's 95% interval (delta method over per-step means) is recomputable from the
-    logged rewards, and undefined (nan) when an arm's reward is 0."""
+    """The reward ratio's 95% interval (Welch's t on the log of the ratio of means, per-step means as the
+    samples) is recomputable from the logged rewards, and undefined (nan) when an arm's reward is 0."""
     import math
     import statistics
     rb, rt = [0.40, 0.50, 0.45, 0.55], [0.42, 0.48, 0.50, 0.52]
     ci = analysis._ratio_ci(rb, rt)
     mb, mt = statistics.fmean(rb), statistics.fmean(rt)
-    sb, st = statistics.stdev(rb) / 2, statistics.stdev(rt) / 2
-    half = 1.96 * (mt / mb) * math.sqrt((sb / mb) ** 2 + (st / mt) ** 2)
-    assert ci["ratio_ci95"] == pytest.approx([mt / mb - half, mt / mb + half])
-    assert ci["se_baseline"] == pytest.approx(sb) and ci["se_tik"] == pytest.approx(st)
+    vb, vt = statistics.variance(rb) / (4 * mb * mb), statistics.variance(rt) / (4 * mt * mt)
+    df = (vb + vt) ** 2 / (vb ** 2 / 3 + vt ** 2 / 3)
+    assert 5 < df < 6                                       # Welch: 5.2 degrees of freedom, t at 5 (errs wide)
+    half = 2.571 * math.sqrt(vb + vt)
+    assert ci["ratio_ci95"] == pytest.approx([mt / mb * math.exp(-half), mt / mb * math.exp(half)])
+    assert ci["se_baseline"] == pytest.approx(statistics.stdev(rb) / 2) and ci["se_tik"] == pytest.approx(
+        statistics.stdev(rt) / 2)
     assert all(math.isnan(x) for x in analysis._ratio_ci([0.0, 0.0], [0.1, 0.2])["ratio_ci95"])
 
 
@@ -172,7 +176,7 @@ def test_profiled_step_left_out_and_compiles_reported():
            "jit_compiles": 4 - i, "jit_compile_s": 1.0, "jit_kernels": {}} for i in range(4)]
     md = report.summary_markdown(rep, {"config": CFG, "server_intervals": {"baseline": iv, "tik": iv}})
     assert "| tik | 3 (profiled) |" in md and "| 2 (1.0 s) / 3 (1.0 s) |" in md
-    assert "eager steps (prefill) 0.20 s" in md and "1 graph captures and 6 Triton compiles in all" in md
+    assert "eager steps (prefill, run without a CUDA graph) 0.20 s" in md and "1 graph captures and 6 Triton compiles in all" in md
 
 
 def test_critic_phase_is_its_own_column():
@@ -204,11 +208,11 @@ def test_weight_update_split_into_the_trainers_save():
     assert rep["phase_mean_s"]["tik"]["weight_save"] == pytest.approx(5.5)  # steps 1-2 measured
     md = report.summary_markdown(rep, {"config": CFG})
     assert "reward ratio: none (vllm's mean reward is 0)" in md and "reward ratio nan" not in md
-    assert "no headline ratio (vllm's mean reward is 0)" in md and "nan, nan" not in md
+    assert "no reward ratio (vllm's mean reward is 0)" in md and "nan, nan" not in md
     earning = [{"global_step": i, "wall_s": 12.0, "tik": [{"gen_tokens": 10}],
                 "stats": {"timeperf/update_weights": 8.0, "ppo_actor/task_reward/avg": 0.5}} for i in range(3)]
     md_earning = report.summary_markdown(analysis.analyze({"vllm": earning, "tik": earning}), {"config": CFG})
-    assert "; headline ratio 1.000, 95% CI [" in md_earning and "no headline ratio" not in md_earning
+    assert "; reward ratio tik/vllm 1.000, 95% CI [" in md_earning and "no reward ratio" not in md_earning
     assert "| tik | 0.000 | 0.000 | 0.000 | 8.000 (5.500) |" in md and "| vllm | 0.000 | 0.000 | 0.000 | 8.000 (nan) |" in md
 
 
@@ -222,7 +226,8 @@ def test_vllm_set_across_calls_ratios_against_vllm(tmp_path, monkeypatch):
     walls = {"vllm": 12.0, "tik": 8.0, "vllm_tik": 10.0}
     calls = []
 
-    def run_arm(config, arm, steps, out, overrides=(), on_step=None, timeout=None, runs_dir=None, partial_ok=False):
+    def run_arm(config, arm, steps, out, overrides=(), on_step=None, timeout=None, runs_dir=None, partial_ok=False,
+                on_phase=None):
         calls.append(arm)
         with open(os.path.join(out, arm, "steps.jsonl"), "w") as f:
             for i in range(steps):
@@ -294,4 +299,5 @@ def test_per_sequence_skip_and_loglinear_arm_in_the_report():
            "recomputed: 3 stale, 1 mixed-version sequences; recompute time saved (estimate) 2.80 s" in md
     assert "step throughput vllm_loglinear/vllm: 1.333x" in md and "prox_logp_method=loglinear" in md
     assert ab.arm_overrides("vllm_loglinear", CFG) == ["actor.kernel_backend=default", "rollout.backend=vllm:d1p1t1",
-                                                      "actor.prox_logp_method=loglinear"]
+                                                      "actor.prox_logp_method=loglinear",
+                                                      "++actor.tik.rollout_engine=vllm"]

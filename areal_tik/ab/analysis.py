@@ -6,7 +6,9 @@ per-interval counters from its log.
 
 Step 0 carries warm-up (and the tik audit); ratios are taken over steps >= 1 when there are at
 least two steps (steps recorded under torch.profiler left out when others remain), and each
-ratio can be recomputed from the logged times.
+ratio can be recomputed from the logged times. The step-throughput ratio comes with a 95%
+interval from the step-to-step spread of both arms (:func:`ratio_of_means_ci`); a run with
+fewer than :data:`MIN_MEASURED` measured steps is a smoke test: it shows the job runs, not a speed.
 """
 from __future__ import annotations
 
@@ -15,15 +17,16 @@ import math
 import os
 import statistics
 
-__all__ = ["ARMS", "ARM_ENGINES", "SKIP_ARMS", "REFERENCES", "PHASES", "load_steps", "analyze", "reference_arm",
-           "headline_arm", "server_intervals"]
+__all__ = ["ARMS", "ARM_ENGINES", "SKIP_ARMS", "REFERENCES", "PHASES", "MIN_MEASURED", "load_steps", "analyze",
+           "reference_arm", "headline_arm", "server_intervals", "ratio_of_means_ci", "t_quantile_975"]
 
 # every arm, in report order: the rollout engine, the kernels, recompute or skip
 ARMS = ("vllm", "baseline", "vllm_loglinear", "tik", "vllm_tik")
 ARM_ENGINES = {"vllm": "stock vLLM (AReaL's vLLM server), HF-default trainer kernels, recompute every step",
                "vllm_loglinear": "stock vLLM (AReaL's vLLM server), HF-default trainer kernels, no recompute: "
                                  "AReaL's log-linear approximation of the proximal log-probs (prox_logp_method=loglinear)",
-               "baseline": "areal-tik serve on default kernels (diagnostic), recompute every step",
+               "baseline": "areal-tik serve on default kernels, recompute every step (diagnostic: our engine without "
+                           "our kernels, which isolates what the kernels and the skip change)",
                "tik": "areal-tik serve on tik kernels, recompute skipped when the skip rule allows",
                "vllm_tik": "vLLM with the tik plugin (AReaL's vLLM server), tik kernels, recompute skipped when allowed"}
 SKIP_ARMS = ("tik", "vllm_tik")      # actor.kernel_backend=tik: may skip, audits
@@ -32,6 +35,46 @@ PHASES = (("rollout", "timeperf/rollout"), ("recompute", "timeperf/recompute_log
           ("train_step", "timeperf/train_step"), ("weight_update", "timeperf/update_weights"),
           # PPO only (0 without a critic): the value forward before, and the critic update after, the actor's
           ("critic", ("timeperf/critic_values", "timeperf/critic_train_step")))
+
+
+# fewer measured steps than this (per arm) and the run is a smoke test: no interval worth reading
+MIN_MEASURED = 3
+
+# the 0.975 quantile of Student's t for 1..30 degrees of freedom (two-sided 95%); above 30 the values
+# of 40, 60 and 120 degrees of freedom, then the normal 1.960
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile_975(df: float) -> float:
+    """Student's t 0.975 quantile at ``df`` degrees of freedom, rounded down to a tabled df (so the
+    interval errs wide)."""
+    if not df >= 1:
+        return math.nan
+    if df < 31:
+        return _T975[int(df) - 1]
+    return 2.021 if df < 60 else 2.000 if df < 120 else 1.980 if df < 1000 else 1.960
+
+
+def ratio_of_means_ci(ref: list[float], arm: list[float]) -> list[float]:
+    """95% interval of ``mean(ref) / mean(arm)`` (the step-throughput ratio when both are step times),
+    from the two arms' step-to-step spread as independent samples: Welch's t on the log scale, the
+    standard error of each log mean by the delta method. ``[nan, nan]`` with fewer than two steps in
+    an arm or a non-positive mean. The arms run one after the other, so drift of the machine between
+    them is not in the interval."""
+    if len(ref) < 2 or len(arm) < 2:
+        return [math.nan, math.nan]
+    mr, ma = statistics.fmean(ref), statistics.fmean(arm)
+    if not (mr > 0 and ma > 0):
+        return [math.nan, math.nan]
+    vr = statistics.variance(ref) / (len(ref) * mr * mr)   # var of log(mean) ~ var(mean) / mean^2
+    va = statistics.variance(arm) / (len(arm) * ma * ma)
+    r = mr / ma
+    if vr + va == 0.0:
+        return [r, r]
+    df = (vr + va) ** 2 / (vr ** 2 / (len(ref) - 1) + va ** 2 / (len(arm) - 1))
+    half = t_quantile_975(df) * math.sqrt(vr + va)
+    return [r * math.exp(-half), r * math.exp(half)]
 
 
 def load_steps(path: str) -> list[dict]:
@@ -82,23 +125,18 @@ def _spread(xs: list[float]) -> dict:
     if not xs:
         return {"mean": math.nan, "min": math.nan, "max": math.nan, "std": math.nan, "n": 0}
     return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs),
-            "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
+            "std": statistics.stdev(xs) if len(xs) > 1 else math.nan, "n": len(xs)}  # one value: no spread
 
 
 def _ratio_ci(rb: list[float], rt: list[float]) -> dict:
     """Standard errors of the two arms' mean reward (per-step means as the samples) and a 95%
-    interval for tik/baseline by the delta method. An approximation: the steps of one arm are
-    not independent (the policy improves), but both arms share the curve's shape."""
+    interval for tik/baseline (:func:`ratio_of_means_ci`). An approximation: the steps of one arm
+    are not independent (the policy improves), but both arms share the curve's shape."""
     out = {"se_baseline": math.nan, "se_tik": math.nan, "ratio_ci95": [math.nan, math.nan]}
-    if len(rb) < 2 or len(rt) < 2 or not all(math.isfinite(x) for x in (*rb, *rt)):
-        return out
-    mb, mt = statistics.fmean(rb), statistics.fmean(rt)
-    sb, st = statistics.stdev(rb) / math.sqrt(len(rb)), statistics.stdev(rt) / math.sqrt(len(rt))
-    out.update(se_baseline=sb, se_tik=st)
-    if mb > 0 and mt > 0:
-        r = mt / mb
-        half = 1.96 * r * math.sqrt((sb / mb) ** 2 + (st / mt) ** 2)
-        out["ratio_ci95"] = [r - half, r + half]
+    if min(len(rb), len(rt)) < MIN_MEASURED or not all(math.isfinite(x) for x in (*rb, *rt)):
+        return out   # too few steps for a spread worth printing
+    out.update(se_baseline=statistics.stdev(rb) / math.sqrt(len(rb)), se_tik=statistics.stdev(rt) / math.sqrt(len(rt)))
+    out["ratio_ci95"] = ratio_of_means_ci(rt, rb)
     return out
 
 
@@ -178,6 +216,8 @@ def analyze(steps_by_arm: dict[str, list[dict]]) -> dict:
                 "step_time_ratio": _spread([rows[ref][i]["wall_s"] / rows[a][i]["wall_s"] for i in measured
                                             if rows[a][i]["wall_s"] > 0]),
                 "throughput_ratio_total": tot[ref] / tot[a] if tot[a] > 0 else math.nan,
+                "throughput_ratio_ci95": ratio_of_means_ci([rows[ref][i]["wall_s"] for i in measured],
+                                                           [rows[a][i]["wall_s"] for i in measured]),
                 "tokens_per_s_ratio": (tps[a] / tps[ref] if tot[a] > 0 and tot[ref] > 0 and toks[ref] > 0
                                        else math.nan),
                 "reward_ratio": mean_r[a] / mr if mr != 0.0 and not math.isnan(mr) else math.nan,
@@ -185,6 +225,7 @@ def analyze(steps_by_arm: dict[str, list[dict]]) -> dict:
 
     vs = {a: versus(a) for a in arms if a != ref}
     h = vs.get(head) or {"step_time_ratio": _spread([]), "throughput_ratio_total": math.nan,
+                         "throughput_ratio_ci95": [math.nan, math.nan],
                          "tokens_per_s_ratio": math.nan, "reward_ratio": math.nan,
                          "reward_ratio_ci95": [math.nan, math.nan], "se_reference": math.nan, "se": math.nan}
     reward_mean = {**mean_r, "ratio": h["reward_ratio"], "ratio_ci95": h["reward_ratio_ci95"],
@@ -197,10 +238,15 @@ def analyze(steps_by_arm: dict[str, list[dict]]) -> dict:
         "headline": head,
         "n_steps": n,
         "measured_steps": measured,
+        "n_measured": len(measured),
+        # too few measured steps (or only the warm-up step) for a spread: it shows the job runs, not a speed
+        "smoke": len(measured) < MIN_MEASURED,
+        "warmup_step_dropped": first == 1,
         "rows": rows,
         "vs_reference": vs,
         "step_time_ratio": h["step_time_ratio"],
         "throughput_ratio_total": h["throughput_ratio_total"],
+        "throughput_ratio_ci95": h["throughput_ratio_ci95"],
         "tokens_per_s": tps,
         "tokens_per_s_ratio": h["tokens_per_s_ratio"],
         "phase_mean_s": phase_means,

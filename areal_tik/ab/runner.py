@@ -31,6 +31,8 @@ import sys
 import time
 
 from areal_tik.ab.analysis import ARM_ENGINES, ARMS, analyze, load_steps, server_intervals
+from areal_tik.ab.arm_log import LogFollower, failure_excerpt, startup_phases
+from areal_tik.ab.progress import ArmProgress
 from areal_tik.ab.report import REPORT_FILES, write_report
 from areal_tik.areal import engines
 
@@ -39,7 +41,18 @@ DEFAULT_SET = ("baseline", "tik")     # runs anywhere (no vLLM needed): the CPU 
 ARM_WIRING = {"vllm": ("vllm", "default"), "vllm_loglinear": ("vllm", "default"), "baseline": ("tik", "default"),
               "tik": ("tik", "tik"), "vllm_tik": ("vllm", "tik")}
 
-__all__ = ["run_arm", "run_ab", "load_arm", "arm_overrides", "arm_engine", "parse_arms", "DEFAULT_SET", "ARM_WIRING"]
+__all__ = ["run_arm", "run_ab", "load_arm", "arm_overrides", "arm_engine", "parse_arms", "DEFAULT_SET", "ARM_WIRING",
+           "ArmFailed"]
+
+
+class ArmFailed(RuntimeError):
+    """An arm's trainer exited with an error: the message is one line, ``excerpt`` the log lines that say
+    why and ``log`` the log's path."""
+
+    def __init__(self, arm: str, returncode: int, log: str, excerpt: list[str]):
+        last = next((x for x in reversed(excerpt) if x.strip()), "no output")
+        super().__init__(f"the {arm} arm failed (exit {returncode}): {last.strip()}")
+        self.arm, self.returncode, self.log, self.excerpt = arm, returncode, log, excerpt
 
 
 def _recipe_rollout_backend(config: str) -> str:
@@ -130,8 +143,10 @@ def _server_failure(out: str, arm: str, runs_dir: str | None, offsets: dict[str,
 
 def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = (), on_step=None,
             timeout: float | None = None, env: dict | None = None, runs_dir: str | None = None,
-            partial_ok: bool = False, teardown_grace_s: float = 30.0) -> dict:
-    """Run one arm to completion; ``on_step(arm, n_done)`` after every logged step.
+            partial_ok: bool = False, teardown_grace_s: float = 30.0, on_phase=None) -> dict:
+    """Run one arm to completion; ``on_step(arm, n_done)`` after every logged step, ``on_phase(arm, text)``
+    for every start-up phase its trainer stamps in ``train.log``. A trainer that exits with an error
+    raises :class:`ArmFailed`; the result's ``load_avg`` is the machine's mean 1-minute load meanwhile.
 
     ``timeout``: seconds before the arm is killed; then ``TimeoutError``, or with ``partial_ok``
     the steps logged so far are returned with ``timed_out: True`` (a device call has a hard
@@ -151,17 +166,23 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
     server_failure = None
     scanned = _server_logs(out, arm, runs_dir)  # what earlier runs appended is not this run's failure
     t_all_logged = None
-    with open(os.path.join(out, arm, "train.log"), "wb") as lf:
+    train_log = os.path.join(out, arm, "train.log")
+    follower, loads = LogFollower(train_log), []
+    with open(train_log, "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
         seen = 0
         polls = 0
         try:
             while proc.poll() is None:
                 time.sleep(0.5)
+                if hasattr(os, "getloadavg"):
+                    loads.append(os.getloadavg()[0])
                 n = sum(1 for _ in open(log)) if os.path.exists(log) else 0
                 if n != seen and on_step:
                     on_step(arm, n)
                 seen = n
+                for phase in startup_phases(follower.new_text()) if on_phase else ():
+                    on_phase(arm, phase)   # after the steps: a step logged before a later stamp shows first
                 if n >= steps:
                     t_all_logged = t_all_logged or time.perf_counter()
                     if time.perf_counter() - t_all_logged > teardown_grace_s:
@@ -191,12 +212,12 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
         if not partial_ok:
             raise TimeoutError(f"{arm} arm ran past {timeout}s; see {out}/{arm}/train.log")
     elif proc.returncode != 0 and not teardown_killed:
-        tail = open(os.path.join(out, arm, "train.log"), errors="replace").read()[-3000:]
-        raise RuntimeError(f"{arm} arm failed (exit {proc.returncode}); log tail:\n{tail}")
+        with open(train_log, errors="replace") as f:
+            raise ArmFailed(arm, proc.returncode, train_log, failure_excerpt(f.read()))
     if on_step:
         on_step(arm, len(rows))
     return {"cmd": cmd, "wall_s": time.perf_counter() - t0, "steps": rows, "timed_out": timed_out,
-            "teardown_killed": teardown_killed}
+            "teardown_killed": teardown_killed, "load_avg": sum(loads) / len(loads) if loads else None}
 
 
 def _arm_record_path(out: str, arm: str) -> str:
@@ -253,7 +274,7 @@ def parse_arms(spec: str, universe=ARMS) -> tuple[str, ...]:
     return tuple(a for a in ARMS if a in names)
 
 
-def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progress: bool = True,
+def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progress: bool | str = True,
            timeout: float | None = None, runs_dir: str | None = None, partial_ok: bool = False,
            arms: tuple[str, ...] = DEFAULT_SET, arm_set: tuple[str, ...] | None = None) -> dict:
     """Run the ``arms`` of the comparison ``arm_set`` (default: ``baseline`` and ``tik``, or the
@@ -267,6 +288,9 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
     recipe with the same overrides (``ValueError`` otherwise, before anything runs), and an arm is not
     run against a loaded reference that logged no step. Running the reference without the rest of the
     set starts a new set: the other arms' records in ``out`` are no longer paired with it.
+
+    ``progress``: how the arms' progress shows on stderr, a mode of :class:`~areal_tik.ab.progress.ArmProgress`
+    (``auto``, ``bar``, ``plain``, ``none``); True is ``auto``, False ``none``.
 
     With ``partial_ok`` an arm that runs past ``timeout`` keeps the steps it logged; when the
     reference stopped early the other arms are asked for the same number of steps (the report
@@ -304,35 +328,34 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
             return max(1, len(results[ref]["steps"]))
         return steps
 
-    def one(a, on_step=None):
+    def one(a, prog):
         n = arm_steps(a)
         engine = arm_engine(a)
         _write_arm_record(out, a, {"cmd": _arm_cmd(config, a, n, out, list(overrides), runs_dir), "wall_s": None,
                                    "timed_out": None, "complete": False, "steps_requested": n, "shared": here,
                                    "engine": engine})
-        res = run_arm(config, a, n, out, overrides, on_step=on_step, timeout=timeout, runs_dir=runs_dir,
-                      partial_ok=partial_ok)
+        prog.start(a, n)
+        try:
+            res = run_arm(config, a, n, out, overrides, on_step=prog.step, timeout=timeout, runs_dir=runs_dir,
+                          partial_ok=partial_ok, on_phase=prog.phase)
+        except BaseException:
+            prog.end(a, ok=False)
+            raise
+        prog.end(a)
         res["engine"] = engine
         results[a] = res
         _write_arm_record(out, a, {"cmd": res["cmd"], "wall_s": res["wall_s"], "timed_out": res["timed_out"],
-                                   "teardown_killed": res.get("teardown_killed", False),
+                                   "teardown_killed": res.get("teardown_killed", False), "load_avg": res.get("load_avg"),
                                    "complete": True, "steps_requested": n, "shared": here, "engine": engine})
 
     if to_run:  # a report from an earlier set no longer describes these arms
         for f in REPORT_FILES:
             if os.path.exists(os.path.join(out, f)):
                 os.remove(os.path.join(out, f))
-    if progress and to_run:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                      TimeElapsedColumn()) as prog:
-            tasks = {a: prog.add_task(f"{a:8s}", total=arm_steps(a)) for a in to_run}
-            for a in to_run:
-                prog.update(tasks[a], total=arm_steps(a))
-                one(a, on_step=lambda arm, n: prog.update(tasks[arm], completed=n))
-    else:
+    mode = progress if isinstance(progress, str) else "auto" if progress else "none"
+    with ArmProgress({a: arm_steps(a) for a in to_run}, mode) as prog:
         for a in to_run:
-            one(a)
+            one(a, prog)
     pending = [a for a in arm_set if a not in results]
     if pending:
         done = {a: len(r["steps"]) for a, r in results.items()}
@@ -352,6 +375,7 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
             **{f"cmd_{a}": results[a]["cmd"] for a in arm_set},
             "engines": {a: results[a].get("engine") or ARM_ENGINES[a] for a in arm_set},
             "arm_wall_s": {a: results[a]["wall_s"] for a in arm_set},
+            "arm_load": {a: results[a].get("load_avg") for a in arm_set},
             "timed_out": {a: results[a]["timed_out"] for a in arm_set},
             "teardown_killed": {a: bool(results[a].get("teardown_killed")) for a in arm_set},
             "arms_run_here": list(to_run),

@@ -69,6 +69,7 @@ from areal.utils import logging, stats_tracker
 from areal_tik.areal.consensus import (LOGPROB_DEFINITION, TikServerError, agree, broadcast_from_first,
                                        global_audit, group_rank, group_size, query_servers, raise_if_dead)
 from areal_tik.areal.device_model import TikModelMixin, settings_of
+from areal_tik.areal.ports import private_port_draws
 from areal_tik.areal.row_forward import ForwardRate, count_micro_batches, forward_rows, merge, row_tokens, units_of
 from areal_tik.areal.skip_record import global_counts, log_line, shard_share, step_stats, write_decision
 from areal_tik.areal.skip_rule import (REASONS, SEQUENCE_REASONS, TikAuditError, audit_compare,  # noqa: F401
@@ -97,6 +98,7 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
     """``FSDPPPOActor`` on the areal-tik kernels with the recompute skip and audit."""
 
     def __init__(self, config):
+        private_port_draws()   # in an actor worker: the weight-update group's port, apart from the run's seed
         super().__init__(config)
         self.kernels = getattr(config, "kernel_backend", "default")
         self.settings = settings_of(config, self.kernels)

@@ -23,6 +23,7 @@ from areal.api.cli_args import InferenceEngineConfig
 from areal.engine.sglang_remote import RemoteSGLangEngine, SGLangBackend
 from areal.infra import RemoteInfEngine
 
+from areal_tik.areal.ports import private_port_draws
 from areal_tik.settings import Settings
 
 __all__ = ["TikServerBackend", "TikRemoteSGLangEngine", "server_args", "server_settings", "serve_cmd",
@@ -97,6 +98,7 @@ class TikRemoteSGLangEngine(RemoteSGLangEngine):
     """``RemoteSGLangEngine`` whose local servers are ``areal-tik serve``."""
 
     def __init__(self, config: InferenceEngineConfig):
+        private_port_draws()   # in a rollout worker: its server's port, apart from the run's seed
         self.config = config
         self._engine = RemoteInfEngine(config, TikServerBackend())
 

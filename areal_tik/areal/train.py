@@ -11,7 +11,13 @@ Recipe conventions resolved here (the only place that reads files / environment)
 - ``actor.path: preset:<name>`` -> the preset (``areal_tik.layers.models``) is built with seed
   ``seed`` and saved (bf16) as an HF dir under the fileroot, with the tokenizer; the
   actor, ref and rollout server all load that dir.
+- ``actor.path: "warmstart:<preset>?task=add1&steps=80..."`` -> that warm start
+  (:func:`areal_tik.areal.warmstart.cached_warm_start`), trained once into the user's cache folder.
 - ``tokenizer_path: builtin:tiny-char`` -> the character tokenizer in ``areal_tik/data``.
+- ``cluster.fileroot: ${tik_run_dir:}`` -> a folder of this run alone under the system's temp folder
+  (``areal_tik-<time>-<pid>``), made at start; the recipes put AReaL's name_resolve records under
+  the fileroot, so runs at the same time never share a working folder (``ab`` gives each arm
+  ``<report>/runs``).
 - ``train_dataset.path: builtin:arith/<task>?n=<N>`` (as a command-line override quote it for Hydra:
   ``"train_dataset.path='builtin:arith/mix?n=64'"``) -> the generated arithmetic set,
   reward :func:`areal_tik.areal.arith.reward_fn`; any other path goes to AReaL's
@@ -35,6 +41,8 @@ import time
 import urllib.parse
 
 from areal_tik.areal import engines
+from areal_tik.areal.ports import private_port_draws
+from areal_tik.areal.warmstart import WARM_PREFIX, cached_warm_start, warm_cache_root
 
 BUILTIN_TOKENIZER = "builtin:tiny-char"
 
@@ -78,9 +86,12 @@ def resolve_tokenizer(path: str) -> str:
     return path
 
 
-def materialize_model(config) -> str:
-    """Build ``preset:<name>`` into an HF dir (bf16 weights + tokenizer); return the dir."""
+def materialize_model(config, warm_cache: str | None = None) -> str:
+    """Build ``preset:<name>`` into an HF dir (bf16 weights + tokenizer), or find (else train) the cached
+    ``warmstart:...`` in ``warm_cache``; return the dir."""
     spec = config.actor.path
+    if spec.startswith(WARM_PREFIX):
+        return cached_warm_start(spec, warm_cache or warm_cache_root())
     if not spec.startswith("preset:"):
         return spec
     import torch
@@ -137,34 +148,38 @@ def load_dataset(config, tokenizer):
     return ds, "areal.reward.gsm8k.gsm8k_reward_fn"
 
 
+_RUN_DIR: list[str] = []
+
+
+def run_dir() -> str:
+    """This process's own working folder (``${tik_run_dir:}`` in a recipe): one per run, not created here."""
+    if not _RUN_DIR:
+        import tempfile
+        _RUN_DIR.append(os.path.join(tempfile.gettempdir(), f"areal_tik-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"))
+    return _RUN_DIR[0]
+
+
 def load_config(argv):
-    """The recipe and overrides of ``argv`` as a :class:`TikGRPOConfig`. What Hydra, OmegaConf or a
-    config check refuses (a missing key, a value of the wrong type, an unknown override) raises
-    :class:`ConfigError` in one line."""
+    """The recipe and overrides of ``argv`` as a :class:`TikGRPOConfig` (``${tik_run_dir:}`` in it: this
+    run's own working folder, :func:`run_dir`). What Hydra, OmegaConf or a config check refuses (a missing
+    key, a value of the wrong type, an unknown override) raises :class:`ConfigError` in one line
+    (:func:`~areal_tik.areal.overrides.config_error_line`)."""
     from areal.api.cli_args import load_expr_config
 
+    from omegaconf import OmegaConf
+
     from areal_tik.areal.config import ConfigError, TikGRPOConfig
+    from areal_tik.areal.overrides import config_error_line
+    if not OmegaConf.has_resolver("tik_run_dir"):
+        OmegaConf.register_new_resolver("tik_run_dir", run_dir)
     try:
         config, _ = load_expr_config(argv, TikGRPOConfig)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - composing and checking the config only reads the recipe and argv
-        raise ConfigError(_config_problem(e)) from e
+        raise ConfigError(config_error_line(e)) from e
     config.tokenizer_path = resolve_tokenizer(config.tokenizer_path)
     return config
-
-
-def _config_problem(e: BaseException) -> str:
-    """One line for a config load failure: the message's first line, the key it names, and the cause
-    Hydra wraps (e.g. "Key 'x' is not in struct" under "Could not override 'x'")."""
-    line = (str(e).splitlines() or [type(e).__name__])[0]
-    if getattr(e, "override", None):  # Hydra could not parse an override: name it (values with '=' need quotes)
-        line = f"override {e.override!r}: {line}"
-    key = getattr(e, "full_key", None)
-    cause = e.__cause__ or e.__context__
-    more = (str(cause).splitlines() or [""])[0] if cause is not None else ""
-    return " ".join(x for x in (line, f"(key {key})" if key and key not in line else "",
-                                f"[{more}]" if more and more not in line else "") if x)
 
 
 def check_kernels(config) -> None:
@@ -227,6 +242,7 @@ def launch_rollout_server(config, log_dir: str):
 def main(argv: list[str] | None = None) -> int:
     own, argv = _split_own_args(list(sys.argv[1:] if argv is None else argv))
     config = load_config(argv)
+    private_port_draws()   # two runs of one seed at once must not draw the same ports
     check_kernels(config)
     spmd = config.scheduler.type in (None, "", "null")
     if spmd:
@@ -240,13 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     def stamp(what):  # where an arm's start-up time goes (read from train.log)
         print(f"areal-tik startup: {what} at +{time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
 
+    for d in (config.cluster.fileroot, config.cluster.name_resolve.nfs_record_root):
+        if d:
+            os.makedirs(d, exist_ok=True)   # AReaL's schedulers want both to exist
+    stamp(f"working folder {config.cluster.fileroot}")
     decision_log_dir(config, clear=int(os.getenv("RANK", "0")) == 0)
-    model_dir = materialize_model(config)
-    stamp("model dir ready")
+    model_dir = materialize_model(config, warm_cache_root(os.environ))
+    stamp(f"model ready: {model_dir}")
     config.actor.path = model_dir
-    if config.ref is not None and config.ref.path.startswith("preset:"):
+    if config.ref is not None and config.ref.path.startswith(("preset:", WARM_PREFIX)):
         config.ref.path = model_dir
-    if config.critic is not None and config.critic.path.startswith("preset:"):
+    if config.critic is not None and config.critic.path.startswith(("preset:", WARM_PREFIX)):
         config.critic.path = model_dir  # value head initialised fresh (AutoModelForTokenClassification)
     config.sglang.model_path = model_dir
     config.vllm.model = model_dir
@@ -270,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         stamp(f"rollout server up at {addr}")
     try:
         with TikPPOTrainer(config, train_dataset=dataset, step_log=own.get("step_log")) as trainer:
+            stamp("AReaL trainer ready; step 0 (warm-up) running")
             if spmd:
                 trainer.train(workflow=RLVRWorkflow(reward_fn=reward, gconfig=config.gconfig, tokenizer=tokenizer,
                                                     enable_thinking=False))

@@ -31,6 +31,7 @@ from areal.infra import RemoteInfEngine
 from areal.utils.network import find_free_ports
 
 from areal_tik.areal.config import ConfigError
+from areal_tik.areal.ports import private_port_draws
 from areal_tik.areal.rollout import wait_healthy
 from areal_tik.areal.vllm_info import TIK_WORKER_EXTENSION
 from areal_tik.settings import BACKEND_ENV, Settings
@@ -118,6 +119,7 @@ class TikRemotevLLMEngine(RemotevLLMEngine):
     """``RemotevLLMEngine`` whose local servers are :data:`SERVER_MODULE`."""
 
     def __init__(self, config: InferenceEngineConfig):
+        private_port_draws()   # in a rollout worker: its server's port, apart from the run's seed
         self.config = config
         self._engine = RemoteInfEngine(config, TikVLLMBackend())
 

@@ -11,20 +11,35 @@ takes as ``actor.path=<dir> tokenizer_path=<dir>``.
 
 The warm start is plain PyTorch (AdamW, bf16 autocast on CUDA, fp32 master weights): it
 only has to produce a starting point; both A/B arms then load the same directory.
+
+A recipe can name a warm start instead of a directory, ``actor.path:
+"warmstart:tiny-qwen2?task=add1&steps=80&batch=64&lr=0.003"``: :func:`cached_warm_start` trains it
+the first time and keeps it in a cache folder (``$XDG_CACHE_HOME/areal_tik/warmstart``, else
+``~/.cache/...``), keyed by the arguments, the preset's shape and :data:`WARM_START_VERSION`; later
+runs, and runs at the same time (a file lock), load the same directory.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import math
 import os
 import random
+import shutil
+import tempfile
 import time
+import urllib.parse
 
 import torch
 
 from areal_tik.areal import arith
 
-__all__ = ["warm_start", "greedy_accuracy", "special_token_ids"]
+__all__ = ["warm_start", "greedy_accuracy", "special_token_ids", "WARM_PREFIX", "WARM_START_VERSION",
+           "parse_warm_spec", "warm_cache_root", "cached_warm_start"]
+
+WARM_PREFIX = "warmstart:"
+WARM_START_VERSION = 1   # bump when warm_start trains differently: cached warm starts are then made anew
 
 
 def special_token_ids(tok) -> dict:
@@ -127,6 +142,9 @@ def warm_start(model: str, out_dir: str, task: str = "mix", steps: int = 300, ba
     net = net.to(torch.bfloat16)
     acc_after = greedy_accuracy(net, tok, held_out)  # the bf16 weights the recipe will load
     os.makedirs(out_dir, exist_ok=True)
+    if not progress:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()   # the shard-writing bar
     net.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     rec = {"model": model, "task": task, "steps": steps, "batch": batch, "lr": lr, "seed": seed, "device": device,
@@ -136,3 +154,65 @@ def warm_start(model: str, out_dir: str, task: str = "mix", steps: int = 300, ba
     with open(os.path.join(out_dir, "warmstart.json"), "w") as f:
         json.dump(rec, f, indent=1)
     return rec
+
+
+def parse_warm_spec(spec: str) -> dict:
+    """``warmstart:<model>?task=..&steps=..&batch=..&lr=..&seed=..`` -> :func:`warm_start`'s arguments
+    (the others at their defaults); ``ValueError`` naming what is wrong."""
+    if not spec.startswith(WARM_PREFIX):
+        raise ValueError(f"{spec!r} is not a warm start (it starts with {WARM_PREFIX!r})")
+    u = urllib.parse.urlsplit(spec[len(WARM_PREFIX):])
+    model = u.path.strip()
+    if not model:
+        raise ValueError(f"{spec!r} names no model: {WARM_PREFIX}<preset>?task=add1&steps=80")
+    types = {"task": str, "steps": int, "batch": int, "lr": float, "seed": int}
+    args = {"model": model}
+    for k, v in urllib.parse.parse_qsl(u.query, keep_blank_values=True):
+        if k not in types:
+            raise ValueError(f"{spec!r}: unknown warm-start argument {k!r}; known: {', '.join(types)}")
+        try:
+            args[k] = types[k](v)
+        except ValueError:
+            raise ValueError(f"{spec!r}: {k}={v!r} is not a {types[k].__name__}") from None
+    return args
+
+
+def warm_cache_root(environ=None) -> str:
+    """Where cached warm starts live: ``$XDG_CACHE_HOME/areal_tik/warmstart`` (default ``~/.cache``)."""
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "areal_tik", "warmstart")
+
+
+def _is_complete(d: str) -> bool:
+    return os.path.isfile(os.path.join(d, "warmstart.json")) and os.path.isfile(os.path.join(d, "config.json"))
+
+
+def cached_warm_start(spec: str, cache_root: str, progress: bool = False, on_train=None) -> str:
+    """The HF directory of the warm start ``spec`` (:func:`parse_warm_spec`), trained into ``cache_root``
+    the first time and reused after. ``on_train(dir)`` is called before a training starts. Concurrent
+    callers wait on a file lock; the directory appears whole (trained elsewhere, then renamed)."""
+    from areal_tik.layers.models import PRESETS
+    args = parse_warm_spec(spec)
+    shape = PRESETS.get(args["model"], {"dir": os.path.abspath(args["model"])})
+    key = hashlib.sha256(json.dumps({"args": args, "shape": shape, "version": WARM_START_VERSION},
+                                    sort_keys=True, default=str).encode()).hexdigest()[:12]
+    name = "-".join([os.path.basename(args["model"].rstrip("/")), args.get("task", "mix"), key])
+    final = os.path.join(cache_root, name)
+    if _is_complete(final):
+        return final
+    os.makedirs(cache_root, exist_ok=True)
+    with open(final + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # released when the file closes
+        if _is_complete(final):                   # made by another run while this one waited
+            return final
+        if on_train:
+            on_train(final)
+        tmp = tempfile.mkdtemp(prefix=".training-", dir=cache_root)
+        try:
+            warm_start(args.pop("model"), tmp, progress=progress, **args)
+            shutil.rmtree(final, ignore_errors=True)   # an incomplete leftover of a killed run
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from areal_tik.cli.help_format import apply_formatter
+
 # the module of each subcommand; each exposes add_parser(subparsers)
 SUBCOMMANDS = [f"areal_tik.cli.{name}" for name in ("env", "compile", "verify", "serve", "train", "ab", "warmstart",
                                                      "agent")]
@@ -26,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for modname in SUBCOMMANDS:
         importlib.import_module(modname).add_parser(sub)
+    apply_formatter(p)
     return p
 
 

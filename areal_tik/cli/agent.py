@@ -254,56 +254,72 @@ def cmd_export(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("agent", help="optimization agent: init | run | status | show | export")
+    p = sub.add_parser("agent", help="optimization agent: init | run | status | show | export",
+                       description="The kernel optimisation agent: proposes kernel versions, checks each one (bitwise "
+                                   "regimes, float64 bound, poisoned outputs) in a separate process, times it against "
+                                   "the incumbent and keeps the evidence in a SQLite file. init, then run; status and "
+                                   "show read the file; export writes the best verified version into the package.")
     asub = p.add_subparsers(dest="agent_cmd", metavar="ACTION")
 
     def common(q, name=True):
-        q.add_argument("--db", default=DEFAULT_DB, help=f"SQLite IR file (default {DEFAULT_DB})")
+        q.add_argument("--db", default=DEFAULT_DB, help="SQLite file holding the runs")
         if name:
             q.add_argument("--name", default="run", help="run name")
 
     def proposer_args(q):
-        q.add_argument("--proposer", choices=["offline", "llm", "replay"], default="offline")
+        q.add_argument("--proposer", choices=["offline", "llm", "replay"], default="offline",
+                       help="offline: known moves and transformations, no tokens; llm: an OpenAI-compatible model; "
+                            "replay: a scripted list (tests)")
         q.add_argument("--base-url", default=None, help="llm: OpenAI-compatible base URL (else OPENAI_BASE_URL)")
         q.add_argument("--model", default=None, help="llm: model name (required with --proposer llm)")
         q.add_argument("--token-budget", type=int, default=2_000_000, help="llm: total tokens for the run")
         q.add_argument("--script", default=None, help="replay: JSON list of {source, meta, description}")
         q.add_argument("--timeout", type=float, default=600.0, help="seconds per evaluation before the worker is killed")
 
-    q = asub.add_parser("init", help="qualify the root, freeze contract + workloads, measure the noise floor")
+    q = asub.add_parser("init", help="qualify the root, freeze contract + workloads, measure the noise floor",
+                        description="Start a run: check the root kernel, freeze the contract and the workloads, "
+                                    "measure the timing noise floor.")
     common(q)
     proposer_args(q)
     q.add_argument("--op", default="linear",
                    help="linear (naive Triton root) or rms_norm (root: csrc/tik_elementwise.cu, cuda_inline; GPU only)")
     q.add_argument("--preset", default="qwen2.5-1.5b", help="workload preset (qwen2.5-1.5b, tiny)")
-    q.add_argument("--timer", choices=["auto", "gpu", "simulated"], default="auto")
+    q.add_argument("--timer", choices=["auto", "gpu", "simulated"], default="auto",
+                   help="gpu: CUDA events; simulated: a cost model (CPU tests); auto: gpu when there is one")
     q.set_defaults(func=cmd_init)
 
-    q = asub.add_parser("run", help="run (or resume) the loop")
+    q = asub.add_parser("run", help="run (or resume) the loop",
+                        description="Propose, check and time kernel versions until a budget or stagnation stops it; "
+                                    "resumes where the run stopped.")
     common(q)
     proposer_args(q)
-    q.add_argument("--max-candidates", type=int, default=None)
-    q.add_argument("--minutes", type=float, default=None)
+    q.add_argument("--max-candidates", type=int, default=None, help="stop after this many candidates (default: no limit)")
+    q.add_argument("--minutes", type=float, default=None, help="stop after this many minutes (default: no limit)")
     q.add_argument("--token-budget-run", type=int, default=None, help="stop after this many tokens in this invocation")
-    q.add_argument("--stagnation", type=int, default=16)
+    q.add_argument("--stagnation", type=int, default=16, help="stop after this many candidates in a row without a gain")
     q.add_argument("--no-live", action="store_true", help="print events as JSON lines instead of the live table")
     q.set_defaults(func=cmd_run)
 
-    q = asub.add_parser("status", help="table of runs")
+    q = asub.add_parser("status", help="table of runs", description="One row per run in the file: candidates, "
+                                                                     "promotions, best speed-up, tokens spent.")
     common(q, name=False)
-    q.add_argument("--name", default=None)
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--name", default=None, help="only this run (default: every run)")
+    q.add_argument("--json", action="store_true", help="print JSON instead of the table")
     q.set_defaults(func=cmd_status)
 
-    q = asub.add_parser("show", help="summary and decision log, or one version's evidence")
+    q = asub.add_parser("show", help="summary and decision log, or one version's evidence",
+                        description="A run's summary and decision log, or, with --version, one kernel version's "
+                                    "checks and timings.")
     common(q)
-    q.add_argument("--version", type=int, default=None)
-    q.add_argument("--source", action="store_true")
+    q.add_argument("--version", type=int, default=None, help="show this kernel version's evidence")
+    q.add_argument("--source", action="store_true", help="with --version: print its source too")
     q.add_argument("--plot", default=None, help="write the lineage plot (PNG) here")
     q.set_defaults(func=cmd_show)
 
-    q = asub.add_parser("export", help="write the best verified version into areal_tik/kernels/exported/")
+    q = asub.add_parser("export", help="write the best verified version into areal_tik/kernels/exported/",
+                        description="Write the run's best verified kernel version, with its provenance, where the "
+                                    "package loads it.")
     common(q)
-    q.add_argument("--out-dir", default=None)
+    q.add_argument("--out-dir", default=None, help="write here instead (default: areal_tik/kernels/exported/)")
     q.set_defaults(func=cmd_export)
     p.set_defaults(func=lambda a: (p.print_help(), 0)[1], agent_cmd=None)

@@ -33,8 +33,11 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("compile-check", help="compile all Triton kernels and csrc/*.cu for sm_80 and sm_90")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--skip-triton", action="store_true")
-    p.add_argument("--skip-cuda", action="store_true")
+    p = sub.add_parser("compile-check", help="compile all Triton kernels and csrc/*.cu for sm_80 and sm_90",
+                       description="Compile every Triton kernel and the CUDA sources in csrc/ for sm_80 (A100) and "
+                                   "sm_90 (H100/H200) without a GPU, and report each kernel's result: a build check "
+                                   "for machines that will run on a GPU later.")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
+    p.add_argument("--skip-triton", action="store_true", help="leave out the Triton kernels")
+    p.add_argument("--skip-cuda", action="store_true", help="leave out the CUDA sources (csrc/*.cu; needs nvcc)")
     p.set_defaults(func=run)

@@ -68,6 +68,9 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("env", help="versions, GPU, backends and kernel fingerprint")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("env", help="versions, GPU, backends and kernel fingerprint",
+                       description="Print what this machine runs: Python, torch, Triton and CUDA versions, the GPU, "
+                                   "the kernel backend each op selects (triton, cuda or torch_ref) and the kernel "
+                                   "fingerprint a trainer and a rollout server must share to skip the recompute.")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     p.set_defaults(func=run)

@@ -6,23 +6,28 @@ import sys
 
 
 def add_parser(sub):
-    p = sub.add_parser("serve", help="HTTP rollout server (SGLang-compatible subset) on the tik or default kernels")
+    p = sub.add_parser("serve", help="HTTP rollout server (SGLang-compatible subset) on the tik or default kernels",
+                       description="The rollout server AReaL talks to: SGLang's HTTP API (/generate with log-probs, "
+                                   "pause/continue, weight updates from disk or by xccl broadcast, /health, "
+                                   "/get_server_info) over our engine (paged KV cache, continuous batching, CUDA "
+                                   "graphs) on the tik or the default kernels.")
     p.add_argument("--model", required=True, help="model preset (e.g. tiny-qwen2, qwen2.5-1.5b) or HF model dir")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--kernels", choices=["tik", "default"], default="tik")
+    p.add_argument("--port", type=int, default=30000, help="TCP port to listen on")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--kernels", choices=["tik", "default"], default="tik",
+                   help="tik: the kernels the trainer runs (recompute can be skipped); default: HF's")
     p.add_argument("--backend", default=None,
                    help="op implementations: 'triton', 'attention_paged=triton,...' (default: AREAL_TIK_BACKEND, else "
                         "each op's measured default)")
     p.add_argument("--attention-backward", choices=["auto", "flash", "triton"], default="auto",
                    help="training attention backward (unused by the server; accepted so a trainer passes its settings)")
     p.add_argument("--no-precompile", action="store_true", help="do not compile the linear tile configs at start-up")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="weight dtype")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the per-request seed drawn for a request without sampling_seed (and a preset's "
                         "random weights)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=None, help="the model name the API reports (default: --model)")
     p.add_argument("--max-running-requests", type=int, default=256,
                    help="sequences decoded together (the decode batch bound)")
     p.add_argument("--context-length", type=int, default=None,

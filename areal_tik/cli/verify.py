@@ -17,24 +17,29 @@ def _verifiable() -> list[str]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="generate under R2-R5 regimes, recompute with the training forward (R1), "
-                                      "compare log-probs bitwise")
+                                      "compare log-probs bitwise",
+                       description="The parity report: generate tokens in the rollout engine under each regime (R2 "
+                                   "prefill, R3 chunked prefill, R4 decode at several batch sizes, R5 resume after a "
+                                   "weight update), recompute their log-probs with the training forward (R1) and count "
+                                   "the tokens whose log-probs differ in any bit. tik kernels: 0 expected.")
     p.add_argument("--model", default="tiny-qwen2", help="preset name (see areal_tik.layers.models.PRESETS) or HF directory")
     p.add_argument("--kernels", choices=("tik", "default"), default="tik",
-                   help="the rollout's kernels; 'default' is the negative control (must mismatch)")
+                   help="the rollout's kernels. tik: our kernels on both sides; default: HF's (the negative control: "
+                        "tokens must differ)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--min-prompt-len", type=int, default=3)
-    p.add_argument("--max-prompt-len", type=int, default=40)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", help="weight and activation dtype")
+    p.add_argument("--prompts", type=int, default=8, help="number of random prompts")
+    p.add_argument("--min-prompt-len", type=int, default=3, help="shortest prompt, tokens")
+    p.add_argument("--max-prompt-len", type=int, default=40, help="longest prompt, tokens")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per prompt")
     p.add_argument("--pad-to", type=int, default=256, help="R1 micro-batch padding multiple")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--regimes", default="R1,R2,R3,R4,R5", help="our engine's regimes (tik)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of a preset's weights")
+    p.add_argument("--regimes", default="R1,R2,R3,R4,R5", help="our engine's regimes (tik) to check, comma-separated")
     p.add_argument("--no-backward", action="store_true", help="R1 forward with autograd but no backward pass")
     p.add_argument("--engine", choices=_verifiable(), default="tik",
                    help="the rollout engine: " + "; ".join(f"{e.name}: {e.summary}" for e in engines.all_engines()
                                                          if e.verify is not None))
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     p.set_defaults(func=run)
 
 

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 def add_parser(sub):
     p = sub.add_parser("warmstart", help="train a preset on the built-in arithmetic task (next-token loss) and "
-                                         "save an HF dir a recipe can load (actor.path=DIR tokenizer_path=DIR)")
+                                         "save an HF dir a recipe can load (actor.path=DIR tokenizer_path=DIR)",
+                       description="Supervised warm start: train a model preset on the built-in arithmetic task "
+                                   "(next-token loss on the answer) so it earns reward, check its greedy accuracy on "
+                                   "held-out prompts and save an HF directory a recipe loads with actor.path=DIR "
+                                   "tokenizer_path=DIR. A recipe can also name a cached one: actor.path="
+                                   "'warmstart:tiny-qwen2?task=add1&steps=120' (recipes/tiny.yaml does).")
     p.add_argument("--model", required=True, help="preset name (e.g. tiny-qwen2, qwen2.5-1.5b) or HF dir")
     p.add_argument("--out", required=True, help="output HF directory")
-    p.add_argument("--task", default="mix", help="add1 | add2 | mix (default mix)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task", default="mix", help="add1 (single digits) | add2 (two digits) | mix (+ - * up to 19)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=256, help="prompts per step")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, warm-up then cosine)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
 

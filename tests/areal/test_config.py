@@ -142,3 +142,14 @@ def test_actor_tik_backend_wins_over_the_environment(monkeypatch):
     assert _load("actor.kernel_backend=tik").actor.tik.settings("tik").backend == "torch_ref"
     monkeypatch.delenv(BACKEND_ENV)
     assert _load("actor.kernel_backend=tik").actor.tik.settings("tik").backend is None
+
+
+@pytest.mark.parametrize("recipe", sorted(f for f in os.listdir(os.path.dirname(RECIPE)) if f.endswith(".yaml")))
+def test_every_recipe_works_in_a_folder_of_its_own(recipe):
+    """Each recipe's fileroot is this run's own folder (``${tik_run_dir:}``) and its name_resolve records sit
+    under it, so two runs of one experiment and trial at once never read or clear each other's records."""
+    from areal_tik.areal.train import run_dir
+    c = load_config(["--config", os.path.join(os.path.dirname(RECIPE), recipe)])
+    assert c.cluster.fileroot == run_dir(), c.cluster.fileroot
+    assert c.cluster.name_resolve.nfs_record_root == os.path.join(run_dir(), "name_resolve")
+    assert c.stats_logger.fileroot == run_dir()

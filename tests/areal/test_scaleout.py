@@ -38,9 +38,10 @@ pytestmark = [pytest.mark.areal, pytest.mark.slow]
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
 END_AFTER_KILL_S = 120  # server_timeout 10 s + the 30 s teardown grace + a slow, shared CPU
-# AReaL seeds Python's random with config.seed and its LocalScheduler draws worker ports from it: every
-# run of one seed tries the same ports, and two such runs at once on one machine take each other's
-# (seen: a controller configured another run's worker). Seeds no other test uses keep these apart.
+# AReaL seeds Python's random with config.seed and draws free ports from it: two runs of one seed at once
+# on one machine took each other's ports (this test failing within a minute while another seed-11 run was
+# going). The entry point now gives AReaL's port picker its own generator (areal_tik.areal.ports); the
+# seeds stay distinct from the other tests' anyway.
 SEED_LOCAL, SEED_RAY = 11, 12
 
 

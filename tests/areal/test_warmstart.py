@@ -42,3 +42,50 @@ def test_bad_arguments():
         warm_start("tiny-qwen2", "/nonexistent", task="sub9")
     with pytest.raises(ValueError, match="steps and batch"):
         warm_start("tiny-qwen2", "/nonexistent", steps=0)
+
+
+def _fake_training(calls, seconds=0.0):
+    """A warm_start that writes what a real one writes (config.json, warmstart.json), counting calls."""
+    import time
+
+    def fake(model, out_dir, progress=True, **kw):
+        calls.append((model, kw))
+        time.sleep(seconds)
+        (out_dir_p := __import__("pathlib").Path(out_dir)).mkdir(parents=True, exist_ok=True)
+        (out_dir_p / "config.json").write_text("{}")
+        (out_dir_p / "warmstart.json").write_text(json.dumps({"steps": kw.get("steps")}))
+        return {}
+    return fake
+
+
+def test_cached_warm_start_trains_once_per_spec(tmp_path, monkeypatch):
+    """The first run trains into the cache, the next reuses it; other arguments are another entry; two runs
+    at once train it once (a file lock), and neither sees a half-written folder."""
+    import threading
+
+    from areal_tik.areal import warmstart as ws
+    calls = []
+    monkeypatch.setattr(ws, "warm_start", _fake_training(calls, seconds=1.0))
+    spec = "warmstart:tiny-qwen2?task=add1&steps=7&batch=8&lr=0.01"
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(ws.cached_warm_start(spec, str(tmp_path)))) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(calls) == 1 and calls[0] == ("tiny-qwen2", {"task": "add1", "steps": 7, "batch": 8, "lr": 0.01})
+    assert len(set(got)) == 1 and json.load(open(f"{got[0]}/warmstart.json"))["steps"] == 7
+    assert ws.cached_warm_start(spec, str(tmp_path)) == got[0] and len(calls) == 1
+    other = ws.cached_warm_start(spec.replace("steps=7", "steps=8"), str(tmp_path))
+    assert other != got[0] and len(calls) == 2
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".training-")]
+
+
+def test_warm_spec_errors_name_the_argument():
+    from areal_tik.areal.warmstart import parse_warm_spec
+    assert parse_warm_spec("warmstart:tiny-qwen2?task=mix&lr=3e-4") == {"model": "tiny-qwen2", "task": "mix",
+                                                                       "lr": 3e-4}
+    with pytest.raises(ValueError, match="unknown warm-start argument 'epochs'"):
+        parse_warm_spec("warmstart:tiny-qwen2?epochs=3")
+    with pytest.raises(ValueError, match="steps='many' is not a int"):
+        parse_warm_spec("warmstart:tiny-qwen2?steps=many")
+    with pytest.raises(ValueError, match="names no model"):
+        parse_warm_spec("warmstart:?steps=3")
