@@ -135,6 +135,19 @@ def warm_up_clocks(seconds: float) -> None:
     del a
 
 
+def gemm_probe_start(out: str, budget_s: float) -> tuple:
+    """What a GEMM probe on the device starts with: ``out`` made, the CUDA device, its arch (``"sm_90"``), the
+    deadline of a ``budget_s`` run, the clocks warmed up, and the result dict's device fields."""
+    import torch
+
+    from areal_tik.kernels.linear import selection
+    os.makedirs(out, exist_ok=True)
+    arch = selection.device_info(torch.cuda.current_device())[0]
+    deadline = time.time() + budget_s
+    warm_up_clocks(1.0)
+    return torch.device("cuda"), arch, deadline, {"device": torch.cuda.get_device_name(), "arch": arch}
+
+
 def gpu_slug(name: str) -> str:
     """``"NVIDIA H200"`` -> ``"h200"``: the data file's name for a GPU kind."""
     s = re.sub(r"^nvidia\s+", "", name.strip(), flags=re.I).lower()

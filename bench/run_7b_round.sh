@@ -6,12 +6,7 @@
 #   3. bench/probes/profile_engine.py at the 7B shape: decode at B 64 over ~2K contexts and at B 256 over short
 #      prompts (PROFILE_S seconds each), per phase and per device op.
 # Everything lands in $OUT (the device returns it). Each step has its own timeout.
-set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out7b}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/smi.txt" 2>&1
-timeout 400 python -c "from areal_tik.kernels.cuda import loader as cuda_ext; print('csrc', cuda_ext.status())" 2>&1 | tail -3
+source "$(dirname "$0")/device_start.sh" /tmp/out7b
 if [ "${SKIP_SPLIT:-0}" != 1 ]; then
   timeout "${SPLIT_S:-420}" python bench/probes/probe_split_linear.py --out "$OUT" ${SPLIT_ARGS:-} 2>&1 | tee "$OUT/split_linear.log" | tail -60
 fi

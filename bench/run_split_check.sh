@@ -5,12 +5,7 @@
 #   4. engine decode steps (MODELS, default the 7B shape) with the split (the committed K_SPLITS) and without it
 #   (--k-splits none), B 64 and 256 over short prompts, one process each; 5. with VERIFY=1, `areal-tik verify` at
 #   the 1.5B shape. LINEAR_TESTS adds test files to step 2.
-set -u
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/outsplit}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/smi.txt" 2>&1
-timeout 400 python -c "from areal_tik.kernels.cuda import loader as cuda_ext; print('csrc', cuda_ext.status())" 2>&1 | tail -1
+source "$(dirname "$0")/device_start.sh" /tmp/outsplit
 timeout 300 python -m pytest -q -rfEs -m gpu tests/kernels/test_linear_split.py ${LINEAR_TESTS:-} -p no:cacheprovider \
   -x 2>&1 | tee "$OUT/gpu_linear_tests.log" | tail -8
 timeout 300 python bench/probes/probe_split_linear.py --out "$OUT" --shapes 7b_down,1.5b_down --splits 2,4 \

@@ -86,7 +86,7 @@ def same_bits_as_incumbent(x, w, ref, config: str, out=None) -> bool:
 
 def run(args) -> dict:
     dev = torch.device("cuda")
-    arch, n_sms = selection._device_info(torch.cuda.current_device())
+    arch, n_sms = selection.device_info(torch.cuda.current_device())
     arch_tma = configs.arch_has_tma(arch)
     t_start = time.time()
     deadline = t_start + args.budget_s

@@ -46,15 +46,11 @@ def main() -> int:
     from areal_tik.kernels import linear as L
     from areal_tik.kernels.linear import selection
     from bench.bench_dense import SHAPES, bench_graphed, rotating
-    from bench.harness import warm_up_clocks
+    from bench.harness import gemm_probe_start
     from bench.tune_linear import INCUMBENT, merge_winners, same_bits_as_incumbent
 
-    os.makedirs(a.out, exist_ok=True)
-    dev = torch.device("cuda")
-    arch = selection._device_info(torch.cuda.current_device())[0]
-    deadline = time.time() + a.budget_s
-    warm_up_clocks(1.0)
-    res = {"device": torch.cuda.get_device_name(), "arch": arch, "cells": [], "layer": {}}
+    dev, arch, deadline, res = gemm_probe_start(a.out, a.budget_s)
+    res.update(cells=[], layer={})
     winners = {}
     for M in (int(m) for m in a.ms.split(",")):
         picks, bests = {}, {}

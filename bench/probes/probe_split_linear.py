@@ -43,17 +43,12 @@ def main() -> int:
     import torch.nn.functional as F
 
     from areal_tik.kernels import linear as L
-    from areal_tik.kernels.linear import selection
     from bench_dense import bench_graphed, rotating
-    from harness import warm_up_clocks
+    from harness import gemm_probe_start
 
-    os.makedirs(a.out, exist_ok=True)
-    dev = torch.device("cuda")
-    arch = selection._device_info(torch.cuda.current_device())[0]
-    deadline = time.time() + a.budget_s
-    warm_up_clocks(1.0)
+    dev, arch, deadline, res = gemm_probe_start(a.out, a.budget_s)
     split_counts = [int(s) for s in a.splits.split(",")]
-    res = {"device": torch.cuda.get_device_name(), "arch": arch, "cells": [], "train": []}
+    res.update(cells=[], train=[])
 
     def timed(fn, bufs):
         t = bench_graphed(fn, bufs)

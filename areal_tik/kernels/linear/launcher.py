@@ -10,7 +10,7 @@ import triton
 
 from areal_tik.kernels.linear.autograd import _linear_2d
 from areal_tik.kernels.linear.configs import CONFIGS, CONFIGS_FP32, TMA_KERNELS, _fallback_ptr_config
-from areal_tik.kernels.linear.selection import _config_for, _device_info
+from areal_tik.kernels.linear.selection import _config_for, device_info
 from areal_tik.kernels.linear.splits import k_split
 from areal_tik.kernels.linear.triton_kernels import (
     _linear_fwd_kernel, _linear_fwd_splitk_kernel, _linear_fwd_tma_kernel, _linear_fwd_tma_persistent_kernel,
@@ -100,7 +100,7 @@ def linear_fwd(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
             SPLITS=n_chunks, num_warps=nw, num_stages=ns, **cfg)
         return out
     # one program per SM whatever the problem (one compile; programs without a tile exit)
-    progs = _device_info(x2.device.index if x2.device.index is not None else torch.cuda.current_device())[1] \
+    progs = device_info(x2.device.index if x2.device.index is not None else torch.cuda.current_device())[1] \
         if x2.is_cuda else 4
     _linear_fwd_tma_persistent_kernel[(progs,)](
         xd, wd, bias, out, M, N, K, chunk, out.stride(0), HAS_BIAS=b is not None, PRECISION=prec,

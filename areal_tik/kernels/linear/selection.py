@@ -17,7 +17,7 @@ from areal_tik.kernels.linear.configs import (
 
 
 @functools.lru_cache(maxsize=None)
-def _device_info(index: int) -> tuple[str, int]:
+def device_info(index: int) -> tuple[str, int]:
     """(arch "sm_90", SM count) of a CUDA device; speed-only inputs (which tile), never bits."""
     p = torch.cuda.get_device_properties(index)
     return f"sm_{p.major}{p.minor}", p.multi_processor_count
@@ -26,7 +26,7 @@ def _device_info(index: int) -> tuple[str, int]:
 def _arch_of(device) -> str:
     if device is None or getattr(device, "type", "cuda") != "cuda" or not torch.cuda.is_available():
         return "sm_90"
-    return _device_info(device.index if device.index is not None else torch.cuda.current_device())[0]
+    return device_info(device.index if device.index is not None else torch.cuda.current_device())[0]
 
 
 # ---- tuned table: areal_tik/kernels/linear/linear_tuned.json, written by bench/tune_linear.py

@@ -34,6 +34,19 @@ def _store_tile(acc, b_ptr, y_ptr, pid_m, pid_n, M, N, stride_ym,
 
 
 @triton.jit
+def _ptr_tile(pid, x_ptr, w_ptr, M, N, stride_xm, stride_wn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program ``pid``'s output tile (grouped order) and the pointers of its first BLOCK_K of x and w."""
+    pid_m, pid_n = _tile_coords(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    return pid_m, pid_n, offs_m, offs_n, offs_k, offs_m < M, offs_n < N, x_ptrs, w_ptrs
+
+
+@triton.jit
 def _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_lo, k_hi, acc,
                BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr, PRECISION: tl.constexpr):
     """``acc = dot(x[:, k:k+BLOCK_K], w[:, k:k+BLOCK_K]^T, acc)`` for k = k_lo, k_lo + BLOCK_K, ... < k_hi
@@ -87,17 +100,8 @@ def _linear_fwd_kernel(
     """One [BLOCK_M, BLOCK_N] output tile; K walked ascending in BLOCK_K steps, in SPLITS fixed
     chunks of K_CHUNK summed in ascending order (:func:`_ptr_split_sum`)."""
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    pid_m, pid_n, offs_m, offs_n, offs_k, m_mask, n_mask, x_ptrs, w_ptrs = _ptr_tile(
+        pid, x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     acc = _ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
                          BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, PRECISION, SPLITS)
     _store_tile(acc, b_ptr, y_ptr, pid_m, pid_n, M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N)
@@ -118,16 +122,8 @@ def _linear_fwd_splitk_kernel(
     in-program kernel's adds: the same bits), adds the bias, stores, and resets the counter to 0."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    pid_m, pid_n, offs_m, offs_n, offs_k, m_mask, n_mask, x_ptrs, w_ptrs = _ptr_tile(
+        pid, x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     lo = c * K_CHUNK
     part = _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, lo, tl.minimum(lo + K_CHUNK, K),
                       tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, K_UNROLL, PRECISION)
