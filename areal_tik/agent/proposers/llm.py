@@ -28,7 +28,8 @@ _SYSTEM = """You optimise GPU kernels under a strict numerical contract. You rec
 kernel module and its meta-parameters. Return ONE complete replacement: the full module in a
 ```python block and the meta-parameters as JSON in a ```json block. Keep the entry point and its
 signature. Contract: {contract}. Every output element must be accumulated in fp32 over K in
-ascending order with acc = tl.dot(a, b, acc) (no split-K, nothing that depends on the batch size);
+ascending order with acc = tl.dot(a, b, acc) (a split of K only if fixed by K alone, never by M; nothing
+that depends on the batch size);
 rows are independent. Candidates are checked for unwritten outputs, input mutation, fresh inputs,
 unseen shapes, determinism and bitwise row-subset/batch-extension invariance, then timed against
 the incumbent."""
