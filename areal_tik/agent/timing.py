@@ -12,7 +12,7 @@ import time
 
 def _time_gpu(task, kernels: dict, workloads: list[dict], rounds: int, min_ms: float) -> dict:
     """Interleaved CUDA-graph timing; returns {label: {workload_id: {"median_us", "samples"}}}."""
-    import torch
+    import torch  # lazy: keeps torch out of this module's import
     dev = "cuda"
     out: dict = {lab: {} for lab in kernels}
     for wl in workloads:

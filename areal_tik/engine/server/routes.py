@@ -46,7 +46,7 @@ class TikServer:
 
     async def _body(self, request):
         """The JSON body (``None`` when there is none); :class:`RequestError` if it is not JSON."""
-        from aiohttp import web
+        from aiohttp import web  # lazy: keeps aiohttp out of this module's import
         if not request.can_read_body:
             return None
         try:
@@ -206,13 +206,14 @@ class TikServer:
                            "num_paused_requests": 0, **res})
 
     async def init_weights_update_group(self, request):
-        from areal_tik.engine.server.weight_group import join_group
+        from areal_tik.engine.server.weight_group import join_group  # lazy: keeps torch out of this module's import
         try:
             args = parse_group_init(await self._body(request))
         except RequestError as e:
             return error_reply(e.message, e.status)
         old = self.worker.groups.pop(args["group_name"], None)
         if old is not None:  # a restarted trainer re-creates its group: it is already waiting in the rendezvous
+            # lazy: keeps torch out of this module's import
             from areal_tik.engine.server.weight_group import leave_group
             logger.warning("weight update group %s exists: replacing it (trainer restarted?)", args["group_name"])
             await asyncio.to_thread(leave_group, old)
@@ -238,7 +239,7 @@ class TikServer:
         pg = self.worker.groups.pop(name, None)
         if pg is None:
             return error_reply(f"no weight update group {name!r}", 400)
-        from areal_tik.engine.server.weight_group import leave_group
+        from areal_tik.engine.server.weight_group import leave_group  # lazy: keeps torch out of this module's import
         await asyncio.to_thread(leave_group, pg)
         logger.info("left weight update group %s", name)
         return self._json({"success": True, "message": f"left {name}"})
@@ -282,7 +283,7 @@ class TikServer:
         task.cancel()
 
     def app(self):
-        from aiohttp import web
+        from aiohttp import web  # lazy: keeps aiohttp out of this module's import
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware()])
         app.cleanup_ctx.append(self._watch_clients)
         r = app.router
@@ -326,7 +327,7 @@ def serving(server: TikServer, ready_timeout: float = 120, join_timeout: float =
 
 def run_server(server: TikServer, ready: threading.Event | None = None, stop: threading.Event | None = None):
     """Serve until ``stop`` is set (or forever); blocking. Starts the engine thread."""
-    from aiohttp import web
+    from aiohttp import web  # lazy: keeps aiohttp out of this module's import
 
     async def main():
         runner = web.AppRunner(server.app(), access_log=None)
@@ -348,6 +349,6 @@ def run_server(server: TikServer, ready: threading.Event | None = None, stop: th
         asyncio.run(main())
     finally:
         server.worker.stop()
-        from areal_tik.engine.server.weight_group import leave_group
+        from areal_tik.engine.server.weight_group import leave_group  # lazy: keeps torch out of this module's import
         for pg in server.worker.groups.values():
             leave_group(pg)

@@ -122,7 +122,7 @@ class EngineWorker(WeightUpdateCommands):
     def _run(self):
         dev = getattr(self.engine, "device", None)
         if dev is not None and str(dev).startswith("cuda"):
-            import torch
+            import torch  # lazy: keeps torch out of this module's import
             torch.cuda.set_device(dev)  # this thread's current device = the engine's (e.g. cuda:1)
         while not self._stop.is_set():
             ran = False

@@ -52,6 +52,7 @@ from __future__ import annotations
 import torch
 
 from areal_tik.kernels.attention.checks import check_paged, check_varlen, check_window, softmax_scales
+from areal_tik.kernels.attention.flash_backward import varlen_attention_backward
 from areal_tik.kernels.attention.tuning import LOG2E
 from areal_tik.kernels.cuda.extension import (  # CUDA_SOURCES, META: the registry reads them here
     CUDA_SOURCES, META, PREFILL_KERNEL, _need_cuda, extension,
@@ -143,7 +144,6 @@ class _VarlenCudaFunction(torch.autograd.Function):
         if not lse:
             dq, dk, dv = _varlen_grad_reference(q, k, v, cu, ctx.scale, dout)
         else:
-            from areal_tik.kernels.attention.flash_backward import varlen_attention_backward
             dq, dk, dv = varlen_attention_backward(q, k, v, out, lse[0], cu, ctx.max_seqlen, ctx.scale,
                                                    ctx.scale * LOG2E, dout)
         return dq, dk, dv, None, None, None, None, None

@@ -54,7 +54,7 @@ def rms_norm_backward(x, w, eps, dy):
     (areal_tik.agent.export): the Triton backward kernel of ``kernels/rms_norm.py`` (fp32 maths, dw from
     fixed per-program partial sums) on each row's ``rsqrt(mean(x^2) + eps)`` from its Triton forward. Like
     the attention's backward, a gradient: accurate, not part of the bitwise contract."""
-    from areal_tik.kernels.rms_norm import _rms_norm_bwd, rms_norm_fwd
+    from areal_tik.kernels.rms_norm import _rms_norm_bwd, rms_norm_fwd  # lazy: keeps triton out of this module's import
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
@@ -150,7 +150,7 @@ OPS = {
 def _rope_table(*args, **kwargs):
     """The one RoPE table (built on the CPU in float64, see ``kernels/rope.py``); listed here so
     a ``backend="cuda"`` request finds it. Identical for every backend."""
-    from areal_tik.kernels.rope import rope_table
+    from areal_tik.kernels.rope import rope_table  # lazy: keeps triton out of this module's import
     return rope_table(*args, **kwargs)
 
 

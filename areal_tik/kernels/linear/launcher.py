@@ -7,6 +7,7 @@ import functools
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from areal_tik.kernels.linear.autograd import _linear_2d
 from areal_tik.kernels.linear.configs import CONFIGS, CONFIGS_FP32, TMA_KERNELS, _fallback_ptr_config
@@ -90,7 +91,6 @@ def linear_fwd(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
             x2, w, bias, out, ws, counters, M, N, K, chunk, x2.stride(0), w.stride(0), out.stride(0),
             HAS_BIAS=b is not None, PRECISION=prec, SPLITS=n_chunks, num_warps=nw, num_stages=ns, **cfg)
         return out
-    from triton.tools.tensor_descriptor import TensorDescriptor
     bk = cfg["BLOCK_K"]
     xd = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [bm, bk])
     wd = TensorDescriptor(w, [N, K], [w.stride(0), 1], [bn, bk])
