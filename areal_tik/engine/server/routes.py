@@ -16,7 +16,7 @@ from areal_tik.engine.server.http_errors import error_middleware, error_reply, j
 from areal_tik.engine.server.request_validation import (Limits, RequestError, parse_abort, parse_disk_update,
                                                         parse_distributed_update, parse_generate, parse_group_init,
                                                         parse_group_name)
-from areal_tik.engine.server.worker import EngineWorker, _Pending
+from areal_tik.engine.server.worker import EngineWorker, Pending
 
 logger = logging.getLogger("areal_tik.server")
 
@@ -37,7 +37,7 @@ class TikServer:
         self.cfg = cfg
         self.info = info  # static: fingerprint, kernels, model path, ...
         self._rid = itertools.count()
-        self._inflight: dict[str, _Pending] = {}  # /generate ids between arrival and reply (event-loop thread only)
+        self._inflight: dict[str, Pending] = {}  # /generate ids between arrival and reply (event-loop thread only)
         self.clients = ClientWatch(self._client_gone)
         self.started = time.time()
 
@@ -66,7 +66,7 @@ class TikServer:
             pass
         return rid
 
-    def _client_gone(self, p: _Pending) -> None:
+    def _client_gone(self, p: Pending) -> None:
         """``p``'s client went away: end it in the engine thread (its reply goes nowhere)."""
         p.client_gone = True
         self.worker.submit(lambda: self.worker.cmd_cancel(p))
@@ -123,7 +123,7 @@ class TikServer:
         ids = req.input_ids
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        p = _Pending(rid, ids, params, fut, loop, req.want_input_logprobs, max(0, req.logprob_start_len or 0),
+        p = Pending(rid, ids, params, fut, loop, req.want_input_logprobs, max(0, req.logprob_start_len or 0),
                      params.temperature)   # greedy (0) scores at T = 1: the log-prob head's effective_temperature
         self._inflight[rid] = p  # a gone holder's end is queued before this request: the engine sees them in order
         self.clients.add(p, request)
