@@ -21,7 +21,7 @@ case "${STAGE:-tune}" in
     ;;
   system)
     mkdir -p $ROOT_OUT/system
-    OUT=$ROOT_OUT/system GPU_TESTS="tests/kernels/test_cuda_backend.py tests/engine tests/test_negative_controls.py" \
+    OUT=$ROOT_OUT/system GPU_TESTS="tests/kernels/test_cuda_*.py tests/engine tests/layers tests/verify tests/test_negative_controls.py" \
       bash bench/gpu_check.sh env tests negctl engine parity cuda
     ;;
 esac

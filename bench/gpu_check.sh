@@ -40,7 +40,7 @@ for part in "${PARTS[@]}"; do
          # pretrained weights cached on the device? (the A/B's reward comparison needs real weights)
          ( ls -la ~/.cache/huggingface/hub; du -sh ~/.cache/huggingface/hub/* ) > "$OUT/hf_cache.txt" 2>&1 ;;
     tests) python -m pytest -q -rfEs -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
-    isolate) python -m pytest -q -rfEs -m gpu tests/engine/test_gpu_decode_isolation.py tests/engine/test_parity.py -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_isolate.xml" 2>&1 | tee "$OUT/gpu_isolate.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    isolate) python -m pytest -q -rfEs -m gpu tests/engine/test_gpu_decode_isolation.py tests/verify/test_parity.py -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_isolate.xml" 2>&1 | tee "$OUT/gpu_isolate.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     negctl) python bench/negative_controls.py --out "$OUT" || status=1 ;;
     profile) timeout "${PART_TIMEOUT:-900}" python bench/probes/profile_engine.py --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_engine.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     backend_ab) # the attention pair on the architecture's default backend (csrc on sm90) vs Triton, one process per script

@@ -56,8 +56,8 @@
 # the report from two unpacked arms.
 # then here: python bench/collect_results.py <files_at> --command "..." --label ab-<recipe> (keeps summary.md,
 # report.json, steps.csv and the figures; bench/README.md), and commit.
-# CPU dry run of this whole path: SMOKE=1 bash bench/run_ab_gpu.sh (tests/areal/test_run_ab_gpu_smoke.py). DRY_RUN=1 prints
-# each recipe's shared overrides as JSON and exits (tests/areal/test_ab_overrides_compose.py composes every arm's config).
+# CPU dry run of this whole path: SMOKE=1 bash bench/run_ab_gpu.sh (tests/bench/test_bench_run_ab_gpu.py). DRY_RUN=1 prints
+# each recipe's shared overrides as JSON and exits (tests/ab/test_ab_overrides_compose.py composes every arm's config).
 # A device call is killed at 600 s: BUDGET_S (default 540) is split over the arms as per-arm
 # timeouts; an arm that runs out keeps the steps it logged (--partial-ok; the tik arm then runs
 # as many steps as the baseline logged) and the summary says PARTIAL. With $OUT set (the device's

@@ -51,7 +51,7 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
   fi
   if [ "$STAGE" = T ]; then
     timeout 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py::test_gpu_stacked_projections_equal_separate \
-      tests/kernels/test_silu_mul_packed.py tests/engine/test_stacking.py tests/engine/test_graph_capture.py 2>&1 | tail -5
+      tests/kernels/test_silu_mul_packed.py tests/layers/test_stacking.py tests/engine/test_graph_capture.py 2>&1 | tail -5
     timeout 200 python -m areal_tik.cli verify --model qwen2.5-1.5b --json > $OUT/verify.json 2> $W/verify.err \
       || tail -5 $W/verify.err
     python -c "import json; r = json.load(open('$OUT/verify.json')); print({k: v for k, v in r.items() if 'mismatch' in k or k in ('ok', 'passed')})" 2>&1 | tail -2

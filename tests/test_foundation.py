@@ -127,7 +127,7 @@ def test_explicit_backend_request_fails_loudly(monkeypatch):
 
 def test_compile_checks_for_sm80_sm90_without_gpu():
     """Every Triton kernel compiles for sm_80/sm_90. (csrc/*.cu with nvcc -c for sm_80/sm_90a, with ptxas's
-    verdicts: tests/kernels/test_cuda_backend.py::test_csrc_compiles_for_sm80_and_sm90a; one nvcc pass per CI run.)"""
+    verdicts: tests/kernels/test_cuda_build.py::test_csrc_compiles_for_sm80_and_sm90a; one nvcc pass per CI run.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-m", "areal_tik.cli", "compile-check", "--skip-cuda", "--json"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=1500)

@@ -12,9 +12,11 @@ fewer than :data:`MIN_MEASURED` measured steps is a smoke test: it shows the job
 """
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
+import re
 import statistics
 
 __all__ = ["ARMS", "ARM_ENGINES", "SKIP_ARMS", "REFERENCES", "PHASES", "MIN_MEASURED", "load_steps", "analyze",
@@ -265,8 +267,6 @@ def analyze(steps_by_arm: dict[str, list[dict]]) -> dict:
 def server_intervals(out: str, arm: str) -> list[dict]:
     """Per weight update, the rollout server's counters for the interval before it (engine busy
     seconds, steps, requests, tokens, first request to last finish), from ``<arm>/tik_server.log``."""
-    import ast
-    import re
     path = os.path.join(out, arm, "tik_server.log")
     if not os.path.exists(path):
         return []

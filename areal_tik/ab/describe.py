@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import platform
+
+import yaml
 
 from areal_tik.ab.analysis import ARMS
 
@@ -30,7 +33,6 @@ def _recipe_values(meta: dict) -> dict:
     keys = {"experiment_name": None, "actor.path": None, "train_dataset.path": None, "train_dataset.batch_size": None,
             "gconfig.n_samples": None, "gconfig.max_new_tokens": None}
     try:
-        import yaml
         with open(meta.get("config") or "") as f:
             doc = yaml.safe_load(f) or {}
     except (OSError, ValueError):
@@ -82,7 +84,6 @@ def _cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
     return platform.processor() or "unknown CPU"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 
 from areal_tik.ab.analysis import PHASES
 from areal_tik.ab.describe import arms_of, fmt, has_critic, machine_label, workload_label
@@ -25,15 +26,15 @@ _PHASE_NAMES = {"rollout": "rollout", "recompute": "recompute (log-prob forward)
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # optional dependency (matplotlib): imported only on this path
     matplotlib.use("Agg")   # files only: no display needed
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency (matplotlib): imported only on this path
     return plt
 
 
 def _integer_steps(ax, steps: list[int]) -> None:
     """Ticks on whole steps: every step when there are few, else matplotlib's integer locator."""
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # optional dependency (matplotlib): imported only on this path
     if steps and len(set(steps)) <= 16:
         ax.set_xticks(sorted(set(steps)))
     else:
@@ -44,7 +45,6 @@ def _integer_steps(ax, steps: list[int]) -> None:
 
 def _title(what: str, report_meta: dict) -> str:
     """``what: <workload>`` and ``on <machine>``, wrapped to the figure's width."""
-    import textwrap
     meta = report_meta
     return "\n".join(textwrap.wrap(f"{what}: {workload_label(meta)} on {meta.get('machine') or machine_label(meta)}",
                                     width=100))

@@ -37,6 +37,7 @@ class ArmProgress:
 
     def __enter__(self):
         if self.mode == "bar":
+            # lazy: keeps rich out of this module's import
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
             self._prog = Progress(TextColumn("[bold]{task.description:8s}"), BarColumn(),

@@ -24,17 +24,24 @@ The arms run here or in separate calls (each arm's record and step log stay in `
 """
 from __future__ import annotations
 
+import glob
+import importlib.metadata as md
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
+
+import yaml
 
 from areal_tik.ab.analysis import ARM_ENGINES, ARMS, analyze, load_steps, server_intervals
 from areal_tik.ab.arm_log import LogFollower, failure_excerpt, startup_phases
 from areal_tik.ab.progress import ArmProgress
 from areal_tik.ab.report import REPORT_FILES, write_report
 from areal_tik.areal import engines
+from areal_tik.dispatch.fingerprint import environment
 
 DEFAULT_SET = ("baseline", "tik")     # runs anywhere (no vLLM needed): the CPU quick start
 # what makes each arm: (its rollout engine in areal_tik.areal.engines, its kernels)
@@ -58,7 +65,6 @@ class ArmFailed(RuntimeError):
 def _recipe_rollout_backend(config: str) -> str:
     """``rollout.backend`` of the recipe (e.g. ``sglang:d1p1t1``); ``sglang:d1p1t1`` when it names none."""
     try:
-        import yaml
         with open(config) as f:
             val = ((yaml.safe_load(f) or {}).get("rollout") or {}).get("backend")
     except (OSError, ValueError, AttributeError):
@@ -95,7 +101,6 @@ def _arm_cmd(config: str, arm: str, steps: int, out: str, overrides: list[str], 
 def _copy_server_log(out: str, arm: str, runs_dir: str | None) -> None:
     """``<fileroot>/<experiment>/<arm>/{tik,vllm}_server.log`` -> ``<out>/<arm>/`` (the runs
     dir may live outside the report dir, e.g. off a device's small result folder)."""
-    import shutil
     for p in _server_logs(out, arm, runs_dir):
         try:
             shutil.copyfile(p, os.path.join(out, arm, os.path.basename(p)))
@@ -110,7 +115,6 @@ SERVER_FATAL = ("engine.step failed", "EngineCore encountered a fatal error", "E
 def _server_logs(out: str, arm: str, runs_dir: str | None) -> dict[str, int]:
     """The arm's rollout server logs now and their sizes (the server appends: a log from an
     earlier run in the same runs dir must not count against this one)."""
-    import glob
     sizes = {}
     logs = {e.server_log for e in engines.all_engines() if e.server_log}     # each rollout engine's server log
     for p in sorted(q for name in logs for q in glob.glob(os.path.join(_runs_dir(out, runs_dir), "*", arm, name))):
@@ -197,7 +201,6 @@ def run_arm(config: str, arm: str, steps: int, out: str, overrides: list[str] = 
                     break
         finally:
             if proc.poll() is None:  # timeout or interrupt: the trainer and its rollout server (same group)
-                import signal
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except OSError:
@@ -254,7 +257,6 @@ def load_arm(out: str, arm: str) -> dict | None:
 
 def arm_engine(arm: str) -> str:
     """The arm's rollout engine in words, with the installed version of an engine from another package (vLLM)."""
-    import importlib.metadata as md
     text = ARM_ENGINES.get(arm, arm)
     pkg = engines.get(ARM_WIRING[arm][0]).package if arm in ARM_WIRING else None
     if pkg:
@@ -381,7 +383,6 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
             "arms_run_here": list(to_run),
             "server_intervals": {a: server_intervals(out, a) for a in arm_set}}
     try:
-        from areal_tik.dispatch.fingerprint import environment
         meta["environment"] = environment()
     except Exception:  # noqa: BLE001
         pass

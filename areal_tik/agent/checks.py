@@ -42,6 +42,7 @@ def first_failure(checks: list[dict]) -> dict | None:
 
 def _check_shape(task, kern, meta, shape: dict, role: str, rtol: float, seed: int, device: str, add) -> None:
     """Run every check for one shape; ``add(check, passed, detail)`` records each."""
+    # lazy: keeps torch out of this module's import
     from areal_tik.verify import contract as C
     import torch
 

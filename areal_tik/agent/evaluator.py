@@ -37,7 +37,7 @@ class Evaluator:
         self.timeout_s = timeout_s
         self.fresh_process = fresh_process
         if interpret is None:
-            import torch
+            import torch  # lazy: keeps torch out of this module's import
             interpret = not torch.cuda.is_available()
         self.interpret = interpret
         self.python = python or sys.executable

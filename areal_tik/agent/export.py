@@ -25,6 +25,7 @@ import json
 import os
 import time
 
+from areal_tik.agent.kinds import BINDINGS
 from areal_tik.agent.records import canonical_json
 
 __all__ = ["ExportRefused", "export_best", "portable_path", "EXPORT_DIR"]
@@ -224,7 +225,6 @@ def export_best(store, run_name: str, out_dir: str | None = None) -> dict:
     template, source_is_code = _ADAPTERS[(run.op, best.kind)]
     binding = None
     if best.kind == "cuda_inline":
-        from areal_tik.agent.kinds import BINDINGS
         binding = BINDINGS[best.meta["binding"]]
     body = header + (best.source if source_is_code else f"SOURCE = {best.source!r}\n") + template.format(
         op=run.op, arch=arch, meta=repr(json.loads(canonical_json(best.meta))), hash=best.hash,

@@ -26,7 +26,12 @@ import hashlib
 import importlib.util
 import os
 import re
+import shutil
 import sys
+import tempfile
+
+from areal_tik.kernels.cuda.loader import CSRC_DIR
+from areal_tik.dispatch.compile_check import nvcc_object
 
 __all__ = ["KernelKind", "TritonKind", "CudaInlineKind", "BINDINGS", "KINDS", "get_kind", "regions", "replace_region"]
 
@@ -117,7 +122,6 @@ _LINEAR_DECL = ("#include <torch/extension.h>\n"
 
 
 def _csrc_dir() -> str:
-    from areal_tik.kernels.cuda.loader import CSRC_DIR
     return CSRC_DIR
 
 
@@ -131,7 +135,7 @@ class CudaInlineKind(KernelKind):
         def forward(self, *args):
             """``forward(*tensors_and_scalars, meta)``: the task's arguments in the entry's order (a None
             tensor, e.g. no bias, becomes an empty tensor); returns the entry's result."""
-            import torch
+            import torch  # lazy: keeps torch out of this module's import
             *vals, _meta = args
             like = next(v for v in vals if isinstance(v, torch.Tensor))
             vals = [torch.empty(0, device=like.device, dtype=like.dtype) if v is None else v for v in vals]
@@ -152,11 +156,11 @@ class CudaInlineKind(KernelKind):
         return [f"-D{k}={v}" for k, v in sorted(meta.get("defines", {}).items())]
 
     def load(self, source: str, meta: dict, key: str, workdir: str):
-        import torch
+        import torch  # lazy: keeps torch out of this module's import
         if torch.version.cuda is None or not torch.cuda.is_available():
             raise RuntimeError("cuda_inline kernels need a CUDA GPU and a CUDA build of torch "
                                f"(this torch: {torch.__version__}, CUDA available: {torch.cuda.is_available()})")
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load_inline  # lazy: CUDA-only (compiles or loads the extension)
         entry = meta.get("entry", "forward")
         cpp = self._cpp(meta)
         name = "tik_cuda_" + hashlib.sha256((key + source + cpp).encode()).hexdigest()[:12]
@@ -171,9 +175,6 @@ class CudaInlineKind(KernelKind):
         """``nvcc -c`` of the CUDA source with the meta's defines (no GPU, no torch headers needed for a
         csrc-style source), as CI compiles csrc (backend.compile_check.nvcc_object): {"ok", "arch", "ptxas"
         (registers/spills per kernel), "ptxas_warnings", "error"}."""
-        import shutil
-        import tempfile
-        from areal_tik.dispatch.compile_check import nvcc_object
         nvcc = shutil.which("nvcc")
         if nvcc is None:
             return {"ok": False, "arch": arch, "error": "nvcc not found"}

@@ -10,9 +10,9 @@ __all__ = ["plot_lineage"]
 
 
 def plot_lineage(store, run_name: str, path: str) -> str:
-    import matplotlib
+    import matplotlib  # optional dependency (matplotlib): imported only on this path
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency (matplotlib): imported only on this path
 
     run = store.run(run_name)
     vs = {v.id: v for v in store.versions(run.id)}

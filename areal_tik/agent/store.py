@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json as _json
 import os
 import sqlite3
 import time
 from typing import Iterator, Type, TypeVar
 
 from areal_tik.agent import schema
-from areal_tik.agent.records import (
-    Branch, CheckResult, Contract, Decision, Edge, KernelVersion, Measurement, Opportunity,
-    ProposerCall, Record, Run, Workload,
-)
+from areal_tik.agent.records import (Branch, CheckResult, Contract, Decision, Edge, KernelVersion, Measurement,
+                                     Opportunity, ProposerCall, Record, Run, Workload, canonical_json)
 
 __all__ = ["Store", "db_retry"]
 
@@ -175,7 +174,6 @@ class Store:
     def update_run(self, run_id: int, **fields) -> None:
         for k in ("env", "config"):
             if k in fields:
-                from areal_tik.agent.records import canonical_json
                 fields[k + "_json"] = canonical_json(fields.pop(k))
         self._update("runs", run_id, **fields)
 
@@ -272,7 +270,6 @@ class Store:
 
     def opportunity_outcomes(self, run_id: int) -> dict[str, list[tuple[str, dict]]]:
         """opportunity key -> [(decision action, decision data)] of the candidates it produced."""
-        import json as _json
         rows = self.conn.execute(
             "SELECT o.key, d.action, d.data_json FROM opportunities o "
             "JOIN kernel_versions v ON v.opportunity_id = o.id JOIN decisions d ON d.version_id = v.id "

@@ -87,7 +87,7 @@ class LinearTask(_RowsOfXTask):
 
     # ---- inputs ----
     def make_inputs(self, shape: dict, seed: int, device: str, dtype=None) -> dict:
-        import torch
+        import torch  # lazy: keeps torch out of this module's import
         dtype = dtype or torch.bfloat16
         g = torch.Generator(device="cpu").manual_seed(seed)
         m, n, k = shape["M"], shape["N"], shape["K"]
@@ -100,7 +100,7 @@ class LinearTask(_RowsOfXTask):
         return [t for t in (inputs["x"], inputs["w"], inputs["bias"]) if t is not None]
 
     def alloc_out(self, inputs: dict):
-        import torch
+        import torch  # lazy: keeps torch out of this module's import
         x, w = inputs["x"], inputs["w"]
         return torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
 
@@ -181,7 +181,7 @@ class RMSNormTask(_RowsOfXTask):
         return {"eps": self.eps}
 
     def make_inputs(self, shape: dict, seed: int, device: str, dtype=None) -> dict:
-        import torch
+        import torch  # lazy: keeps torch out of this module's import
         dtype = dtype or torch.bfloat16
         g = torch.Generator(device="cpu").manual_seed(seed)
         x = torch.randn(shape["M"], shape["N"], generator=g).to(dtype).to(device)
@@ -192,7 +192,7 @@ class RMSNormTask(_RowsOfXTask):
         return [inputs["x"], inputs["w"]]
 
     def alloc_out(self, inputs: dict):
-        import torch
+        import torch  # lazy: keeps torch out of this module's import
         return torch.empty_like(inputs["x"], memory_format=torch.contiguous_format)
 
     def call(self, kernel, inputs: dict, out, meta: dict):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 
 
-def _time_gpu(task, kernels: dict, workloads: list[dict], rounds: int, min_ms: float) -> dict:
+def time_gpu(task, kernels: dict, workloads: list[dict], rounds: int, min_ms: float) -> dict:
     """Interleaved CUDA-graph timing; returns {label: {workload_id: {"median_us", "samples"}}}."""
-    import torch
+    import torch  # lazy: keeps torch out of this module's import
     dev = "cuda"
     out: dict = {lab: {} for lab in kernels}
     for wl in workloads:
@@ -76,7 +76,7 @@ def _time_gpu(task, kernels: dict, workloads: list[dict], rounds: int, min_ms: f
     return out
 
 
-def _time_simulated(task, versions: dict, workloads: list[dict]) -> dict:
+def time_simulated(task, versions: dict, workloads: list[dict]) -> dict:
     out = {}
     for lab, (source, meta) in versions.items():
         out[lab] = {str(wl["id"]): {"median_us": task.simulated_latency_us(wl["shape"], meta, source), "samples": []}

@@ -14,7 +14,10 @@ import traceback
 import uuid
 
 from areal_tik.agent.checks import run_checks
-from areal_tik.agent.timing import _time_gpu, _time_simulated
+from areal_tik.agent.kinds import get_kind
+from areal_tik.agent.tasks import get_task
+from areal_tik.agent.timing import time_gpu, time_simulated
+from areal_tik.kernels import _interpreter_fix
 
 __all__ = ["evaluate_job", "RESULT_TAG"]
 
@@ -23,9 +26,7 @@ RESULT_TAG = "TIK_RESULT "
 
 def evaluate_job(job: dict) -> dict:
     """Run one job in this process (the worker calls this). Returns a JSON-able result."""
-    import torch
-    from areal_tik.agent.kinds import get_kind
-    from areal_tik.agent.tasks import get_task
+    import torch  # lazy: keeps torch out of this module's import
 
     task = get_task(job["op"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,14 +52,14 @@ def evaluate_job(job: dict) -> dict:
     if job["timer"] == "simulated":
         vers = {"candidate": (cand["source"], cand["meta"])}
         vers.update({r["label"]: (r["source"], r["meta"]) for r in refs})
-        lat = _time_simulated(task, vers, job["workloads"])
+        lat = time_simulated(task, vers, job["workloads"])
     elif job["timer"] == "gpu":
         if device != "cuda":
             raise RuntimeError("timer 'gpu' requested but no CUDA device in the worker")
         kernels["candidate"] = (kern, cand["meta"])
         for r in refs:
             kernels[r["label"]] = (get_kind(r["kind"]).load(r["source"], r["meta"], r["key"], job["workdir"]), r["meta"])
-        lat = _time_gpu(task, kernels, job["workloads"], int(job.get("rounds", 7)), float(job.get("min_ms", 0.5)))
+        lat = time_gpu(task, kernels, job["workloads"], int(job.get("rounds", 7)), float(job.get("min_ms", 0.5)))
     else:
         raise ValueError(f"unknown timer {job['timer']!r}")
     res["timing"] = {"session": session, "simulated": job["timer"] == "simulated", "latency": lat,
@@ -69,7 +70,6 @@ def evaluate_job(job: dict) -> dict:
 def _worker_main(interpret: bool) -> int:
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
-        from areal_tik.kernels import _interpreter_fix
         _interpreter_fix.apply()
     import torch  # noqa: F401  (import cost paid once per worker)
     for line in sys.stdin:

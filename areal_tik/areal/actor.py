@@ -53,18 +53,20 @@ the rollout server addresses through :meth:`set_server_addresses`.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 import json
 import os
+import threading
 import time
 import urllib.request
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-
 from areal.api.cli_args import MicroBatchSpec
 from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.utils import logging, stats_tracker
+import torch.distributed as dist
 
 from areal_tik.areal.consensus import (LOGPROB_DEFINITION, TikServerError, agree, broadcast_from_first,
                                        global_audit, group_rank, group_size, query_servers, raise_if_dead)
@@ -74,6 +76,9 @@ from areal_tik.areal.row_forward import ForwardRate, count_micro_batches, forwar
 from areal_tik.areal.skip_record import global_counts, log_line, shard_share, step_stats, write_decision
 from areal_tik.areal.skip_rule import (REASONS, SEQUENCE_REASONS, TikAuditError, audit_compare,  # noqa: F401
                                        local_reasons, rolled_rollout_logprobs, row_reasons)
+from areal_tik.dispatch.fingerprint import compute
+from areal_tik.layers.weights_digest import model_digest
+from areal_tik.layers.default_varlen import status as default_attention_status
 
 logger = logging.getLogger("TikActor")
 
@@ -116,7 +121,6 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         weight update group; NCCL makes that collective, so it waited forever for the rollout
         server (minutes in every 2x H200 A/B, cut by the harness). Rank 0 asks each server to
         leave the group while its own destroy runs."""
-        import threading
         pool = getattr(self, "_digest_pool", None)
         if pool is not None:  # a digest still reading the weights must end before they are freed
             pool.shutdown(wait=True, cancel_futures=True)
@@ -181,12 +185,10 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
     # ---- skip decision -------------------------------------------------------------
     def own_fingerprint(self) -> str:
         if self._fingerprint is None:
-            from areal_tik.dispatch.fingerprint import compute
             self._fingerprint = compute(self.tik_ops)["fingerprint"]   # the ops patch_model bound
         return self._fingerprint
 
     def _digest_now(self) -> str:
-        from areal_tik.layers.weights_digest import model_digest
         return model_digest(self.model, dtype=getattr(torch, self.config.dtype))
 
     def prepare_batch(self, *args, **kwargs):
@@ -206,14 +208,12 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         with the rollout's own); otherwise ``own_digest`` digests on the spot, as before."""
         if self.kernels != "tik" or getattr(self, "model", None) is None or getattr(self, "is_offload", False):
             return
-        import torch.distributed as dist
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return
         v = int(self.get_version())
         pending = getattr(self, "_digest_pending", None)
         if (self._digest_cache is not None and self._digest_cache[0] == v) or (pending is not None and pending[0] == v):
             return
-        from concurrent.futures import ThreadPoolExecutor
         if getattr(self, "_digest_pool", None) is None:
             self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="tik-digest")
         dev = torch.cuda.current_device() if torch.cuda.is_available() else None
@@ -259,7 +259,6 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
     def decision_group(self):
         """The process group every rank of this engine is in (AReaL's gloo ``cpu_group``), or None in a
         world of one: the skip decision and the audit are agreed over it."""
-        import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         return getattr(self, "_cpu_group", None) or dist.group.WORLD
@@ -284,7 +283,6 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
             out = super().compute_logp(data, *args, **kwargs)
             rec.update(skipped=False, forward="all", reasons=["kernels_default"], audit=False,
                        recompute_forward_s=time.perf_counter() - t0)
-            from areal_tik.layers.default_varlen import status as default_attention_status
             rec["default_attention"] = default_attention_status()["path"]  # which baseline attention ran
             # The baseline recomputes anyway: how far are its rollout log-probs from it? (no extra forward)
             res = global_audit(audit_compare(data, out), group)
@@ -390,7 +388,6 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
     def _record(self, rec: dict):
         self.tik_records.append(rec)
         stats_tracker.scalar(**step_stats(rec, self.fallback))
-        import torch.distributed as dist
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         write_decision(rec, getattr(self.tik_cfg, "decision_log_dir", None) if self.tik_cfg is not None else None, rank)
         logger.info(log_line(rec))

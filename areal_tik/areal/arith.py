@@ -13,6 +13,8 @@ import os
 import random
 import re
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 TOKENIZER_DIR = os.path.join(DATA_DIR, "tiny_tokenizer")
 
@@ -26,8 +28,7 @@ __all__ = ["TOKENIZER_DIR", "build_tokenizer", "make_dataset", "reward_fn", "TAS
 
 def build_tokenizer(out_dir: str = TOKENIZER_DIR) -> str:
     """Write the character-level HF tokenizer to ``out_dir``; return the directory."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: keeps transformers out of this module's import
 
     vocab = {t: i for i, t in enumerate(SPECIAL + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))

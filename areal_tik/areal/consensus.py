@@ -44,14 +44,14 @@ class TikServerError(RuntimeError):
 
 
 def group_size(group) -> int:
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: keeps torch out of this module's import
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: keeps torch out of this module's import
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_rank(group)
@@ -130,7 +130,7 @@ def server_disagreements(answers: list[dict], *, version: int, own_fingerprint: 
 def _gather(obj: Any, group) -> list[Any]:
     if group_size(group) == 1:
         return [obj]
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: keeps torch out of this module's import
     out: list[Any] = [None] * group_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -141,7 +141,7 @@ def broadcast_from_first(make: Callable[[], Any], group) -> Any:
     ``make`` is carried to every rank and raised there too, so no rank is left waiting)."""
     if group_size(group) == 1:
         return make()
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: keeps torch out of this module's import
     box: list[Any] = [None]
     if group_rank(group) == 0:
         try:

@@ -11,6 +11,7 @@ import torch
 from areal.utils import logging
 
 from areal_tik.dispatch.process import configure_process
+from areal_tik.layers import precompile
 from areal_tik.layers.patch import ops_of, patch_model
 from areal_tik.settings import Settings
 
@@ -54,10 +55,9 @@ def precompile_model(model, config, enabled: bool) -> None:
     """Compile every linear tile config a micro-batch can pick (M up to the micro-batch token
     budget) now, so no training step pays a Triton compile; a no-op off CUDA or when disabled.
     FSDP2 stores fp32 masters and runs the forward in ``config.dtype``."""
-    from areal_tik.layers.precompile import precompile_linears
     max_tokens = int(getattr(config.mb_spec, "max_tokens_per_mb", None) or 32768)
-    precompile_linears(model, max_tokens=max_tokens, min_tokens=64, dtype=getattr(torch, config.dtype),
-                       enabled=enabled)
+    precompile.precompile_linears(model, max_tokens=max_tokens, min_tokens=64, dtype=getattr(torch, config.dtype),
+                                  enabled=enabled)
 
 
 class TikModelMixin:

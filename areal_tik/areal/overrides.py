@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 
+import yaml
+
 __all__ = ["OverrideError", "recipe_keys", "check_keys", "config_error_line", "closest_key"]
 
 
@@ -19,7 +21,6 @@ class OverrideError(ValueError):
 
 def recipe_keys(config_path: str) -> set[str]:
     """Every dotted key of the recipe YAML, inner nodes included (``actor``, ``actor.tik``, ...)."""
-    import yaml
     with open(config_path) as f:
         doc = yaml.safe_load(f) or {}
     keys: set[str] = set()

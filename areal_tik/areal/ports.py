@@ -19,6 +19,6 @@ __all__ = ["private_port_draws"]
 
 def private_port_draws() -> None:
     """From now on this process's AReaL port draws come from an OS-seeded generator of their own."""
-    from areal.utils import network
+    from areal.utils import network  # optional dependency (areal): imported only on this path
     if network.random is random:   # the shared, seeded module: replace it once
         network.random = random.Random()

@@ -22,6 +22,7 @@ from typing import Any
 from areal.api.cli_args import InferenceEngineConfig
 from areal.engine.sglang_remote import RemoteSGLangEngine, SGLangBackend
 from areal.infra import RemoteInfEngine
+from areal.utils.network import find_free_ports
 
 from areal_tik.areal.ports import private_port_draws
 from areal_tik.settings import Settings
@@ -126,7 +127,6 @@ def launch_local_server(model_path: str, settings: Settings, port: int | None = 
     """Start ``areal-tik serve`` as a child process and wait for ``/health``; return (proc, "host:port").
     ``sizing``: :func:`server_args`'s engine settings (what :func:`server_settings` reads from AReaL's config)."""
     if port is None:
-        from areal.utils.network import find_free_ports
         port = find_free_ports(1)[0]
     args = server_args(model_path, settings, dtype=dtype, seed=seed, device=device, **sizing)
     args.update(host=host, port=port)

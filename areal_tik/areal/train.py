@@ -35,14 +35,23 @@ Recipe conventions resolved here (the only place that reads files / environment)
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
+import tempfile
 import time
 import urllib.parse
 
-from areal_tik.areal import engines
+import torch
+
+from areal_tik.areal import arith, engines
+from areal_tik.areal.arith import TOKENIZER_DIR
+from areal_tik.areal.overrides import config_error_line
 from areal_tik.areal.ports import private_port_draws
-from areal_tik.areal.warmstart import WARM_PREFIX, cached_warm_start, warm_cache_root
+from areal_tik.areal.warmstart import WARM_PREFIX, cached_warm_start, special_token_ids, warm_cache_root
+from areal_tik.layers.models import build_model
+from areal_tik.dispatch import BackendUnavailable
+from areal_tik.engine.kernel_check import KernelShapeError, check_kernel_shapes
 
 BUILTIN_TOKENIZER = "builtin:tiny-char"
 
@@ -75,13 +84,12 @@ def single_process_dist_env():
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        from areal.utils.network import find_free_ports
+        from areal.utils.network import find_free_ports  # optional dependency (areal): imported only on this path
         os.environ["MASTER_PORT"] = str(find_free_ports(1)[0])
 
 
 def resolve_tokenizer(path: str) -> str:
     if path == BUILTIN_TOKENIZER:
-        from areal_tik.areal.arith import TOKENIZER_DIR
         return TOKENIZER_DIR
     return path
 
@@ -94,15 +102,11 @@ def materialize_model(config, warm_cache: str | None = None) -> str:
         return cached_warm_start(spec, warm_cache or warm_cache_root())
     if not spec.startswith("preset:"):
         return spec
-    import torch
-    from transformers import AutoTokenizer
-
-    from areal_tik.layers.models import build_model
+    from transformers import AutoTokenizer  # lazy: keeps transformers out of this module's import
     name = spec.split(":", 1)[1]
     tok = AutoTokenizer.from_pretrained(config.tokenizer_path)
     root = os.path.join(config.cluster.fileroot, config.experiment_name, config.trial_name, "init_model")
     if not os.path.exists(os.path.join(root, "config.json")):
-        from areal_tik.areal.warmstart import special_token_ids
         ids = special_token_ids(tok)
         # Seeded init on the GPU when there is one (a 1.5B bf16 init took 19.6 s on 2 CPU cores;
         # an A/B arm on the H200 spent ~85 s before its first step). Both arms run this same code
@@ -137,13 +141,12 @@ def decision_log_dir(config, clear: bool = False) -> str:
 def load_dataset(config, tokenizer):
     path = config.train_dataset.path
     if path.startswith("builtin:arith"):
-        from areal_tik.areal import arith
         u = urllib.parse.urlparse(path.replace("builtin:", "builtin://", 1))
         task = (u.path.strip("/") or "add1")
         q = urllib.parse.parse_qs(u.query)
         n = int(q.get("n", ["256"])[0])
         return arith.make_dataset(n, seed=config.seed, task=task), "areal_tik.areal.arith.reward_fn"
-    from areal.dataset import get_custom_dataset
+    from areal.dataset import get_custom_dataset  # optional dependency (areal): imported only on this path
     ds = get_custom_dataset(split="train", dataset_config=config.train_dataset, tokenizer=tokenizer)
     return ds, "areal.reward.gsm8k.gsm8k_reward_fn"
 
@@ -154,7 +157,6 @@ _RUN_DIR: list[str] = []
 def run_dir() -> str:
     """This process's own working folder (``${tik_run_dir:}`` in a recipe): one per run, not created here."""
     if not _RUN_DIR:
-        import tempfile
         _RUN_DIR.append(os.path.join(tempfile.gettempdir(), f"areal_tik-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"))
     return _RUN_DIR[0]
 
@@ -164,12 +166,11 @@ def load_config(argv):
     run's own working folder, :func:`run_dir`). What Hydra, OmegaConf or a config check refuses (a missing
     key, a value of the wrong type, an unknown override) raises :class:`ConfigError` in one line
     (:func:`~areal_tik.areal.overrides.config_error_line`)."""
-    from areal.api.cli_args import load_expr_config
+    from areal.api.cli_args import load_expr_config  # optional dependency (areal): imported only on this path
 
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: keeps omegaconf out of this module's import
 
-    from areal_tik.areal.config import ConfigError, TikGRPOConfig
-    from areal_tik.areal.overrides import config_error_line
+    from areal_tik.areal.config import ConfigError, TikGRPOConfig  # lazy: keeps areal out of this module's import
     if not OmegaConf.has_resolver("tik_run_dir"):
         OmegaConf.register_new_resolver("tik_run_dir", run_dir)
     try:
@@ -186,9 +187,7 @@ def check_kernels(config) -> None:
     """``actor.kernel_backend=tik``: the backend spec (``actor.tik.backend`` or ``AREAL_TIK_BACKEND``) can run
     here and keeps its contract for the actor's model (head dim, the server's KV page size), checked from
     the model's config before anything is built or launched; else :class:`ConfigError` in one line."""
-    from areal_tik.areal.config import ConfigError
-    from areal_tik.dispatch import BackendUnavailable
-    from areal_tik.engine.kernel_check import KernelShapeError, check_kernel_shapes
+    from areal_tik.areal.config import ConfigError  # lazy: keeps areal out of this module's import
     if config.actor.kernel_backend != "tik":
         return
     backend = config.actor.tik.settings("tik").backend
@@ -207,7 +206,6 @@ def check_xccl_layout(weight_update_mode: str, server_device: str | None) -> Non
     server must sit on another GPU than the trainer (cuda:0 in a world of one)."""
     if weight_update_mode != "xccl":
         return
-    import torch
     if not torch.cuda.is_available():
         return  # AReaL's CPU platform: gloo, any layout
     dev = torch.device(server_device or "cuda")
@@ -273,10 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     if config.tokenizer_path in ("", None):
         config.tokenizer_path = model_dir
 
-    from areal.utils.hf_utils import load_hf_tokenizer
-    from areal.workflow.rlvr import RLVRWorkflow
+    from areal.utils.hf_utils import load_hf_tokenizer  # optional dependency (areal): imported only on this path
+    from areal.workflow.rlvr import RLVRWorkflow  # optional dependency (areal): imported only on this path
 
-    from areal_tik.areal.trainer import TikPPOTrainer
+    from areal_tik.areal.trainer import TikPPOTrainer  # lazy: keeps areal out of this module's import
 
     tokenizer = load_hf_tokenizer(config.tokenizer_path)
     dataset, reward = load_dataset(config, tokenizer)
@@ -312,7 +310,6 @@ def main(argv: list[str] | None = None) -> int:
                 server.wait(timeout=30)
             except Exception:  # noqa: BLE001
                 server.kill()
-        import faulthandler
         faulthandler.cancel_dump_traceback_later()
     stamp("torn down")
     return 0

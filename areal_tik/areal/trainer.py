@@ -32,9 +32,13 @@ from copy import deepcopy
 from typing import Any
 
 from areal.api.cli_args import SchedulingStrategy, SchedulingStrategyType
+from areal.infra.utils.proc import kill_process_tree
+from areal.infra import current_platform
 from areal.trainer.rl_trainer import PPOTrainer
 from areal.utils import logging
 from areal.utils.environ import is_single_controller
+import torch
+import torch.distributed as dist
 
 from areal_tik.areal import engines
 from areal_tik.areal.actor import TikFSDPPPOActor
@@ -42,6 +46,7 @@ from areal_tik.areal.config import TikPPOActorConfig, TikPPOCriticConfig
 from areal_tik.areal.consensus import TikServerError
 from areal_tik.areal.critic import TikFSDPPPOCritic
 from areal_tik.areal.watch import Deadline, ServerWatch, dead_servers, install_main_handler, interrupt_main_with
+from areal_tik.engine.profiling import profile_tables, profiler_activities
 from areal_tik.kernels import jit_watch
 
 logger = logging.getLogger("TikTrainer")
@@ -92,7 +97,6 @@ class TikPPOTrainer(PPOTrainer):
 
     @staticmethod
     def _kill_children():
-        from areal.infra.utils.proc import kill_process_tree
         kill_process_tree(None, include_parent=False, graceful=False)
 
     def _server_died(self, addr: str, msg: str):
@@ -145,9 +149,6 @@ class TikPPOTrainer(PPOTrainer):
 
     # ---- one profiled step (actor.tik.profile_step) ----------------------------------
     def _start_profiler(self):
-        import torch
-
-        from areal_tik.engine.profiling import profiler_activities
         self._profiler = torch.profiler.profile(activities=profiler_activities())
         self._profiler.__enter__()
 
@@ -155,7 +156,6 @@ class TikPPOTrainer(PPOTrainer):
         prof, self._profiler = self._profiler, None
         prof.__exit__(None, None, None)
         path = os.path.join(os.path.dirname(os.path.abspath(self.step_log)), f"profile_step{global_step}.txt")
-        from areal_tik.engine.profiling import profile_tables
         with open(path, "w") as f:
             f.write(profile_tables(prof, title=f"step {global_step}, {self.config.actor.kernel_backend} kernels"))
         return path
@@ -237,8 +237,5 @@ class TikPPOTrainer(PPOTrainer):
             with open(self.step_log, "a") as f:
                 f.write(json.dumps(rec, default=str) + "\n")
         if not is_single_controller():
-            import torch.distributed as dist
-
-            from areal.infra import current_platform
             dist.barrier(group=self.actor.cpu_group)
             current_platform.synchronize()

@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from areal_tik.areal.consensus import LOGPROB_DEFINITION
+from areal_tik.vllm_plugin import ARCHITECTURES
+from areal_tik.dispatch.fingerprint import compute
 
 __all__ = ["TIK_WORKER_EXTENSION", "INFO_RPC", "STOCK_LOGPROBS", "UPDATE_ROUTES", "WeightVersion", "worker_facts",
            "unwrap_model", "weights_items", "server_info"]
@@ -54,9 +56,7 @@ def unwrap_model(model, max_depth: int = 4):
     """The model a vLLM runner holds, out of the wrappers vLLM puts around it (a full-CUDA-graph runner keeps
     ``CUDAGraphWrapper(model)``, with ``unwrap()`` / ``runnable``): the first object that is an ``nn.Module`` of a
     tik architecture, else the innermost one reached."""
-    import torch
-
-    from areal_tik.vllm_plugin import ARCHITECTURES
+    import torch  # lazy: keeps torch out of this module's import
     for _ in range(max_depth):
         if isinstance(model, torch.nn.Module) and type(model).__name__ in ARCHITECTURES.values():
             return model
@@ -83,17 +83,16 @@ def worker_facts(model, ops, hook_installed: bool, digest_fn=None) -> dict:
 
     ``tik_model`` holds only when the model class is one the plugin registers and every tik module in
     it calls ``ops``; the fingerprint (of those bound ops) is reported only then."""
-    from areal_tik.layers.modules import TikLinear, TikRMSNorm
-    from areal_tik.vllm_plugin import ARCHITECTURES
+    from areal_tik.layers.modules import TikLinear, TikRMSNorm  # lazy: keeps torch out of this module's import
     tik_mods = [m for m in model.modules() if isinstance(m, (TikLinear, TikRMSNorm))]
     is_tik = (type(model).__name__ in ARCHITECTURES.values() and ops is not None and bool(tik_mods)
               and all(getattr(m, "_tik_ops", None) is ops for m in tik_mods))
     fingerprint, selection = None, None
     if is_tik:
-        from areal_tik.dispatch.fingerprint import compute
         fp = compute(ops)
         fingerprint, selection = fp["fingerprint"], fp["selection"]
     if digest_fn is None:
+        # lazy: keeps torch out of this module's import
         import torch
 
         from areal_tik.layers.weights_digest import digest

@@ -35,6 +35,7 @@ from areal_tik.areal.ports import private_port_draws
 from areal_tik.areal.rollout import wait_healthy
 from areal_tik.areal.vllm_info import TIK_WORKER_EXTENSION
 from areal_tik.settings import BACKEND_ENV, Settings
+from areal_tik.vllm_plugin import llm_kwargs
 
 __all__ = ["SERVER_MODULE", "ENV_KEY", "model_type_of", "tik_engine_args", "vllm_server_args", "vllm_cmd",
            "server_env", "TikVLLMBackend", "TikRemotevLLMEngine", "launch_local_vllm_server", "server_args_for",
@@ -58,7 +59,6 @@ def model_type_of(model_path: str) -> str:
 def tik_engine_args(model_type: str) -> dict[str, Any]:
     """``vllm_plugin.llm_kwargs(model_type)`` under vLLM's CLI names (dicts as JSON), plus the tik worker
     extension."""
-    from areal_tik.vllm_plugin import llm_kwargs
     out: dict[str, Any] = {k: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v
                            for k, v in llm_kwargs(model_type).items()}
     out["worker_extension_cls"] = TIK_WORKER_EXTENSION

@@ -16,6 +16,7 @@ its ``/v1/completions`` wrapper and its weight-update endpoints are AReaL's.
 """
 # no ``from __future__ import annotations``: FastAPI reads the endpoint's ``Request`` annotation as a class
 import importlib
+import importlib.metadata as md
 import runpy
 import sys
 
@@ -41,7 +42,6 @@ def flag_value(argv: list[str], flag: str) -> str | None:
 
 
 def vllm_version() -> str | None:
-    import importlib.metadata as md
     try:
         return md.version("vllm")
     except md.PackageNotFoundError:
@@ -59,6 +59,7 @@ async def collect_info(engine_client, *, ask_workers: bool, model_path: str, ver
 
 def add_info_routes(app, *, ask_workers: bool, model_path: str, version: WeightVersion) -> None:
     """``/get_server_info`` (GET and POST) and the weight-update counting middleware on vLLM's app."""
+    # optional dependency (fastapi): imported only on this path
     from fastapi import Request
     from fastapi.responses import JSONResponse
     ver = vllm_version()
@@ -80,7 +81,7 @@ def add_outer_middleware(app, cls, **options) -> None:
     if getattr(app, "middleware_stack", None) is None:
         app.add_middleware(cls, **options)
         return
-    from starlette.middleware import Middleware
+    from starlette.middleware import Middleware  # optional dependency (starlette): imported only on this path
     app.user_middleware.insert(0, Middleware(cls, **options))
     app.middleware_stack = app.build_middleware_stack()
 

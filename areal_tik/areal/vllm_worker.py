@@ -10,6 +10,7 @@ from __future__ import annotations
 from areal.engine.vllm_ext.vllm_worker_extension import VLLMWorkerExtension
 
 from areal_tik.areal.vllm_info import unwrap_model, worker_facts
+from areal_tik.vllm_plugin import ARCHITECTURES, process_ops
 
 __all__ = ["TikVLLMWorkerExtension"]
 
@@ -32,8 +33,7 @@ class TikVLLMWorkerExtension(VLLMWorkerExtension):
 
     def areal_tik_server_info(self) -> dict:
         """:func:`~areal_tik.areal.vllm_info.worker_facts` of this worker's model (digest cached per load)."""
-        from areal_tik.vllm_plugin import ARCHITECTURES, process_ops
-        from areal_tik.vllm_plugin import logprobs as tik_logprobs
+        from areal_tik.vllm_plugin import logprobs as tik_logprobs  # lazy: keeps torch out of this module's import
         model = unwrap_model(self.model_runner.model)
         ops = process_ops() if type(model).__name__ in ARCHITECTURES.values() else None
         cached = self._areal_tik_cache

@@ -32,8 +32,10 @@ import time
 import urllib.parse
 
 import torch
+from tqdm import tqdm
 
 from areal_tik.areal import arith
+from areal_tik.layers.models import PRESETS, build_model
 
 __all__ = ["warm_start", "greedy_accuracy", "special_token_ids", "WARM_PREFIX", "WARM_START_VERSION",
            "parse_warm_spec", "warm_cache_root", "cached_warm_start"]
@@ -94,9 +96,7 @@ def warm_start(model: str, out_dir: str, task: str = "mix", steps: int = 300, ba
                progress: bool = True) -> dict:
     """Train ``model`` (a preset name or HF dir) on ``task`` for ``steps`` and save it to ``out_dir``.
     Returns the record also written to ``<out_dir>/warmstart.json``."""
-    from transformers import AutoTokenizer
-
-    from areal_tik.layers.models import build_model
+    from transformers import AutoTokenizer  # lazy: keeps transformers out of this module's import
 
     if task not in arith.TASKS:
         raise ValueError(f"unknown arithmetic task {task!r}; known: {arith.TASKS}")
@@ -120,7 +120,6 @@ def warm_start(model: str, out_dir: str, task: str = "mix", steps: int = 300, ba
     losses = []
     it = range(steps)
     if progress:
-        from tqdm import tqdm
         it = tqdm(it, desc=f"warm start {model} on {task}", unit="step")
     net.train()
     rng = random.Random(seed)
@@ -143,7 +142,7 @@ def warm_start(model: str, out_dir: str, task: str = "mix", steps: int = 300, ba
     acc_after = greedy_accuracy(net, tok, held_out)  # the bf16 weights the recipe will load
     os.makedirs(out_dir, exist_ok=True)
     if not progress:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy: keeps transformers out of this module's import
         hf_logging.disable_progress_bar()   # the shard-writing bar
     net.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
@@ -192,7 +191,6 @@ def cached_warm_start(spec: str, cache_root: str, progress: bool = False, on_tra
     """The HF directory of the warm start ``spec`` (:func:`parse_warm_spec`), trained into ``cache_root``
     the first time and reused after. ``on_train(dir)`` is called before a training starts. Concurrent
     callers wait on a file lock; the directory appears whole (trained elsewhere, then renamed)."""
-    from areal_tik.layers.models import PRESETS
     args = parse_warm_spec(spec)
     shape = PRESETS.get(args["model"], {"dir": os.path.abspath(args["model"])})
     key = hashlib.sha256(json.dumps({"args": args, "shape": shape, "version": WARM_START_VERSION},

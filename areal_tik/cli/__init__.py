@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from areal_tik.cli.errors import run_command
 from areal_tik.cli.help_format import apply_formatter
 
 # the module of each subcommand; each exposes add_parser(subparsers)
@@ -36,8 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; its exit status. A user error (bad argument, unsupported model,
     missing file, port in use) is one line on stderr and status 2; ``--debug`` (anywhere on
     the line) adds the traceback."""
-    from areal_tik.cli.errors import run_command
-
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]

@@ -1,10 +1,16 @@
 """``areal-tik ab``: rollout engines and the recompute skip compared on one recipe; writes a report directory."""
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
 from areal_tik.ab.progress import MODES, resolve_mode
+from areal_tik.cli.errors import UsageError, need, need_float, need_int
+from areal_tik.cli.train import check_recipe
+from areal_tik.ab.runner import ArmFailed, arm_overrides, parse_arms, run_ab
+from areal_tik.areal.overrides import OverrideError, check_keys
 
 
 DEFAULT_STEPS = 12   # 11 measured steps per arm: an interval worth reading (fewer than 4: a smoke test)
@@ -52,12 +58,9 @@ def add_parser(sub):
 
 def check_args(args) -> None:
     """Refuse bad arguments before either arm starts (``UsageError``)."""
-    from areal_tik.cli.errors import need, need_float, need_int
-    from areal_tik.cli.train import check_recipe
     check_recipe(args.config)
     need_int("--steps", args.steps, lo=1)
     need_float("--timeout", args.timeout, lo=0, lo_open=True, optional=True)
-    from areal_tik.ab.runner import parse_arms
     try:
         arm_set = parse_arms(args.arm_set)
         arms = arm_set if args.arms in ("both", "all") else () if args.arms == "none" else parse_arms(args.arms)
@@ -70,7 +73,6 @@ def check_args(args) -> None:
     args.arm_tuple, args.arm_set_tuple = arms, arm_set
     need(not args.out or not os.path.exists(args.out) or os.path.isdir(args.out),
          f"--out {args.out!r} exists and is not a directory; give a report directory")
-    from areal_tik.areal.overrides import OverrideError, check_keys
     try:
         check_keys(args.config, args.overrides)   # the recipe's YAML only: before AReaL is imported
     except OverrideError as e:
@@ -102,12 +104,9 @@ class _Quiet:
 def check_composed(args):
     """Every arm to run loads its config (AReaL's loader: Hydra, OmegaConf's types, our checks) before any
     arm starts; a bad value is a ``UsageError`` naming the arm and the key. The first arm's config."""
-    from areal_tik.ab.runner import arm_overrides
-    from areal_tik.cli.errors import UsageError
     with _Quiet():   # AReaL's loader logs its warnings about recipe choices; the arms' logs keep them
-        from areal_tik.areal.config import ConfigError
-        from areal_tik.areal.overrides import OverrideError
-        from areal_tik.areal.train import load_config
+        from areal_tik.areal.config import ConfigError  # lazy: areal is heavy and every CLI command imports this module
+        from areal_tik.areal.train import load_config  # lazy: torch is heavy and every CLI command imports this module
         configs, error = [], None
         for arm in args.arm_tuple:
             try:
@@ -127,8 +126,7 @@ def _say(text: str) -> None:
 
 def _warm_start_first(model_path: str, mode: str) -> None:
     """A recipe that names a cached warm start gets it made before the first arm, so no arm pays it."""
-    import json
-
+    # lazy: torch is heavy and every CLI command imports this module
     from areal_tik.areal.warmstart import WARM_PREFIX, cached_warm_start, warm_cache_root
     if not model_path.startswith(WARM_PREFIX):
         return
@@ -144,8 +142,6 @@ def _warm_start_first(model_path: str, mode: str) -> None:
 
 
 def run(args) -> int:
-    import time
-
     check_args(args)
     mode = resolve_mode("none" if args.no_progress else args.progress)
     if args.arm_tuple:
@@ -153,7 +149,6 @@ def run(args) -> int:
             _say(f"checking the config of each arm ({', '.join(args.arm_tuple)}) with AReaL's loader")
         config = check_composed(args)
         _warm_start_first(config.actor.path, mode)
-    from areal_tik.ab.runner import ArmFailed, run_ab
 
     out = args.out or os.path.join("ab_reports", f"{os.path.splitext(os.path.basename(args.config))[0]}-"
                                                   f"{time.strftime('%Y%m%d-%H%M%S')}")

@@ -15,8 +15,19 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 
+from areal_tik.agent.store import Store
+from areal_tik.agent.tasks import TASKS
+from areal_tik.agent import proposers, roles
+from areal_tik.agent.evaluator import Evaluator
+from areal_tik.agent.loop import Budget, run_loop
+from areal_tik.agent.roles import summarize
+from areal_tik.agent.plot import plot_lineage
+from areal_tik.agent.export import ExportRefused, export_best
 from areal_tik.cli.errors import UsageError
+from areal_tik.dispatch.fingerprint import environment
+from areal_tik.cli.output import print_json
 
 DEFAULT_DB = "runs/agent.sqlite"
 
@@ -28,9 +39,6 @@ def _need_db(db: str) -> None:
 
 def _store(db: str, read_only: bool = False):
     """The agent's store in ``db``; a file that is not one is a user error."""
-    import sqlite3
-
-    from areal_tik.agent.store import Store
     try:
         store = Store(db, read_only=read_only)
         store.runs()  # a file that is no SQLite database (or not this one) fails at its first query
@@ -49,7 +57,6 @@ def _need_run(store, db: str, name: str):
 
 
 def _need_task(op: str, preset: str) -> None:
-    from areal_tik.agent.tasks import TASKS
     if op not in TASKS:
         raise UsageError(f"--op {op!r}: no agent task for it; choose from {', '.join(sorted(TASKS))}")
     presets = TASKS[op].presets
@@ -79,7 +86,6 @@ def _workdir(db: str) -> str:
 
 
 def _proposer(args):
-    from areal_tik.agent import proposers
     if args.proposer == "llm":
         cfg = proposers.LLMConfig(
             base_url=args.base_url or os.environ.get("OPENAI_BASE_URL"),
@@ -94,7 +100,7 @@ def _proposer(args):
 
 
 def _timer(choice: str) -> str:
-    import torch
+    import torch  # lazy: torch is heavy and every CLI command imports this module
     if choice == "auto":
         return "gpu" if torch.cuda.is_available() else "simulated"
     if choice == "gpu" and not torch.cuda.is_available():
@@ -103,9 +109,6 @@ def _timer(choice: str) -> str:
 
 
 def cmd_init(args) -> int:
-    from areal_tik.agent import roles
-    from areal_tik.agent.evaluator import Evaluator
-    from areal_tik.dispatch.fingerprint import environment
     _need_task(args.op, args.preset)
     timer = _timer(args.timer)
     proposer = _proposer(args)
@@ -126,14 +129,14 @@ class _Live:
     """Rich live display of the loop's events."""
 
     def __init__(self, name: str):
-        from rich.console import Console
+        from rich.console import Console  # lazy: rich is heavy and every CLI command imports this module
         self.console = Console()
         self.rows: list = []
         self.name = name
         self.stats = {"candidates": 0, "promoted": 0, "rejected": 0, "kept": 0, "best_gain": 0.0}
 
     def table(self):
-        from rich.table import Table
+        from rich.table import Table  # lazy: rich is heavy and every CLI command imports this module
         t = Table(title=f"areal-tik agent: {self.name}  " + "  ".join(f"{k}={v if not isinstance(v, float) else f'{v:+.1%}'}"
                                                                         for k, v in self.stats.items()))
         for c in ("step", "version", "opportunity", "outcome"):
@@ -164,9 +167,7 @@ class _Live:
 
 
 def cmd_run(args) -> int:
-    from rich.live import Live
-    from areal_tik.agent.evaluator import Evaluator
-    from areal_tik.agent.loop import Budget, run_loop
+    from rich.live import Live  # lazy: rich is heavy and every CLI command imports this module
     _need_db(args.db)
     proposer = _proposer(args)
     store = _store(args.db)
@@ -192,14 +193,13 @@ def cmd_run(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from areal_tik.agent.roles import summarize
     _need_db(args.db)
     store = _store(args.db, read_only=True)
     sums = [summarize(store, r.id) for r in store.runs() if not args.name or r.name == args.name]
     if args.json:
-        from areal_tik.cli.output import print_json
         print_json(sums)
         return 0
+    # lazy: rich is heavy and every CLI command imports this module
     from rich.console import Console
     from rich.table import Table
     t = Table(title=f"agent runs in {args.db}")
@@ -216,12 +216,10 @@ def cmd_status(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from areal_tik.agent.roles import summarize
     _need_db(args.db)
     store = _store(args.db, read_only=True)
     run = _need_run(store, args.db, args.name)
     if args.plot:
-        from areal_tik.agent.plot import plot_lineage
         print(plot_lineage(store, args.name, args.plot))
     if args.version is not None:
         v = store.version(args.version)
@@ -235,13 +233,11 @@ def cmd_show(args) -> int:
     else:
         out = summarize(store, run.id)
         out["decision_log"] = [f"[{d.step}] {d.action} v{d.version_id}: {d.reason}" for d in store.decisions(run.id)]
-    from areal_tik.cli.output import print_json
     print_json(out)
     return 0
 
 
 def cmd_export(args) -> int:
-    from areal_tik.agent.export import ExportRefused, export_best
     _need_db(args.db)
     store = _store(args.db, read_only=True)
     _need_run(store, args.db, args.name)

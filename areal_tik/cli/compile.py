@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 
+from areal_tik.dispatch import compile_check
+from areal_tik.cli.output import print_json
+
 
 def run(args) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
-    from areal_tik.dispatch import compile_check
     rows = [] if args.skip_triton else compile_check.compile_triton()
     cu = [] if args.skip_cuda else compile_check.compile_cuda()
     ok = all(r["ok"] for r in rows + cu)
     if args.json:
-        from areal_tik.cli.output import print_json
         print_json({"ok": ok, "triton": rows, "cuda": cu})
     else:
         for r in rows:

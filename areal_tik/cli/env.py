@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import importlib.metadata as md
 
+from areal_tik.dispatch import fingerprint, registry
+from areal_tik.dispatch.bound import bind
+from areal_tik.settings import Settings
+from areal_tik import vllm_plugin
+from areal_tik.cli.output import print_json
+
 
 def _version(pkg: str) -> str | None:
     try:
@@ -12,21 +18,18 @@ def _version(pkg: str) -> str | None:
 
 
 def collect() -> dict:
-    from areal_tik.dispatch import fingerprint, registry
-    from areal_tik.dispatch.bound import bind
     env = fingerprint.environment()
     env["transformers"] = _version("transformers")
     env["areal"] = _version("areal")
     env["areal_tik"] = _version("areal-tik")
-    from areal_tik.settings import Settings
     spec = Settings.from_env().backend
     try:   # the ops a process started with this environment would bind
         fp = fingerprint.compute(bind(spec), env=env)
     except registry.BackendUnavailable as e:
         fp = {"fingerprint": f"unavailable: {e}", "selection": {}}
     status = registry.backend_status()
+    # lazy: torch is heavy and every CLI command imports this module
     from areal_tik.kernels.attention import flash_backward as attention_backward
-    from areal_tik import vllm_plugin
     vllm_ok, vllm_why = vllm_plugin.available()
     return {
         "versions": {k: env[k] for k in ("python", "torch", "triton", "cuda", "transformers", "areal", "areal_tik")},
@@ -42,9 +45,9 @@ def collect() -> dict:
 def run(args) -> int:
     info = collect()
     if args.json:
-        from areal_tik.cli.output import print_json
         print_json(info)
         return 0
+    # lazy: rich is heavy and every CLI command imports this module
     from rich.console import Console
     from rich.table import Table
     c = Console()
@@ -60,7 +63,7 @@ def run(args) -> int:
     t.add_row("attention backward", info["attention_backward"] + " [dim](actor.tik.attention_backward)[/dim]")
     t.add_row("kernel fingerprint", info["fingerprint"])
     vp = info["vllm_plugin"]
-    from rich.markup import escape
+    from rich.markup import escape  # lazy: rich is heavy and every CLI command imports this module
     t.add_row("vLLM plugin", ("[green]available[/green] " if vp["available"] else "[red]unavailable[/red] ")
               + escape(vp["reason"]))
     c.print(t)

@@ -12,8 +12,11 @@ from __future__ import annotations
 import errno
 import math
 import os
+import socket
 import sys
 import traceback
+
+from areal_tik.settings import SettingsError
 
 __all__ = ["UsageError", "run_command", "need", "need_int", "need_float", "need_file", "need_model",
            "need_device", "need_port_free", "need_choices"]
@@ -67,7 +70,7 @@ def need_choices(flag: str, values: list, known) -> None:
 
 def need_model(flag: str, name: str) -> None:
     """``name`` is a model preset or an HF checkpoint directory (one with a config.json)."""
-    from areal_tik.layers.models import PRESETS
+    from areal_tik.layers.models import PRESETS  # lazy: torch is heavy and every CLI command imports this module
     if name in PRESETS:
         return
     if os.path.isdir(name):
@@ -87,7 +90,7 @@ def need_device(flag: str, device: str | None) -> None:
     need(kind in ("cpu", "cuda") and (not index or (kind == "cuda" and index.isdigit())),
          f"{flag} {device!r} is not a device; use cpu, cuda or cuda:N")
     if kind == "cuda":
-        import torch
+        import torch  # lazy: torch is heavy and every CLI command imports this module
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         need(n > 0, f"{flag} {device}: this machine has no CUDA GPU; use {flag} cpu")
         need(not index or int(index) < n, f"{flag} {device}: this machine has {n} GPU(s) (cuda:0..cuda:{n - 1})")
@@ -95,7 +98,6 @@ def need_device(flag: str, device: str | None) -> None:
 
 def need_port_free(host: str, port: int) -> None:
     """Nothing listens on ``host:port`` yet (checked by binding it once)."""
-    import socket
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
@@ -116,8 +118,8 @@ def _user_error(e: BaseException) -> str | None:
     """The one-line message of an exception that is the user's to fix, else None."""
     if isinstance(e, UsageError):
         return str(e)
+    # lazy: torch is heavy and every CLI command imports this module
     from areal_tik.layers.patch import UnsupportedModelError
-    from areal_tik.settings import SettingsError
     if isinstance(e, UnsupportedModelError):
         return f"unsupported model: {e}"
     if isinstance(e, SettingsError):

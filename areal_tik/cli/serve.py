@@ -4,6 +4,11 @@ from __future__ import annotations
 import logging
 import sys
 
+from areal_tik.cli.errors import UsageError, need, need_device, need_float, need_int, need_model, need_port_free
+from areal_tik.dispatch import BackendUnavailable
+from areal_tik.engine.server import ServerConfig, build, run_server
+from areal_tik.settings import Settings
+
 
 def add_parser(sub):
     p = sub.add_parser("serve", help="HTTP rollout server (SGLang-compatible subset) on the tik or default kernels",
@@ -52,7 +57,6 @@ def add_parser(sub):
 
 def check_args(args) -> None:
     """Refuse bad arguments before the model is built (``UsageError``)."""
-    from areal_tik.cli.errors import need, need_device, need_float, need_int, need_model, need_port_free
     need_model("--model", args.model)
     need_int("--port", args.port, lo=1, hi=65535)
     need(bool(args.host), "--host is empty; give an address of this machine, e.g. 127.0.0.1")
@@ -87,8 +91,7 @@ def check_kernels(args, settings) -> None:
     ``UsageError`` naming where the request came from (``--backend`` or ``AREAL_TIK_BACKEND``)."""
     if settings.kernels != "tik":
         return
-    from areal_tik.cli.errors import UsageError
-    from areal_tik.dispatch import BackendUnavailable
+    # lazy: torch is heavy and every CLI command imports this module
     from areal_tik.engine.kernel_check import KernelShapeError, check_kernel_shapes
     where = f"--backend {args.backend}" if args.backend else f"AREAL_TIK_BACKEND={settings.backend}"
     try:
@@ -103,9 +106,8 @@ def check_kernels(args, settings) -> None:
 
 def run(args) -> int:
     check_args(args)
+    # lazy: torch is heavy and every CLI command imports this module
     from areal_tik.dispatch.process import configure_process
-    from areal_tik.engine.server import ServerConfig, build, run_server
-    from areal_tik.settings import Settings
 
     for line in ignored_options(args):
         print(f"areal-tik serve: warning: {line}", file=sys.stderr)

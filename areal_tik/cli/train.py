@@ -1,6 +1,11 @@
 """``areal-tik train --config recipes/<x>.yaml [overrides]``: ``python -m areal_tik.areal.train``."""
 from __future__ import annotations
 
+import yaml
+
+from areal_tik.cli.errors import UsageError, need, need_file
+from areal_tik.areal.overrides import OverrideError, check_keys
+
 
 DESCRIPTION = ("Run AReaL's PPOTrainer on a recipe with the areal-tik plugin. actor.kernel_backend=tik puts rollout "
                "and training on the tik kernels and skips the old-policy recompute when the skip rule holds; default "
@@ -21,9 +26,6 @@ def add_parser(sub):
 def check_recipe(path: str) -> None:
     """``path`` is a YAML file named ``*.yaml`` holding a mapping (AReaL's loader finds nothing else
     and says "Cannot find primary config"); else ``UsageError`` naming the line of a YAML error."""
-    import yaml
-
-    from areal_tik.cli.errors import UsageError, need, need_file
     need_file("--config", path)
     need(path.endswith(".yaml"), f"--config {path!r} is not a .yaml file; give a recipe such as recipes/tiny.yaml")
     try:
@@ -38,14 +40,12 @@ def check_recipe(path: str) -> None:
 
 
 def run(args) -> int:
-    from areal_tik.areal.overrides import OverrideError, check_keys
-    from areal_tik.cli.errors import UsageError
     check_recipe(args.config)
     try:
         check_keys(args.config, args.overrides)   # the recipe's YAML only: before AReaL is imported
     except OverrideError as e:
         raise UsageError(str(e)) from None
-    from areal_tik.areal.train import main
+    from areal_tik.areal.train import main  # lazy: torch is heavy and every CLI command imports this module
 
     argv = ["--config", args.config, *args.overrides]
     if args.step_log:

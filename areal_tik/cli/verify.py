@@ -8,7 +8,12 @@ expected to fail: each engine's negative control (HF's kernels in ours, stock vL
 """
 from __future__ import annotations
 
+import os
+
 from areal_tik.areal import engines
+from areal_tik.cli.errors import UsageError, need, need_choices, need_device, need_int, need_model
+from areal_tik.settings import Settings
+from areal_tik.cli.output import print_json
 
 
 def _verifiable() -> list[str]:
@@ -45,7 +50,7 @@ def add_parser(sub) -> None:
 
 def check_args(args) -> tuple:
     """Refuse bad arguments before the model is built (``UsageError``); the regimes asked for."""
-    from areal_tik.cli.errors import need, need_choices, need_device, need_int, need_model
+    # lazy: torch is heavy and every CLI command imports this module
     from areal_tik.verify.parity import REGIMES
     from areal_tik.layers.models import PRESETS
     need_model("--model", args.model)
@@ -66,13 +71,10 @@ def check_args(args) -> tuple:
 
 
 def run(args) -> int:
-    from areal_tik.cli.errors import UsageError
-    from areal_tik.settings import Settings
-    from areal_tik.verify.request import VerifyRequest
+    from areal_tik.verify.request import VerifyRequest  # lazy: torch is heavy and every CLI command imports this module
     regimes = check_args(args)
     engine = engines.get(getattr(args, "engine", "tik"))
     if args.json:   # an engine that logs to stdout (vLLM) must leave stdout the JSON document alone
-        import os
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     ok, why = engine.runs_here()
     if not ok:
@@ -86,13 +88,12 @@ def run(args) -> int:
     if args.json:
         rep = verify(req, None)
     else:
-        from rich.progress import Progress
+        from rich.progress import Progress  # lazy: rich is heavy and every CLI command imports this module
         with Progress(transient=True) as prog:
             task = prog.add_task("verify", total=1.0)
             rep = verify(req, lambda name, frac: prog.update(task, completed=frac, description=name))
     rep.setdefault("engine", engine.name)
     if args.json:
-        from areal_tik.cli.output import print_json
         print_json(rep)
     else:
         _print(rep, engine.name)
@@ -104,6 +105,7 @@ _DETAIL = ("n_sequences", "divergent_sequences", "short_sequences", "steps", "pr
 
 
 def _print(rep: dict, engine: str) -> None:
+    # lazy: rich is heavy and every CLI command imports this module
     from rich.console import Console
     from rich.table import Table
 

@@ -2,6 +2,12 @@
 arithmetic task, so that an A/B on a preset (no pretrained weights) has a reward to compare."""
 from __future__ import annotations
 
+import os
+
+from areal_tik.areal.arith import TASKS
+from areal_tik.cli.errors import need, need_choices, need_device, need_float, need_int, need_model
+from areal_tik.cli.output import print_json
+
 
 def add_parser(sub):
     p = sub.add_parser("warmstart", help="train a preset on the built-in arithmetic task (next-token loss) and "
@@ -26,10 +32,6 @@ def add_parser(sub):
 
 def check_args(args) -> None:
     """Refuse bad arguments before training starts (``UsageError``)."""
-    import os
-
-    from areal_tik.areal.arith import TASKS
-    from areal_tik.cli.errors import need, need_choices, need_device, need_float, need_int, need_model
     need_model("--model", args.model)
     need(not os.path.exists(args.out) or os.path.isdir(args.out), f"--out {args.out!r} exists and is not a directory")
     need_choices("--task", [args.task], TASKS)
@@ -41,8 +43,7 @@ def check_args(args) -> None:
 
 def run(args) -> int:
     check_args(args)
-    from areal_tik.areal.warmstart import warm_start
-    from areal_tik.cli.output import print_json
+    from areal_tik.areal.warmstart import warm_start  # lazy: torch is heavy and every CLI command imports this module
 
     rec = warm_start(args.model, args.out, task=args.task, steps=args.steps, batch=args.batch, lr=args.lr,
                      seed=args.seed, device=args.device, progress=not args.no_progress)

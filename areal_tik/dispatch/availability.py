@@ -3,6 +3,7 @@ availability table, read by the registry's selection and by ``areal-tik env``.""
 from __future__ import annotations
 
 import functools
+from importlib import metadata
 
 from areal_tik.kernels import interpreting
 
@@ -26,7 +27,7 @@ def triton_status() -> tuple[bool, str]:
         import triton  # noqa: F401
     except Exception as e:  # pragma: no cover
         return False, f"triton not importable: {e}"
-    import torch
+    import torch  # lazy: keeps torch out of this module's import
     if torch.cuda.is_available():
         return True, f"triton {triton.__version__} on {torch.cuda.get_device_name()}"
     if interpreting():
@@ -36,13 +37,13 @@ def triton_status() -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def cuda_status() -> tuple[bool, str]:
-    import torch
+    import torch  # lazy: keeps torch out of this module's import
     if not torch.cuda.is_available():
         return False, "no CUDA GPU"
     if torch.version.cuda is None:
         return False, "torch is a CPU build"
     try:
-        from areal_tik.kernels.cuda import loader as cuda_ext
+        from areal_tik.kernels.cuda import loader as cuda_ext  # probe: a loader that fails to import is reported below
     except Exception as e:
         return False, f"cuda extension loader failed: {e}"
     return cuda_ext.status()
@@ -52,15 +53,15 @@ def cuda_status() -> tuple[bool, str]:
 def fa3_status() -> tuple[bool, str]:
     """FlashAttention-3 as vLLM bundles it (``vllm.vllm_flash_attn``, the ``vllm`` extra): a CUDA GPU of compute
     capability 9.x and an importable vLLM whose FA3 supports it. Imports vLLM only where a GPU is present."""
-    import torch
+    import torch  # lazy: keeps torch out of this module's import
     if not torch.cuda.is_available():
         return False, "no CUDA GPU"
     try:
+        # optional dependency (vllm): imported only on this path
         from vllm.vllm_flash_attn import flash_attn_interface as fa
     except Exception as e:  # noqa: BLE001 - any import failure is a reason to report, not to raise
         return False, (f"vLLM's FlashAttention is not importable ({type(e).__name__}: {e}); "
                        "install the vllm extra: pip install 'areal-tik[vllm]'")
     if not fa.is_fa_version_supported(3):
         return False, f"FlashAttention-3 cannot run here: {fa.fa_version_unsupported_reason(3)}"
-    from importlib import metadata
     return True, f"FlashAttention-3 from vLLM {metadata.version('vllm')} on {torch.cuda.get_device_name()}"

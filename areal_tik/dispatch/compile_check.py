@@ -19,10 +19,12 @@ import os
 import re
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 import time
 
-from areal_tik.kernels import interpreting
+from areal_tik.kernels import interpreting, op_modules
+from areal_tik.kernels.cuda.loader import sources
 
 TRITON_ARCHS = (80, 90)
 NVCC_ARCHS = ("80", "90a")
@@ -32,7 +34,6 @@ EXTRA_KERNEL_MODULES = ("areal_tik.layers.weights_digest",)  # Triton kernels ou
 
 
 def triton_specs():
-    from areal_tik.kernels import op_modules
     for name in (*op_modules(), *EXTRA_KERNEL_MODULES):
         mod = importlib.import_module(name)
         for spec in getattr(mod, "COMPILE_SPECS", ()):
@@ -42,6 +43,7 @@ def triton_specs():
 def compile_triton(archs=TRITON_ARCHS) -> list[dict]:
     if interpreting():
         raise RuntimeError("compile checks need TRITON_INTERPRET unset")
+    # lazy: keeps triton out of this module's import
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -99,7 +101,6 @@ def nvcc_object(nvcc: str, src: str, arch: str, out_dir: str, flags: list[str]) 
 
 
 def compile_cuda(archs=NVCC_ARCHS) -> list[dict]:
-    from areal_tik.kernels.cuda.loader import sources
     nvcc = shutil.which("nvcc")
     rows = []
     srcs = [s for s in sources() if s.endswith(".cu")]
@@ -107,11 +108,10 @@ def compile_cuda(archs=NVCC_ARCHS) -> list[dict]:
         return rows
     if nvcc is None:
         return [{"source": os.path.basename(s), "ok": False, "error": "nvcc not found"} for s in srcs]
-    import torch.utils.cpp_extension as ext
+    import torch.utils.cpp_extension as ext  # lazy: CUDA-only (compiles or loads the extension)
     incs = []
     for p in ext.include_paths():
         incs += ["-I", p]
-    import sysconfig
     incs += ["-I", sysconfig.get_paths()["include"]]
     with tempfile.TemporaryDirectory() as d:
         for s in srcs:
@@ -145,7 +145,6 @@ def _cuda_include_dir(nvcc: str, tmp: str) -> str | None:
 
 def _check_binding_syntax(nvcc: str, incs: list[str], tmp: str) -> list[dict]:
     """``c++ -fsyntax-only`` of every csrc/*.cpp with torch's, Python's and the CUDA toolkit's headers."""
-    from areal_tik.kernels.cuda.loader import sources
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     cpps = [s for s in sources() if s.endswith(".cpp")]
     if not cpps:

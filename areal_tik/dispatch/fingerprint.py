@@ -22,9 +22,9 @@ def _read(path: str) -> bytes:
 
 
 def environment() -> dict:
-    import torch
+    import torch  # lazy: keeps torch out of this module's import
     try:
-        import triton
+        import triton  # lazy: keeps triton out of this module's import
         triton_v = triton.__version__
     except Exception:  # pragma: no cover
         triton_v = None

@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import logging
+import pkgutil
 from typing import Callable
 
 from areal_tik.dispatch import availability
+from areal_tik.kernels import module_sources, op_modules
+from areal_tik.kernels._device import gpu_arch_name
 from areal_tik.settings import BACKEND_ENV, BACKENDS, SettingsError
 from areal_tik.settings import parse_backend_spec as _parse
 
@@ -100,9 +104,6 @@ def _ensure_loaded() -> None:
     global _LOADED
     if _LOADED:
         return
-    import importlib
-
-    from areal_tik.kernels import module_sources, op_modules
 
     avail = {be: functools.partial(availability.status, be) for be in BACKENDS}
     for name in op_modules():
@@ -123,7 +124,7 @@ def _ensure_loaded() -> None:
 
 def _gpu_arch() -> str | None:
     """The current device's ``sm90``-style name (cached per device index: select_impl runs per op call)."""
-    import torch
+    import torch  # lazy: keeps torch out of this module's import
     if not _has_gpu():
         return None
     return _gpu_arch_of(torch.cuda.current_device())
@@ -131,8 +132,7 @@ def _gpu_arch() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _gpu_arch_of(device_index: int) -> str | None:
-    from areal_tik.kernels._device import gpu_arch_name
-    import torch
+    import torch  # lazy: keeps torch out of this module's import
     with torch.cuda.device(device_index):
         return gpu_arch_name()
 
@@ -145,8 +145,6 @@ def _load_exported(avail: dict) -> None:
     prepended to the implementation's sources, so the fingerprint includes it; its ``META``
     joins the meta-parameters. Other archs (and CPUs) ignore exports. Delete the file to go back.
     """
-    import importlib
-    import pkgutil
     arch = _gpu_arch()
     if arch is None:
         return
@@ -253,7 +251,7 @@ def _has_gpu() -> bool:
 @functools.lru_cache(maxsize=1)
 def _cuda_available() -> bool:
     try:
-        import torch
+        import torch  # lazy: keeps torch out of this module's import
         return torch.cuda.is_available()
     except Exception:  # pragma: no cover
         return False

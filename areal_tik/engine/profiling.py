@@ -7,7 +7,7 @@ __all__ = ["profiler_activities", "summarize_profile", "profile_tables"]
 
 def profiler_activities() -> list:
     """``torch.profiler`` activities for this machine: CPU, plus CUDA when a GPU is there."""
-    import torch
+    import torch  # lazy: keeps torch out of this module's import
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -19,7 +19,7 @@ def summarize_profile(prof, steps: int, top: int = 15) -> dict:
     ``steps`` steps. Device time = the device-side (kernel/memcpy) events only, as torch's own
     table sums it: a CPU op's self device time repeats its kernels' time, summing both would
     double-count."""
-    from torch.autograd import DeviceType
+    from torch.autograd import DeviceType  # lazy: keeps torch out of this module's import
 
     def on_device(e):
         return getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU and not getattr(e, "is_user_annotation",

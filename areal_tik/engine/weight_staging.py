@@ -197,7 +197,7 @@ def _iter_checkpoint(src):
     for f in _regular_files(files):
         try:
             if loader == "safetensors":
-                from safetensors.torch import load_file
+                from safetensors.torch import load_file  # lazy: keeps safetensors out of this module's import
                 items = load_file(f)
             else:
                 items = torch.load(f, map_location="cpu", weights_only=True)

@@ -29,9 +29,9 @@ def apply() -> bool:
     global _APPLIED
     if _APPLIED:
         return True
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as it
+    import numpy as np  # lazy: keeps numpy out of this module's import
+    import triton.language as tl  # lazy: keeps triton out of this module's import
+    from triton.runtime import interpreter as it  # lazy: keeps triton out of this module's import
 
     builder_cls = it.InterpreterBuilder
     orig_dot = builder_cls.create_dot
@@ -57,7 +57,7 @@ def apply() -> bool:
 
     builder_cls.create_dot = create_dot
 
-    import torch
+    import torch  # lazy: keeps torch out of this module's import
 
     def _f32_to_bf16_bits(data):
         """Round float32 values to bf16 (nearest even, like the GPU); uint16 bit patterns."""

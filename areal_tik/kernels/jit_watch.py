@@ -45,7 +45,7 @@ def install() -> bool:
     if _state["installed"]:
         return True
     try:
-        from triton import knobs
+        from triton import knobs  # lazy: keeps triton out of this module's import
         rt = knobs.runtime
         if not (hasattr(rt, "jit_cache_hook") and hasattr(rt, "jit_post_compile_hook")):
             return False

@@ -95,7 +95,7 @@ def rms_norm_fwd(x2, w, eps, out=None, store_rstd=False):
     return y, rstd
 
 
-def _rms_norm_bwd(dy2, x2, w, rstd):
+def rms_norm_bwd(dy2, x2, w, rstd):
     M, N = x2.shape
     dy2 = dy2.contiguous()
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
@@ -121,7 +121,7 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, w, rstd = ctx.saved_tensors
-        dx, dw = _rms_norm_bwd(dy, x2, w, rstd)
+        dx, dw = rms_norm_bwd(dy, x2, w, rstd)
         return dx, dw, None
 
 

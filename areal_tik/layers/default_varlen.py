@@ -60,7 +60,7 @@ def varlen_call_plan(fn) -> dict | None:
 @functools.lru_cache(maxsize=1)
 def _torch_varlen():
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # lazy: keeps triton out of this module's import
     except Exception:  # noqa: BLE001 - older torch: no such module
         return None, None
     return varlen_attn, varlen_call_plan(varlen_attn)

@@ -14,9 +14,11 @@ import json
 import os
 import time
 
+from areal_tik import vllm_plugin
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
 from areal_tik.layers.models import build_model
 from areal_tik.layers.patch import patch_model
+from areal_tik.vllm_plugin import preset_loader
 
 __all__ = ["staggered", "OurEngine", "VLLMEngine"]
 
@@ -74,9 +76,6 @@ class VLLMEngine:
     def __init__(self, model_dir: str, kernels: str = "tik", block_size: int | None = None,
                  weights_preset: str | None = None, logprobs: bool = True, **llm_kwargs):
         from vllm import LLM   # vLLM is optional: imported only when this engine runs
-
-        from areal_tik import vllm_plugin
-        from areal_tik.vllm_plugin import preset_loader
         with open(os.path.join(model_dir, "config.json")) as f:
             model_type = json.load(f)["model_type"]
         kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", **llm_kwargs)

@@ -25,7 +25,9 @@ import importlib.metadata as md
 import importlib.util
 from collections.abc import Mapping
 
+from areal_tik.dispatch.bound import bind
 from areal_tik.layers.family import FAMILIES, TableView
+from areal_tik.settings import Settings
 
 __all__ = ["VLLM_VERSION", "ARCHITECTURES", "available", "llm_kwargs", "architecture_for"]
 
@@ -41,8 +43,6 @@ def process_ops():
     worker builds the model, the attention backend and the sampler hook from the same selection."""
     global _OPS
     if _OPS is None:
-        from areal_tik.dispatch.bound import bind
-        from areal_tik.settings import Settings
         _OPS = bind(Settings.from_env().backend)
     return _OPS
 

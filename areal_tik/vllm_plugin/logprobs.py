@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from areal_tik.layers.logprob_head import logprobs_of
+from areal_tik.vllm_plugin import process_ops
 
 __all__ = ["install", "installed", "sampled_logprobs", "HostTemperatures"]
 
@@ -67,9 +68,7 @@ def install() -> None:
     """Wrap ``vllm.v1.sample.sampler.Sampler.forward`` (once per process)."""
     if _STATE["installed"]:
         return
-    from vllm.v1.sample.sampler import Sampler
-
-    from areal_tik.vllm_plugin import process_ops
+    from vllm.v1.sample.sampler import Sampler  # optional dependency (vllm): imported only on this path
 
     original = Sampler.forward
     temps_cache = HostTemperatures()

@@ -15,12 +15,13 @@ import os
 
 import torch
 
+from areal_tik.layers.models import build_model, preset_config
+
 LOAD_FORMAT = "tik_preset"
 
 
 def config_dir(preset: str, path: str) -> str:
     """A folder holding only the preset's ``config.json`` (what vLLM reads with ``load_format=tik_preset``)."""
-    from areal_tik.layers.models import preset_config
     if not os.path.exists(os.path.join(path, "config.json")):
         os.makedirs(path, exist_ok=True)
         cfg = preset_config(preset)
@@ -41,10 +42,9 @@ def register() -> None:
     """Register the load format with vLLM (once per process; called from the plugin's entry point)."""
     if _REGISTERED:
         return
+    # optional dependency (vllm): imported only on this path
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-
-    from areal_tik.layers.models import build_model
 
     @register_model_loader(LOAD_FORMAT)
     class TikPresetLoader(BaseModelLoader):

@@ -17,6 +17,7 @@ _BACKEND_PATH = "areal_tik.vllm_plugin.attention.TikAttentionBackend"
 
 
 def register() -> None:
+    # optional dependency (vllm): imported only on this path
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 
 from areal_tik.engine.sequence import SamplingParams
 from areal_tik.engine.server import EngineWorker, ServerConfig, TikServer, build
-from areal_tik.engine.server.worker import _Pending
+from areal_tik.engine.server.worker import Pending
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hostile  # noqa: E402  (tests/engine/hostile.py: hypothesis strategies)
@@ -96,7 +96,7 @@ def _inject(worker, ids, sp: SamplingParams, corrupt):
     async def go():
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        p = _Pending("injected", ids, sp, fut, loop, False, 0, 1.0)
+        p = Pending("injected", ids, sp, fut, loop, False, 0, 1.0)
         await worker.submit(lambda: worker.cmd_add(p))
         await worker.submit(lambda: corrupt(sp))
         try:

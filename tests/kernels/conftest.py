@@ -1,4 +1,4 @@
-"""The csrc compile check (tests/kernels/test_cuda_backend.py::test_csrc_compiles_for_sm80_and_sm90a) runs in a
+"""The csrc compile check (tests/kernels/test_cuda_build.py::test_csrc_compiles_for_sm80_and_sm90a) runs in a
 subprocess that starts with the first kernel test: nvcc keeps one core busy for about 75 s while the Triton-interpreter
 tests run on the other, and the test reads its output when it comes to it."""
 import os

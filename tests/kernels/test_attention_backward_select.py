@@ -1,5 +1,5 @@
 """CPU checks of the attention backward selector (kernels/attention_backward.py); its GPU paths are tested in
-tests/kernels/test_cuda_backend.py (both kernels against float64 autograd, selection, determinism)."""
+tests/kernels/test_cuda_attention_backward.py (both kernels against float64 autograd, selection, determinism)."""
 import pytest
 import torch
 

@@ -9,7 +9,7 @@ def test_every_backend_checks_arguments_through_one_module(monkeypatch):
     same mistake gets the same message (the CUDA-device check, which runs first, is stood in for on a CPU)."""
     from areal_tik.kernels.attention.torch_ref import attention_paged_torch, attention_varlen_torch
     from areal_tik.kernels.cuda import attention as CU
-    monkeypatch.setattr(CU, "_need_cuda", lambda *a: None)
+    monkeypatch.setattr(CU, "need_cuda", lambda *a: None)
     x, cu = torch.randn(4, 2, 64).bfloat16(), torch.tensor([0, 4], dtype=torch.int32)
     kc, bt, sk = torch.zeros(2, 16, 2, 64).bfloat16(), torch.zeros(1, 2, dtype=torch.int32), torch.tensor([4, 4], dtype=torch.int32)
     bad = [(attention_varlen_torch, CU.attention_varlen_cuda, (torch.randn(4, 2, 96).bfloat16(),) * 3 + (cu, 4), {}),

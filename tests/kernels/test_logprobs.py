@@ -81,7 +81,7 @@ def test_alignment_decision_logic():
         s = layout.padded_row_stride(V)
         assert s >= V and s % layout.ROW_ALIGN == 0 and s % 64 == 0, (V, s)
         buf = layout.alloc_logits_buffer(3, V, torch.bfloat16, "cpu")
-        assert buf.shape == (3, V) and buf.stride(0) == s and layout._aligned(buf)
+        assert buf.shape == (3, V) and buf.stride(0) == s and layout.is_aligned(buf)
     assert not layout.lse_alignment_ok(0, 32003, 2)      # the crashing case
     assert layout.lse_alignment_ok(0, 32003, 1)          # one row: stride never used
     assert not layout.lse_alignment_ok(2, 64, 1)         # base not 16-byte aligned
@@ -92,7 +92,7 @@ def test_lse_launch_refuses_unaligned_views(seed_rng):
     T, V = 4, 300
     big = torch.randn(T, V + 1, device=DEV).bfloat16()
     tok = torch.randint(0, V, (T,), device=DEV)
-    st, lp, ent = layout._init_state(T, big.device), torch.empty(T, device=DEV), torch.empty(T, device=DEV)
+    st, lp, ent = layout.init_state(T, big.device), torch.empty(T, device=DEV), torch.empty(T, device=DEV)
     with pytest.raises(ValueError, match="aligned"):
         triton_ops._lse_launch(big[:, :V], tok, st, lp, ent, 0, V, 1.0, True)   # row stride 301
     with pytest.raises(ValueError, match="aligned"):
@@ -144,7 +144,7 @@ def test_outputs_written_and_errors(seed_rng):
     logits = layout.alloc_logits_buffer(T, V, torch.bfloat16, DEV)  # aligned row stride (the kernel needs it)
     logits.copy_(torch.randn(T, V, device=DEV))
     tok = torch.randint(0, V, (T,), device=DEV)
-    st = layout._init_state(T, logits.device)
+    st = layout.init_state(T, logits.device)
     lp, ent = torch.empty(T, device=DEV), torch.empty(T, device=DEV)
     assert contract.check_outputs_written(lambda o: triton_ops._lse_launch(logits, tok, st.clone(), o, ent, 0, V, 1.0, True), lp)
     assert contract.check_outputs_written(lambda o: triton_ops._lse_launch(logits, tok, st.clone(), lp, o, 0, V, 1.0, True), ent)

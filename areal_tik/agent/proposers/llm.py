@@ -46,7 +46,7 @@ class LLMProposer(Proposer):
 
     def client(self):
         if self._client is None:
-            import openai
+            import openai  # optional dependency (openai): imported only on this path
             self._client = openai.OpenAI(base_url=self.cfg.base_url, api_key=self.cfg.api_key or "EMPTY",
                                          timeout=self.cfg.timeout_s)
         return self._client

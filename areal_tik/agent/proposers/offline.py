@@ -8,7 +8,7 @@ import json
 
 from areal_tik.agent.kinds import regions
 from areal_tik.agent.proposers.base import Proposal, Proposer
-from areal_tik.agent.proposers.transforms import _TRANSFORM_PRIORITY, TRANSFORMS, _applied, apply_transform
+from areal_tik.agent.proposers.transforms import TRANSFORM_PRIORITY, TRANSFORMS, is_applied, apply_transform
 
 
 SPACE = {
@@ -99,7 +99,7 @@ class OfflineProposer(Proposer):
             share[_bucket_of(meta, w.shape["M"])] += w.weight * t
         tot = sum(share) or 1.0
         share = [s / tot for s in share]
-        persistent = _applied(src, "persistent")
+        persistent = is_applied(src, "persistent")
         for bi, b in enumerate(meta["buckets"]):
             if share[bi] == 0.0:
                 continue
@@ -135,8 +135,8 @@ class OfflineProposer(Proposer):
         regs = regions(src)
         return [{"key": f"transform:{name}", "kind": "transform",
                  "description": f"apply transformation '{name}' to region <tik:{region}>",
-                 "payload": {"transform": name}, "priority": _TRANSFORM_PRIORITY[name]}
-                for name, (region, _) in TRANSFORMS.items() if region in regs and not _applied(src, name)]
+                 "payload": {"transform": name}, "priority": TRANSFORM_PRIORITY[name]}
+                for name, (region, _) in TRANSFORMS.items() if region in regs and not is_applied(src, name)]
 
     @staticmethod
     def _define_moves(task, meta: dict) -> list[dict]:

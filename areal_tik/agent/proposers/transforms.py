@@ -155,7 +155,7 @@ if (rg && ((reinterpret_cast<uintptr_t>(yr) | reinterpret_cast<uintptr_t>(w)) & 
 """ + _RMS_SCALE_ELEMENTS + """
   }
 }""")
-_TRANSFORM_PRIORITY = {"unmasked-k-loop": 85.0, "grouped-order": 80.0, "persistent": 55.0, "vector-loads": 70.0,
+TRANSFORM_PRIORITY = {"unmasked-k-loop": 85.0, "grouped-order": 80.0, "persistent": 55.0, "vector-loads": 70.0,
                        "row-registers": 75.0}
 
 
@@ -167,7 +167,7 @@ def apply_transform(source: str, name: str) -> str:
     return out
 
 
-def _applied(source: str, name: str) -> bool:
+def is_applied(source: str, name: str) -> bool:
     region, body = TRANSFORMS[name]
     r = regions(source).get(region)
     return r is not None and [ln.strip() for ln in r.strip().split("\n")] == [ln.strip() for ln in body.split("\n")]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import os
 
+from areal_tik.kernels.cuda.loader import CSRC_DIR
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 ROOTS = {
@@ -39,7 +41,6 @@ def root_path(op: str) -> str:
     """The file a root's source is read from."""
     r = ROOTS[op]
     if "csrc" in r:
-        from areal_tik.kernels.cuda.loader import CSRC_DIR
         return os.path.join(CSRC_DIR, r["csrc"])
     return os.path.join(HERE, r["file"])
 

@@ -2,11 +2,13 @@
 the server for ``/get_server_info`` (kernels, fingerprint, weights digest, log-prob definition)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import time
 
+from areal_tik.dispatch.fingerprint import compute, environment
 from areal_tik.engine.server.config import ServerConfig
 from areal_tik.engine.server.routes import TikServer
 from areal_tik.engine.server.worker import EngineWorker
@@ -16,9 +18,6 @@ logger = logging.getLogger("areal_tik.server")
 
 
 def _default_fingerprint() -> str:
-    import hashlib
-
-    from areal_tik.dispatch.fingerprint import environment
     env = environment()
     return "default-" + hashlib.sha256(json.dumps(env, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -26,6 +25,7 @@ def _default_fingerprint() -> str:
 def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16") -> TikServer:
     """Build model (preset or HF dir), patch it per ``cfg.kernels``, wrap engine and server."""
 
+    # lazy: keeps torch out of this module's import
     import torch
 
     from areal_tik.layers.weights_digest import model_digest
@@ -38,7 +38,7 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     model = build_model(cfg.model, dtype=getattr(torch, dtype), device=device, seed=cfg.seed)
-    from areal_tik.layers.patch import ops_of, patch_model
+    from areal_tik.layers.patch import ops_of, patch_model  # lazy: keeps torch out of this module's import
     model = patch_model(model, kernels=cfg.kernels, backend=cfg.backend)
     model.eval()
     t1 = time.perf_counter()
@@ -70,7 +70,6 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
                            enabled=cfg.precompile)
 
     if cfg.kernels == "tik":
-        from areal_tik.dispatch.fingerprint import compute
         fp = compute(ops_of(model))      # the ops patch_model bound to the served model
         fingerprint, selection = fp["fingerprint"], fp["selection"]
     else:

@@ -23,7 +23,7 @@ _TYPES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 4
 def json_reply(obj, status: int = 200):
     """``obj`` as a JSON response (NaN and infinities are refused by no client of ours: Python's
     ``json`` writes them as ``NaN``/``Infinity``, which AReaL's client reads back)."""
-    from aiohttp import web
+    from aiohttp import web  # lazy: keeps aiohttp out of this module's import
     return web.Response(text=json.dumps(obj), status=status, content_type=JSON)
 
 
@@ -38,7 +38,7 @@ def error_reply(message: str, status: int = 400):
 def error_middleware():
     """aiohttp middleware: a handler's uncaught exception or aiohttp HTTP error becomes an
     :func:`error_reply` (logged once, with its traceback for a 500)."""
-    from aiohttp import web
+    from aiohttp import web  # lazy: keeps aiohttp out of this module's import
 
     @web.middleware
     async def middleware(request, handler):

@@ -16,7 +16,7 @@ from areal_tik.engine.server.http_errors import error_middleware, error_reply, j
 from areal_tik.engine.server.request_validation import (Limits, RequestError, parse_abort, parse_disk_update,
                                                         parse_distributed_update, parse_generate, parse_group_init,
                                                         parse_group_name)
-from areal_tik.engine.server.worker import EngineWorker, _Pending
+from areal_tik.engine.server.worker import EngineWorker, Pending
 
 logger = logging.getLogger("areal_tik.server")
 
@@ -37,7 +37,7 @@ class TikServer:
         self.cfg = cfg
         self.info = info  # static: fingerprint, kernels, model path, ...
         self._rid = itertools.count()
-        self._inflight: dict[str, _Pending] = {}  # /generate ids between arrival and reply (event-loop thread only)
+        self._inflight: dict[str, Pending] = {}  # /generate ids between arrival and reply (event-loop thread only)
         self.clients = ClientWatch(self._client_gone)
         self.started = time.time()
 
@@ -46,7 +46,7 @@ class TikServer:
 
     async def _body(self, request):
         """The JSON body (``None`` when there is none); :class:`RequestError` if it is not JSON."""
-        from aiohttp import web
+        from aiohttp import web  # lazy: keeps aiohttp out of this module's import
         if not request.can_read_body:
             return None
         try:
@@ -66,7 +66,7 @@ class TikServer:
             pass
         return rid
 
-    def _client_gone(self, p: _Pending) -> None:
+    def _client_gone(self, p: Pending) -> None:
         """``p``'s client went away: end it in the engine thread (its reply goes nowhere)."""
         p.client_gone = True
         self.worker.submit(lambda: self.worker.cmd_cancel(p))
@@ -123,7 +123,7 @@ class TikServer:
         ids = req.input_ids
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        p = _Pending(rid, ids, params, fut, loop, req.want_input_logprobs, max(0, req.logprob_start_len or 0),
+        p = Pending(rid, ids, params, fut, loop, req.want_input_logprobs, max(0, req.logprob_start_len or 0),
                      params.temperature)   # greedy (0) scores at T = 1: the log-prob head's effective_temperature
         self._inflight[rid] = p  # a gone holder's end is queued before this request: the engine sees them in order
         self.clients.add(p, request)
@@ -206,13 +206,14 @@ class TikServer:
                            "num_paused_requests": 0, **res})
 
     async def init_weights_update_group(self, request):
-        from areal_tik.engine.server.weight_group import join_group
+        from areal_tik.engine.server.weight_group import join_group  # lazy: keeps torch out of this module's import
         try:
             args = parse_group_init(await self._body(request))
         except RequestError as e:
             return error_reply(e.message, e.status)
         old = self.worker.groups.pop(args["group_name"], None)
         if old is not None:  # a restarted trainer re-creates its group: it is already waiting in the rendezvous
+            # lazy: keeps torch out of this module's import
             from areal_tik.engine.server.weight_group import leave_group
             logger.warning("weight update group %s exists: replacing it (trainer restarted?)", args["group_name"])
             await asyncio.to_thread(leave_group, old)
@@ -238,7 +239,7 @@ class TikServer:
         pg = self.worker.groups.pop(name, None)
         if pg is None:
             return error_reply(f"no weight update group {name!r}", 400)
-        from areal_tik.engine.server.weight_group import leave_group
+        from areal_tik.engine.server.weight_group import leave_group  # lazy: keeps torch out of this module's import
         await asyncio.to_thread(leave_group, pg)
         logger.info("left weight update group %s", name)
         return self._json({"success": True, "message": f"left {name}"})
@@ -282,7 +283,7 @@ class TikServer:
         task.cancel()
 
     def app(self):
-        from aiohttp import web
+        from aiohttp import web  # lazy: keeps aiohttp out of this module's import
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware()])
         app.cleanup_ctx.append(self._watch_clients)
         r = app.router
@@ -326,7 +327,7 @@ def serving(server: TikServer, ready_timeout: float = 120, join_timeout: float =
 
 def run_server(server: TikServer, ready: threading.Event | None = None, stop: threading.Event | None = None):
     """Serve until ``stop`` is set (or forever); blocking. Starts the engine thread."""
-    from aiohttp import web
+    from aiohttp import web  # lazy: keeps aiohttp out of this module's import
 
     async def main():
         runner = web.AppRunner(server.app(), access_log=None)
@@ -348,6 +349,6 @@ def run_server(server: TikServer, ready: threading.Event | None = None, stop: th
         asyncio.run(main())
     finally:
         server.worker.stop()
-        from areal_tik.engine.server.weight_group import leave_group
+        from areal_tik.engine.server.weight_group import leave_group  # lazy: keeps torch out of this module's import
         for pg in server.worker.groups.values():
             leave_group(pg)

@@ -21,6 +21,10 @@ from __future__ import annotations
 import datetime
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+from areal_tik.engine.weight_staging import WeightUpdateError, parse_dtype, parse_shape
 
 __all__ = ["join_group", "receive_bucket", "drain_bucket", "leave_group"]
 
@@ -29,9 +33,6 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
                backend: str, timeout_s: float = 600.0):
     """Join the trainer's weight-update group as ``rank`` (1.. for inference workers); blocks
     until every rank has joined or ``timeout_s`` passes. Returns the process group."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
-
     if not 0 < int(rank) < int(world_size):
         raise ValueError(f"weight update group: rank {rank} is outside 1..{int(world_size) - 1} "
                          "(rank 0 is the trainer)")
@@ -55,8 +56,6 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
 def receive_bucket(pg, names: list[str], dtypes: list[str], shapes: list, device) -> dict[str, torch.Tensor]:
     """Receive one bucket: a broadcast from rank 0 per name, in order. Returns name -> tensor
     on ``device`` (the trainer's dtype, e.g. bf16 after AReaL's cast to the compute dtype)."""
-    import torch.distributed as dist
-
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes, "
                          f"{len(shapes)} shapes")
@@ -85,7 +84,6 @@ def drain_bucket(pg, dtypes: list, shapes: list, device, max_bytes: int) -> str:
     timeout. Only when every dtype and shape is well formed and the bucket is at most
     ``max_bytes`` + 64 MiB (a real bucket is never larger than the model). Never raises;
     returns what was done, for the reply."""
-    from areal_tik.engine.weight_staging import WeightUpdateError, parse_dtype, parse_shape
     try:
         nbytes = 0
         for dt, shape in zip(dtypes, shapes):
@@ -105,7 +103,6 @@ def drain_bucket(pg, dtypes: list, shapes: list, device, max_bytes: int) -> str:
 
 
 def leave_group(pg) -> None:
-    import torch.distributed as dist
     try:
         dist.destroy_process_group(pg)
     except Exception:  # noqa: BLE001 - best effort at shutdown

@@ -17,7 +17,7 @@ from areal_tik.kernels import jit_watch
 logger = logging.getLogger("areal_tik.server")
 
 
-class _Pending:
+class Pending:
     """One /generate request in the engine thread's hands."""
 
     __slots__ = ("rid", "prompt_ids", "params", "fut", "loop", "out_ids", "out_lps", "version",
@@ -53,8 +53,8 @@ class EngineWorker(WeightUpdateCommands):
         self.engine = engine
         self.SamplingParams = sampling_params_cls
         self._cmds: queue.Queue = queue.Queue()
-        self._active: dict[str, _Pending] = {}
-        self._held: list[_Pending] = []  # arrived while paused
+        self._active: dict[str, Pending] = {}
+        self._held: list[Pending] = []  # arrived while paused
         self.paused = False
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -122,7 +122,7 @@ class EngineWorker(WeightUpdateCommands):
     def _run(self):
         dev = getattr(self.engine, "device", None)
         if dev is not None and str(dev).startswith("cuda"):
-            import torch
+            import torch  # lazy: keeps torch out of this module's import
             torch.cuda.set_device(dev)  # this thread's current device = the engine's (e.g. cuda:1)
         while not self._stop.is_set():
             ran = False
@@ -182,7 +182,7 @@ class EngineWorker(WeightUpdateCommands):
             for p in list(self._active.values()):
                 self._fail(p, RequestError("the engine lost this request", 500))
 
-    def _fail(self, p: _Pending, exc: Exception):
+    def _fail(self, p: Pending, exc: Exception):
         """Remove ``p`` and fail its future with ``exc``; nothing else changes."""
         if self._active.get(p.rid) is p:
             del self._active[p.rid]
@@ -205,7 +205,7 @@ class EngineWorker(WeightUpdateCommands):
         if o.finish_reason is not None:
             self._finish(p, o.finish_reason)
 
-    def _finish(self, p: _Pending, reason: str):
+    def _finish(self, p: Pending, reason: str):
         self._active.pop(p.rid, None)
         self.n_generated += len(p.out_ids)
         self.iv["tokens"] += len(p.out_ids)
@@ -221,7 +221,7 @@ class EngineWorker(WeightUpdateCommands):
                                           version=self.engine.version if p.version is None else p.version,
                                           input_lps=input_lps))
 
-    def _input_logprobs(self, p: _Pending) -> list:
+    def _input_logprobs(self, p: Pending) -> list:
         ids = p.prompt_ids
         lps = self.engine.score(ids, p.temperature)  # len(ids) - 1 values
         full = [None] + [float(x) for x in lps]
@@ -229,7 +229,7 @@ class EngineWorker(WeightUpdateCommands):
         return [[full[i], int(ids[i]), None] for i in range(start, len(ids))]
 
     # ---- commands (run in the engine thread) ---------------------------------------
-    def cmd_add(self, p: _Pending):
+    def cmd_add(self, p: Pending):
         """Queue ``p`` (held while paused). A request id already in flight or held fails
         ``p`` alone (409); the request holding the id is not touched."""
         if p.rid in self._active or any(h.rid == p.rid for h in self._held):
@@ -240,7 +240,7 @@ class EngineWorker(WeightUpdateCommands):
             return
         self._add_now(p)
 
-    def _add_now(self, p: _Pending):
+    def _add_now(self, p: Pending):
         """Give ``p`` to the engine; it joins ``_active`` only once the engine took it. An engine
         refusal fails ``p`` alone (400)."""
         if p.params.max_new_tokens <= 0:  # scoring only
@@ -302,7 +302,7 @@ class EngineWorker(WeightUpdateCommands):
         held = next((h for h in self._held if h.rid == rid), None)
         return self.cmd_cancel(held if held is not None else self._active.get(rid))
 
-    def cmd_cancel(self, p: _Pending | None) -> bool:
+    def cmd_cancel(self, p: Pending | None) -> bool:
         """End ``p`` now with ``abort`` and its output so far: held during a pause (it never reached
         the engine), or in the engine (removed there, its KV pages freed). False when ``p`` has
         already ended (or is None)."""

@@ -68,6 +68,7 @@ class WeightUpdateCommands:
         refused before receiving (unknown name, wrong shape or dtype, requests in flight, an
         earlier bucket refused) is still received and dropped when its size is sane, so the
         trainer's broadcasts complete and it gets the reply."""
+        # lazy: keeps torch out of this module's import
         from areal_tik.engine.server.weight_group import drain_bucket, receive_bucket
         from areal_tik.engine.weight_staging import model_nbytes
         pg = self.groups.get(req["group_name"])

@@ -51,7 +51,7 @@ def _bwd_dkdv_step(q_ptrs_base, Q, DO, LSE, DELTA, k, v, dk, dv, s0, n, start_m,
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, qk_scale, sm_scale,
+def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, qk_scale, sm_scale,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_lt,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -112,7 +112,7 @@ def _bwd_dq_step(K, V, q, do, lse, dl, dq, s0, n, start_n, offs_m, offs_d, hk, q
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, qk_scale, sm_scale,
+def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, qk_scale, sm_scale,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_lt,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -168,11 +168,11 @@ def varlen_backward(q, k, v, out, lse, cu_seqlens, max_seqlen, sm_scale, qk_scal
     B = cu_seqlens.shape[0] - 1
     if B > 0 and max_seqlen > 0:
         common = dict(GROUP=hq // hkv, HEAD_DIM=D, num_warps=t["num_warps"], num_stages=t["num_stages"])
-        _attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen, t["BLOCK_N1"]), B, hkv)](
+        attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen, t["BLOCK_N1"]), B, hkv)](
             q, k, v, dout, lse, delta, dk, dv, cu_seqlens, qk_scale, sm_scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
             BLOCK_M=t["BLOCK_M1"], BLOCK_N=t["BLOCK_N1"], **common)
-        _attn_bwd_dq_kernel[(hq, triton.cdiv(max_seqlen, t["BLOCK_M2"]), B)](
+        attn_bwd_dq_kernel[(hq, triton.cdiv(max_seqlen, t["BLOCK_M2"]), B)](
             q, k, v, dout, lse, delta, dq, cu_seqlens, qk_scale, sm_scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
             BLOCK_M=t["BLOCK_M2"], BLOCK_N=t["BLOCK_N2"], **common)

@@ -1,6 +1,6 @@
 """Triton kernels of the attention forward: one online-softmax block step, the partition merge,
-the prefill / chunked-prefill / training kernel (``_attn_fwd_kernel``) and the split-KV decode
-kernel (``_attn_decode_kernel``), which share the step and the merge so every regime rounds alike.
+the prefill / chunked-prefill / training kernel (``attn_fwd_kernel``) and the split-KV decode
+kernel (``attn_decode_kernel``), which share the step and the merge so every regime rounds alike.
 The contract they keep is in the package docstring."""
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def _fwd_block(q, K, V, BT, seq, hk, q_start, start_n, seqlen_k, pos, offs_d, m,
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, BT, CUQ, SEQK, qk_scale,
+def attn_fwd_kernel(Q, K, V, O, LSE, BT, CUQ, SEQK, qk_scale,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_ot, stride_oh, stride_lt, stride_bt,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -171,7 +171,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, BT, CUQ, SEQK, qk_scale,
 
 
 @triton.jit
-def _attn_decode_kernel(Q, KC, VC, BT, CUQ, SEQK, O, WM, WL, WA, CNT, qk_scale,
+def attn_decode_kernel(Q, KC, VC, BT, CUQ, SEQK, O, WM, WL, WA, CNT, qk_scale,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
                         stride_ot, stride_oh, n_parts, n_heads_q, n_hslots,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,

@@ -11,7 +11,7 @@ from areal_tik.kernels.attention import tuning as T
 from areal_tik.kernels.attention import workspace as W
 from areal_tik.kernels.attention.checks import check_paged, check_varlen, check_window, softmax_scales
 from areal_tik.kernels.attention.flash_backward import varlen_attention_backward
-from areal_tik.kernels.attention.triton_kernels import _attn_decode_kernel, _attn_fwd_kernel
+from areal_tik.kernels.attention.triton_kernels import attn_decode_kernel, attn_fwd_kernel
 
 def _fwd_tiles(D):
     if interpreting():
@@ -36,7 +36,7 @@ def _launch_fwd(q, k, v, out, lse, block_table, cu_q, seqlens_k, max_seqlen_q, q
     else:
         kk, vv, bt, sk, sbt = k, v, cu_q, cu_q, 0
     lse_t = lse if lse is not None else out
-    _attn_fwd_kernel[grid](
+    attn_fwd_kernel[grid](
         q, kk, vv, out, lse_t, bt, cu_q, sk, qk_scale,
         q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
         out.stride(0), out.stride(1), (lse.stride(0) if lse is not None else 0), sbt,
@@ -135,7 +135,7 @@ def _decode(q, k_cache, v_cache, block_table, cu_q, seqlens_k, out, qk_scale):
     wa = W.alloc((B * hq * n_parts * D,), torch.float32, dev)
     cnt = W.counters(B * hkv * hsplit, dev)
     kk, vv = k_cache.view(-1, hkv, D), v_cache.view(-1, hkv, D)
-    _attn_decode_kernel[(n_parts, hkv * hsplit, B)](
+    attn_decode_kernel[(n_parts, hkv * hsplit, B)](
         q, kk, vv, block_table, cu_q, seqlens_k, out, wm, wl, wa, cnt, qk_scale,
         q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), n_parts, hq, hkv * hsplit,

@@ -4,6 +4,8 @@ the fingerprint hashes. Launchers read them at call time (``tuning.BLOCK_N``), s
 and tests may change them."""
 from __future__ import annotations
 
+import json
+import hashlib
 import os
 
 from areal_tik.kernels import interpreting
@@ -96,13 +98,11 @@ def load_tuned(path: str | None = None, arch: str | None = None) -> bool:
     arch = arch or _gpu_arch_name()
     if arch is None:
         return False
-    import json
     with open(path) as f:
         table = json.load(f)
     entry = table.get(arch)
     if not entry:
         return False
-    import hashlib
     digest = hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:12]
     configure(entry, source=f"{os.path.basename(path)}:{arch}:{digest}")
     _refresh_meta()

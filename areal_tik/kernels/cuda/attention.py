@@ -52,9 +52,10 @@ from __future__ import annotations
 import torch
 
 from areal_tik.kernels.attention.checks import check_paged, check_varlen, check_window, softmax_scales
+from areal_tik.kernels.attention.flash_backward import varlen_attention_backward
 from areal_tik.kernels.attention.tuning import LOG2E
 from areal_tik.kernels.cuda.extension import (  # CUDA_SOURCES, META: the registry reads them here
-    CUDA_SOURCES, META, PREFILL_KERNEL, _need_cuda, extension,
+    CUDA_SOURCES, META, PREFILL_KERNEL, need_cuda, extension,
 )
 
 __all__ = ["attention_varlen_cuda", "attention_paged_cuda", "describe", "OPS", "META", "CUDA_SOURCES",
@@ -143,7 +144,6 @@ class _VarlenCudaFunction(torch.autograd.Function):
         if not lse:
             dq, dk, dv = _varlen_grad_reference(q, k, v, cu, ctx.scale, dout)
         else:
-            from areal_tik.kernels.attention.flash_backward import varlen_attention_backward
             dq, dk, dv = varlen_attention_backward(q, k, v, out, lse[0], cu, ctx.max_seqlen, ctx.scale,
                                                    ctx.scale * LOG2E, dout)
         return dq, dk, dv, None, None, None, None, None
@@ -158,7 +158,7 @@ def attention_varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale=None, window_si
     log-sum-exp the forward writes alongside (float32 PyTorch recompute under ``mode="split"``).
     ``prefill_kernel``: ``"auto"``, ``"mma"``, ``"wgmma"`` or None (``PREFILL_KERNEL``); same bits."""
     check_window(window_size)
-    _need_cuda("attention_varlen", ("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens))
+    need_cuda("attention_varlen", ("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens))
     check_varlen(q, k, v, cu_seqlens, max_seqlen, triton_path=False)
     sc, _ = softmax_scales(scale, q.shape[-1])
     md = _mode(mode)
@@ -187,7 +187,7 @@ def attention_paged_cuda(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens
     device; a capture before any eager call falls back to the merge kernel. ``prefill_kernel``: as
     :func:`attention_varlen_cuda` (launches that are not decode-shaped)."""
     check_window(window_size)
-    _need_cuda("attention_paged", ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
+    need_cuda("attention_paged", ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
                ("cu_seqlens_q", cu_seqlens_q), ("seqlens_k", seqlens_k))
     check_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seqlens_k, max_seqlen_q, triton_path=False,
                 contiguous_caches=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from areal_tik.kernels.cuda.extension import (  # CUDA_SOURCES, META: the registry reads them here
-    CUDA_SOURCES, META, _need_cuda, extension,
+    CUDA_SOURCES, META, need_cuda, extension,
 )
 
 __all__ = ["kv_cache_write_cuda", "rms_norm_cuda", "rms_norm_backward", "apply_rope_cuda", "OPS", "META",
@@ -28,7 +28,7 @@ __all__ = ["kv_cache_write_cuda", "rms_norm_cuda", "rms_norm_backward", "apply_r
 def kv_cache_write_cuda(k, v, k_cache, v_cache, slot_mapping):
     """Copy ``k[t], v[t]`` into cache slot ``slot_mapping[t]`` (negative slots skipped). In place."""
     name = "kv_cache_write"
-    _need_cuda(name, ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping))
+    need_cuda(name, ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping))
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"{name}: k/v must be [Tk, Hkv, D] of one shape, got {tuple(k.shape)} / {tuple(v.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
@@ -54,13 +54,13 @@ def rms_norm_backward(x, w, eps, dy):
     (areal_tik.agent.export): the Triton backward kernel of ``kernels/rms_norm.py`` (fp32 maths, dw from
     fixed per-program partial sums) on each row's ``rsqrt(mean(x^2) + eps)`` from its Triton forward. Like
     the attention's backward, a gradient: accurate, not part of the bitwise contract."""
-    from areal_tik.kernels.rms_norm import _rms_norm_bwd, rms_norm_fwd
+    from areal_tik.kernels.rms_norm import rms_norm_bwd, rms_norm_fwd  # lazy: keeps triton out of this module's import
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     _, rstd = rms_norm_fwd(x2, w, eps, store_rstd=True)  # the Triton forward's rstd (its y is not used)
-    dx, dw = _rms_norm_bwd(dy.reshape(-1, n), x2, w, rstd)
+    dx, dw = rms_norm_bwd(dy.reshape(-1, n), x2, w, rstd)
     return dx.view(x.shape), dw
 
 
@@ -82,7 +82,7 @@ def rms_norm_cuda(x, weight, eps, out=None):
     warp per row; a row's bits depend only on that row and N). x ``[..., N]`` bf16/fp16/fp32
     with a unit last stride, weight ``[N]`` of x's dtype. Backward: :func:`rms_norm_backward`."""
     name = "rms_norm"
-    _need_cuda(name, ("x", x), ("weight", weight))
+    need_cuda(name, ("x", x), ("weight", weight))
     if x.dtype not in _FLOATS or weight.dtype != x.dtype:
         raise TypeError(f"{name}: x ({x.dtype}) and weight ({weight.dtype}) must share a dtype in {_FLOATS}")
     if weight.dim() != 1 or x.dim() < 1 or x.shape[-1] != weight.shape[0]:
@@ -117,7 +117,7 @@ def apply_rope_cuda(x, cos, sin, positions, out=None):
     ``[T]`` in ``[0, P)`` (clamped on the GPU, never read out of bounds). New contiguous output.
     Backward: the same kernel's transpose (csrc ``tik_apply_rope(..., backward=1)``)."""
     name = "apply_rope"
-    _need_cuda(name, ("x", x), ("cos", cos), ("sin", sin), ("positions", positions))
+    need_cuda(name, ("x", x), ("cos", cos), ("sin", sin), ("positions", positions))
     if x.dtype not in _FLOATS:
         raise TypeError(f"{name}: x dtype {x.dtype} unsupported; {_FLOATS}")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
@@ -150,7 +150,7 @@ OPS = {
 def _rope_table(*args, **kwargs):
     """The one RoPE table (built on the CPU in float64, see ``kernels/rope.py``); listed here so
     a ``backend="cuda"`` request finds it. Identical for every backend."""
-    from areal_tik.kernels.rope import rope_table
+    from areal_tik.kernels.rope import rope_table  # lazy: keeps triton out of this module's import
     return rope_table(*args, **kwargs)
 
 

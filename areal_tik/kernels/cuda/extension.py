@@ -73,7 +73,7 @@ def extension():
     return mod
 
 
-def _need_cuda(name, *named):
+def need_cuda(name, *named):
     """Every input of a cuda op must be a CUDA tensor, all on one device."""
     dev = None
     for n, t in named:

@@ -34,8 +34,8 @@ def load():
         raise RuntimeError(f"no CUDA sources under {CSRC_DIR}")
     if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
         raise RuntimeError("areal_tik.kernels.cuda._C not built and nvcc not found for a JIT build")
-    from torch.utils.cpp_extension import load as _load
-    import torch
+    from torch.utils.cpp_extension import load as _load  # lazy: CUDA-only (compiles or loads the extension)
+    import torch  # lazy: keeps torch out of this module's import
     logging.getLogger("areal_tik.cuda_ext").info(
         "areal-tik: loading the csrc extension just in time (first build on this machine: ~1 min of nvcc; "
         "cached under torch's extensions directory afterwards; pip install -e . builds it ahead of time)")

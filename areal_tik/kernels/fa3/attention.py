@@ -38,11 +38,13 @@ Accuracy: relative Frobenius error vs ``attention_reference`` (float64) < 1e-2 (
 """
 from __future__ import annotations
 
+from importlib import metadata
 import math
 
 import torch
 
 from areal_tik.kernels.attention.checks import check_paged, check_varlen, check_window, softmax_scales
+from areal_tik.kernels.attention.flash_backward import varlen_attention_backward
 
 __all__ = ["attention_varlen_fa3", "attention_paged_fa3", "flash_fn", "OPS", "META", "NUM_SPLITS", "FA_VERSION",
            "HEAD_DIMS", "PAGE_SIZES", "check_shapes", "CHECK_SHAPES"]
@@ -55,7 +57,6 @@ _LN2 = math.log(2.0)
 
 
 def _vllm_version() -> str | None:
-    from importlib import metadata
     try:
         return metadata.version("vllm")
     except metadata.PackageNotFoundError:
@@ -69,6 +70,7 @@ META = {"fa3_num_splits": NUM_SPLITS, "fa_version": FA_VERSION, "vllm": _vllm_ve
 
 def flash_fn():
     """vLLM's ``flash_attn_varlen_func`` (imported on first use: importing vLLM takes seconds)."""
+    # optional dependency (vllm): imported only on this path
     from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
     return flash_attn_varlen_func
 
@@ -106,7 +108,6 @@ class _VarlenFa3Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from areal_tik.kernels.attention.flash_backward import varlen_attention_backward
         q, k, v, cu, out, lse2 = ctx.saved_tensors
         _, qk_scale = softmax_scales(ctx.scale, q.shape[-1])
         dq, dk, dv = varlen_attention_backward(q, k, v, out, lse2, cu, ctx.max_seqlen, ctx.scale, qk_scale, dout)

@@ -46,7 +46,7 @@ import hashlib
 from areal_tik.kernels.linear.configs import BLOCK_K, CONFIGS
 from areal_tik.kernels.linear.launcher import linear_fwd, linear_triton
 from areal_tik.kernels.linear.selection import (
-    _TABLE_TEXT, config_name_for, config_names, pick_config, row_grid, tile_configs,
+    TABLE_TEXT, config_name_for, config_names, pick_config, row_grid, tile_configs,
 )
 from areal_tik.kernels.linear.specs import compile_specs
 from areal_tik.kernels.linear.splits import K_SPLITS, k_split
@@ -64,6 +64,6 @@ META = {"linear.BLOCK_K": BLOCK_K,
         "linear.k_splits": ",".join(f"{k}:{s}" for k, s in sorted(K_SPLITS.items())) or "none",
         "linear.torch_ref": "ascending-k fp32 mul+add",
         # the tuned tile table picks among configs proven bit-identical, but it is fingerprinted anyway
-        "linear.tuned_table": hashlib.sha256(_TABLE_TEXT.encode()).hexdigest()[:16] if _TABLE_TEXT else "none"}
+        "linear.tuned_table": hashlib.sha256(TABLE_TEXT.encode()).hexdigest()[:16] if TABLE_TEXT else "none"}
 
 COMPILE_SPECS = compile_specs()

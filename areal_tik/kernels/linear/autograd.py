@@ -61,7 +61,7 @@ class _LinearFn(torch.autograd.Function):
         return (None, *_linear_backward(ctx, dy, x2, w))
 
 
-def _linear_2d(fwd, x, weight, bias, triton_path: bool) -> torch.Tensor:
+def linear_2d(fwd, x, weight, bias, triton_path: bool) -> torch.Tensor:
     """Validate, flatten to 2-D, run ``fwd`` (through autograd when a grad is needed)."""
     _validate(x, weight, bias, triton_path=triton_path)
     x2 = as_2d(x, "[M, K]")

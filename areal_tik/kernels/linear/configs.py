@@ -24,9 +24,9 @@ def _cfg(bm, bn, warps, stages, unroll=1, group=8, kernel="ptr", flatten=False, 
 #: TMA descriptors, persistent TMA), never in the reduction (BLOCK_K=64, ascending K, one
 #: fresh fp32 accumulator per output tile); the GPU test checks each against the others
 #: bit for bit, and bench/tune_linear.py re-checks every candidate before timing it.
-#: "kernel": "ptr" = :func:`_linear_fwd_kernel`, "tma" = :func:`_linear_fwd_tma_kernel`,
-#: "tma_p" = :func:`_linear_fwd_tma_persistent_kernel` (TMA kinds: sm_90+ only), "splitk" =
-#: :func:`_linear_fwd_splitk_kernel` (one program per tile and chunk of the fixed K split; with one chunk
+#: "kernel": "ptr" = :func:`linear_fwd_kernel`, "tma" = :func:`linear_fwd_tma_kernel`,
+#: "tma_p" = :func:`linear_fwd_tma_persistent_kernel` (TMA kinds: sm_90+ only), "splitk" =
+#: :func:`linear_fwd_splitk_kernel` (one program per tile and chunk of the fixed K split; with one chunk
 #: it runs its pointer twin). Every kind reduces the same fixed split of K (:mod:`.splits`).
 CONFIGS = {
     # decode: memory bound, small M tile, N tile sized for enough programs, loads in flight
@@ -131,7 +131,7 @@ def arch_has_tma(arch: str) -> bool:
         return False
 
 
-def _fallback_ptr_config(cfg: dict) -> dict:
+def fallback_ptr_config(cfg: dict) -> dict:
     """A TMA or split config's pointer-kernel twin (same tile, same bits; used when TMA preconditions fail,
     or when a split launch has one chunk or no arrival counters)."""
     return _cfg(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], unroll=cfg.get("K_UNROLL", 1),

@@ -7,13 +7,14 @@ import functools
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from areal_tik.kernels.linear.autograd import _linear_2d
-from areal_tik.kernels.linear.configs import CONFIGS, CONFIGS_FP32, TMA_KERNELS, _fallback_ptr_config
-from areal_tik.kernels.linear.selection import _config_for, device_info
+from areal_tik.kernels.linear.autograd import linear_2d
+from areal_tik.kernels.linear.configs import CONFIGS, CONFIGS_FP32, TMA_KERNELS, fallback_ptr_config
+from areal_tik.kernels.linear.selection import config_for, device_info
 from areal_tik.kernels.linear.splits import k_split
 from areal_tik.kernels.linear.triton_kernels import (
-    _linear_fwd_kernel, _linear_fwd_splitk_kernel, _linear_fwd_tma_kernel, _linear_fwd_tma_persistent_kernel,
+    linear_fwd_kernel, linear_fwd_splitk_kernel, linear_fwd_tma_kernel, linear_fwd_tma_persistent_kernel,
 )
 
 #: arrival counters of the split kernel, one int32 per output tile, per device; each launch leaves them at 0
@@ -65,7 +66,7 @@ def linear_fwd(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
         return out
     if isinstance(config, str):
         config = {**CONFIGS, **CONFIGS_FP32}[config]
-    cfg = dict(config or _config_for(M, N, K, x2))
+    cfg = dict(config or config_for(M, N, K, x2))
     kind = cfg.pop("kind", None) or cfg.pop("kernel", "ptr")
     n_chunks, chunk = k_split(K, splits)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -74,35 +75,34 @@ def linear_fwd(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     if kind == "splitk" and n_chunks > 1 and tiles <= COUNTER_CAPACITY:
         counters = split_counters(x2.device)
     if (kind in TMA_KERNELS and not tma_ok(x2, w)) or (kind == "splitk" and counters is None):
-        cfg = _fallback_ptr_config(cfg)
+        cfg = fallback_ptr_config(cfg)
         kind = cfg.pop("kernel")
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     prec = "ieee" if x2.dtype == torch.float32 else "tf32"
     bias = b if b is not None else out
     if kind == "ptr":
-        _linear_fwd_kernel[(tiles,)](
+        linear_fwd_kernel[(tiles,)](
             x2, w, bias, out, M, N, K, chunk, x2.stride(0), w.stride(0), out.stride(0),
             HAS_BIAS=b is not None, PRECISION=prec, SPLITS=n_chunks, num_warps=nw, num_stages=ns, **cfg)
         return out
     if kind == "splitk":
         ws = torch.empty((n_chunks, M, N), dtype=torch.float32, device=x2.device)
-        _linear_fwd_splitk_kernel[(tiles, n_chunks)](
+        linear_fwd_splitk_kernel[(tiles, n_chunks)](
             x2, w, bias, out, ws, counters, M, N, K, chunk, x2.stride(0), w.stride(0), out.stride(0),
             HAS_BIAS=b is not None, PRECISION=prec, SPLITS=n_chunks, num_warps=nw, num_stages=ns, **cfg)
         return out
-    from triton.tools.tensor_descriptor import TensorDescriptor
     bk = cfg["BLOCK_K"]
     xd = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [bm, bk])
     wd = TensorDescriptor(w, [N, K], [w.stride(0), 1], [bn, bk])
     if kind == "tma":
-        _linear_fwd_tma_kernel[(tiles,)](
+        linear_fwd_tma_kernel[(tiles,)](
             xd, wd, bias, out, M, N, K, chunk, out.stride(0), HAS_BIAS=b is not None, PRECISION=prec,
             SPLITS=n_chunks, num_warps=nw, num_stages=ns, **cfg)
         return out
     # one program per SM whatever the problem (one compile; programs without a tile exit)
     progs = device_info(x2.device.index if x2.device.index is not None else torch.cuda.current_device())[1] \
         if x2.is_cuda else 4
-    _linear_fwd_tma_persistent_kernel[(progs,)](
+    linear_fwd_tma_persistent_kernel[(progs,)](
         xd, wd, bias, out, M, N, K, chunk, out.stride(0), HAS_BIAS=b is not None, PRECISION=prec,
         SPLITS=n_chunks, NUM_PROGS=progs, num_warps=nw, num_stages=ns, **cfg)
     return out
@@ -113,4 +113,4 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear`` with a row-invariant Triton GEMM (see the module docstring). ``config`` forces one tile
     config by name (precompilation; every config gives the same bits)."""
     fwd = linear_fwd if config is None else functools.partial(linear_fwd, config=config)
-    return _linear_2d(fwd, x, weight, bias, triton_path=True)
+    return linear_2d(fwd, x, weight, bias, triton_path=True)

@@ -70,8 +70,8 @@ def parse_tuned_table(text: str) -> dict:
     return out
 
 
-_TABLE_TEXT = _load_table_text()
-TUNED = parse_tuned_table(_TABLE_TEXT)
+TABLE_TEXT = _load_table_text()
+TUNED = parse_tuned_table(TABLE_TEXT)
 
 
 def tuned_config_name(M: int, N: int, K: int, arch: str, table: dict | None = None) -> str | None:
@@ -102,7 +102,7 @@ def config_name_for(M: int, N: int, K: int, dtype: torch.dtype, arch: str) -> st
     return pick_config(M, N, K, arch)
 
 
-def _config_for(M: int, N: int, K: int, x2: torch.Tensor) -> dict:
+def config_for(M: int, N: int, K: int, x2: torch.Tensor) -> dict:
     if interpreting():
         return INTERPRETER_CONFIG
     name = config_name_for(M, N, K, x2.dtype, _arch_of(x2.device))

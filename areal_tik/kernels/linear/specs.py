@@ -7,7 +7,7 @@ from areal_tik.kernels._dense_common import div16_attrs
 from areal_tik.kernels.linear.configs import CONFIGS, CONFIGS_FP32, TMA_KERNELS
 from areal_tik.kernels.linear.splits import K_SPLITS
 from areal_tik.kernels.linear.triton_kernels import (
-    _linear_fwd_kernel, _linear_fwd_splitk_kernel, _linear_fwd_tma_kernel, _linear_fwd_tma_persistent_kernel,
+    linear_fwd_kernel, linear_fwd_splitk_kernel, linear_fwd_tma_kernel, linear_fwd_tma_persistent_kernel,
 )
 
 _SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
@@ -23,7 +23,7 @@ def _spec(name, has_bias=False, dtype="bf16", splits=1):
     kind = c.pop("kernel")
     if kind in TMA_KERNELS:
         return _tma_spec(c, kind, nw, ns, has_bias, dtype, splits)
-    fn = _linear_fwd_splitk_kernel if kind == "splitk" else _linear_fwd_kernel
+    fn = linear_fwd_splitk_kernel if kind == "splitk" else linear_fwd_kernel
     base = _SPLIT_SIG if kind == "splitk" else _SIG
     sig = {k: (f"*{dtype}" if v.startswith("*") and k not in ("ws_ptr", "cnt_ptr") else v) for k, v in base.items()}
     return dict(fn=fn, signature=sig,
@@ -35,7 +35,7 @@ def _spec(name, has_bias=False, dtype="bf16", splits=1):
 
 
 def _tma_spec(c, kind, nw, ns, has_bias, dtype, splits):
-    fn = _linear_fwd_tma_kernel if kind == "tma" else _linear_fwd_tma_persistent_kernel
+    fn = linear_fwd_tma_kernel if kind == "tma" else linear_fwd_tma_persistent_kernel
     sig = {"x_desc": f"tensordesc<{dtype}[{c['BLOCK_M']}, {c['BLOCK_K']}]>",
            "w_desc": f"tensordesc<{dtype}[{c['BLOCK_N']}, {c['BLOCK_K']}]>",
            "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "K_CHUNK": "i32",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from areal_tik.kernels.linear.autograd import _linear_2d
+from areal_tik.kernels.linear.autograd import linear_2d
 
 
 def matmul_invariant_torch(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -26,7 +26,7 @@ def _linear_torch_fwd(x2, w, b):
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Row-invariant ``F.linear`` in plain PyTorch (any device; slow, the CPU path)."""
-    return _linear_2d(_linear_torch_fwd, x, weight, bias, triton_path=False)
+    return linear_2d(_linear_torch_fwd, x, weight, bias, triton_path=False)
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

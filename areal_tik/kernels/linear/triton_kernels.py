@@ -89,7 +89,7 @@ def _ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_fwd_kernel(
+def linear_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K, K_CHUNK,
     stride_xm, stride_wn, stride_ym,
@@ -108,7 +108,7 @@ def _linear_fwd_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_fwd_splitk_kernel(
+def linear_fwd_splitk_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_CHUNK,
     stride_xm, stride_wn, stride_ym,
@@ -116,7 +116,7 @@ def _linear_fwd_splitk_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_UNROLL: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    """The same fixed split of K as :func:`_linear_fwd_kernel`, one program per (tile, chunk): more
+    """The same fixed split of K as :func:`linear_fwd_kernel`, one program per (tile, chunk): more
     programs for a decode-sized M. Each writes its chunk's fp32 sum to ``ws[chunk]`` and counts itself
     in with an atomic; the tile's last chunk to arrive adds the chunk sums to +0.0 in ascending order (the
     in-program kernel's adds: the same bits), adds the bias, stores, and resets the counter to 0."""
@@ -173,14 +173,14 @@ def _tma_split_sum(x_desc, w_desc, off_m, off_n, k_tiles, CHUNK_TILES,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_fwd_tma_kernel(
+def linear_fwd_tma_kernel(
     x_desc, w_desc, b_ptr, y_ptr,
     M, N, K, K_CHUNK, stride_ym,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    """Same reduction as :func:`_linear_fwd_kernel` (``acc = dot(a, b^T, acc)`` over
+    """Same reduction as :func:`linear_fwd_kernel` (``acc = dot(a, b^T, acc)`` over
     ascending BLOCK_K chunks from a zero fp32 accumulator, in SPLITS fixed chunks of K_CHUNK
     summed in ascending order; the K tail and the M/N edges zero-filled by the
     tensor-memory-accelerator descriptors exactly as the pointer kernel's masked loads fill
@@ -196,7 +196,7 @@ def _linear_fwd_tma_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_fwd_tma_persistent_kernel(
+def linear_fwd_tma_persistent_kernel(
     x_desc, w_desc, b_ptr, y_ptr,
     M, N, K, K_CHUNK, stride_ym,
     HAS_BIAS: tl.constexpr,
@@ -204,7 +204,7 @@ def _linear_fwd_tma_persistent_kernel(
     GROUP_M: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
     NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
-    """Persistent form of :func:`_linear_fwd_tma_kernel`: NUM_PROGS programs walk the
+    """Persistent form of :func:`linear_fwd_tma_kernel`: NUM_PROGS programs walk the
     output tiles (grouped order); each tile's reduction is the same fresh-accumulator
     ascending-K dot chain (per fixed chunk of K, chunks summed in ascending order)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)

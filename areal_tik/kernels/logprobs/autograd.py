@@ -7,12 +7,12 @@ import torch
 
 from areal_tik.kernels.linear.launcher import linear_fwd
 from areal_tik.kernels.linear.torch_ref import matmul_invariant_torch
-from areal_tik.kernels.logprobs.checks import _check_temperature, _validate_hidden, _validate_logits
+from areal_tik.kernels.logprobs.checks import check_temperature, validate_hidden, validate_logits
 from areal_tik.kernels.logprobs.layout import V_BLOCK, alloc_logits_buffer, chunk_cols
 from areal_tik.kernels.logprobs.torch_ref import (
-    _dlogits_rowwise, _dlogits_torch, _logits_fwd_torch, _token_fwd_torch,
+    dlogits_rowwise, dlogits_torch, logits_fwd_torch, token_fwd_torch,
 )
-from areal_tik.kernels.logprobs.triton_ops import _dlogits_triton, _logits_fwd_triton, _token_fwd_triton
+from areal_tik.kernels.logprobs.triton_ops import dlogits_triton, logits_fwd_triton, token_fwd_triton
 
 
 def _token_bwd(hidden, weight, tokens, lse, mz, glp, gent, temperature, chunk, triton_path):
@@ -26,10 +26,10 @@ def _token_bwd(hidden, weight, tokens, lse, mz, glp, gent, temperature, chunk, t
         w = weight[c0:c1]
         if triton_path:
             lg = linear_fwd(hidden, w, out=buf[:, :c1 - c0])
-            dl = _dlogits_triton(lg, tokens, lse, mz, glp, gent, c0, temperature)
+            dl = dlogits_triton(lg, tokens, lse, mz, glp, gent, c0, temperature)
         else:
             lg = matmul_invariant_torch(hidden, w).to(hidden.dtype)
-            dl = _dlogits_torch(lg, tokens, lse, mz, glp, gent, c0, temperature)
+            dl = dlogits_torch(lg, tokens, lse, mz, glp, gent, c0, temperature)
         dh += (dl @ w).float()
         dw[c0:c1] = dl.t() @ hidden
     return dh.to(hidden.dtype), dw
@@ -38,7 +38,7 @@ def _token_bwd(hidden, weight, tokens, lse, mz, glp, gent, temperature, chunk, t
 class _TokenLogprobsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, chunk, triton_path):
-        fwd = _token_fwd_triton if triton_path else _token_fwd_torch
+        fwd = token_fwd_triton if triton_path else token_fwd_torch
         lp, ent, state = fwd(hidden, weight, tokens, temperature, chunk)
         lse = state[:, 0] + torch.log(state[:, 1])
         mz = state[:, 2] / state[:, 1]
@@ -62,7 +62,7 @@ class _TokenLogprobsFn(torch.autograd.Function):
 class _LogitsLogprobsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, temperature, triton_path):
-        lp, ent, state = (_logits_fwd_triton if triton_path else _logits_fwd_torch)(logits, tokens, temperature)
+        lp, ent, state = (logits_fwd_triton if triton_path else logits_fwd_torch)(logits, tokens, temperature)
         lse = state[:, 0] + torch.log(state[:, 1])
         mz = state[:, 2] / state[:, 1]
         ctx.save_for_backward(logits, tokens, lse, mz)
@@ -80,29 +80,29 @@ class _LogitsLogprobsFn(torch.autograd.Function):
         gent = gent.float().contiguous() if gent is not None else None
         if ctx.triton_path:  # the token path's kernel, in place on one contiguous copy of the logits
             g = torch.empty_like(logits, memory_format=torch.contiguous_format).copy_(logits)
-            return _dlogits_triton(g, tokens, lse, mz, glp, gent, 0, ctx.temperature), None, None, None
-        return _dlogits_rowwise(logits, tokens, lse, mz, glp, gent, ctx.temperature), None, None, None
+            return dlogits_triton(g, tokens, lse, mz, glp, gent, 0, ctx.temperature), None, None, None
+        return dlogits_rowwise(logits, tokens, lse, mz, glp, gent, ctx.temperature), None, None, None
 
 
 def _run_logits(logits, tokens, temperature, return_entropy, triton_path):
-    temperature = _check_temperature(temperature)
-    _validate_logits(logits, tokens, triton_path)
+    temperature = check_temperature(temperature)
+    validate_logits(logits, tokens, triton_path)
     if torch.is_grad_enabled() and logits.requires_grad:
         lp, ent = _LogitsLogprobsFn.apply(logits, tokens, temperature, triton_path)
     else:
-        lp, ent, _ = (_logits_fwd_triton if triton_path else _logits_fwd_torch)(logits, tokens, temperature)
+        lp, ent, _ = (logits_fwd_triton if triton_path else logits_fwd_torch)(logits, tokens, temperature)
     return (lp, ent) if return_entropy else lp
 
 
 def _run_token(hidden, weight, tokens, temperature, return_entropy, chunk, triton_path):
-    temperature = _check_temperature(temperature)
-    _validate_hidden(hidden, weight, tokens, triton_path)
+    temperature = check_temperature(temperature)
+    validate_hidden(hidden, weight, tokens, triton_path)
     if chunk is not None and (chunk <= 0 or chunk % V_BLOCK):
         raise ValueError(f"_chunk_cols must be a positive multiple of V_BLOCK={V_BLOCK}, got {chunk}")
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         lp, ent = _TokenLogprobsFn.apply(hidden, weight, tokens, temperature, chunk, triton_path)
     else:
-        fwd = _token_fwd_triton if triton_path else _token_fwd_torch
+        fwd = token_fwd_triton if triton_path else token_fwd_torch
         lp, ent, _ = fwd(hidden, weight, tokens, temperature, chunk)
     return (lp, ent) if return_entropy else lp
 

@@ -12,7 +12,7 @@ from areal_tik.kernels._dense_common import (
 )
 
 
-def _check_temperature(temperature) -> float:
+def check_temperature(temperature) -> float:
     t = float(temperature)
     if not (t > 0.0) or math.isinf(t):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
@@ -28,7 +28,7 @@ def _check_tokens(tokens, T, V):
         raise ValueError(f"tokens must lie in [0, {V})")
 
 
-def _validate_logits(logits, tokens, triton_path):
+def validate_logits(logits, tokens, triton_path):
     check_dtype("logits", logits)
     if logits.dim() != 2:
         raise ValueError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
@@ -37,7 +37,7 @@ def _validate_logits(logits, tokens, triton_path):
     (check_triton_device if triton_path else check_same_device)(("logits", logits), ("tokens", tokens))
 
 
-def _validate_hidden(hidden, weight, tokens, triton_path):
+def validate_hidden(hidden, weight, tokens, triton_path):
     check_dtype("hidden", hidden)
     check_dtype("lm_head_weight", weight)
     check_same_dtype(hidden=hidden, lm_head_weight=weight)

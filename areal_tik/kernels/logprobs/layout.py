@@ -21,7 +21,7 @@ def chunk_cols(T: int, V: int, budget: int | None = None) -> int:
     return max(V_BLOCK, min(c, triton.cdiv(V, V_BLOCK) * V_BLOCK))
 
 
-def _init_state(T, device):
+def init_state(T, device):
     st = torch.empty((T, _STATE), dtype=torch.float32, device=device)
     st[:, 0] = -math.inf
     st[:, 1:3] = 0.0
@@ -40,7 +40,7 @@ def lse_alignment_ok(data_ptr: int, stride0: int, n_rows: int) -> bool:
     return data_ptr % 16 == 0 and (n_rows <= 1 or stride0 % ROW_ALIGN == 0)
 
 
-def _aligned(t: torch.Tensor) -> bool:
+def is_aligned(t: torch.Tensor) -> bool:
     return lse_alignment_ok(t.data_ptr(), t.stride(0), t.shape[0])
 
 

@@ -9,7 +9,7 @@ import torch
 
 from areal_tik.kernels import _torch_math as tm
 from areal_tik.kernels.linear.torch_ref import matmul_invariant_torch
-from areal_tik.kernels.logprobs.layout import V_BLOCK, _init_state, chunk_cols
+from areal_tik.kernels.logprobs.layout import V_BLOCK, init_state, chunk_cols
 from areal_tik.kernels.rms_norm import tree_sum_lastdim
 
 
@@ -43,17 +43,17 @@ def _finalize_torch(state):
     return ztok - lse, lse - t / s
 
 
-def _logits_fwd_torch(logits, tokens, temperature):
+def logits_fwd_torch(logits, tokens, temperature):
     T, V = logits.shape
-    state = _lse_update_torch(logits, tokens, _init_state(T, logits.device), 0, V, temperature)
+    state = _lse_update_torch(logits, tokens, init_state(T, logits.device), 0, V, temperature)
     lp, ent = _finalize_torch(state)
     return lp, ent, state
 
 
-def _token_fwd_torch(hidden, weight, tokens, temperature, chunk):
+def token_fwd_torch(hidden, weight, tokens, temperature, chunk):
     T, V = hidden.shape[0], weight.shape[0]
     C = chunk or chunk_cols(T, V)
-    state = _init_state(T, hidden.device)
+    state = init_state(T, hidden.device)
     for c0 in range(0, V, C):
         c1 = min(V, c0 + C)
         lg = matmul_invariant_torch(hidden, weight[c0:c1]).to(hidden.dtype)
@@ -62,7 +62,7 @@ def _token_fwd_torch(hidden, weight, tokens, temperature, chunk):
     return lp, ent, state
 
 
-def _dlogits_torch(lg, tokens, lse, mz, glp, gent, c0, temperature):
+def dlogits_torch(lg, tokens, lse, mz, glp, gent, c0, temperature):
     z = lg.float() / temperature
     p = torch.exp(z - lse[:, None])
     g = torch.zeros_like(z)
@@ -75,11 +75,11 @@ def _dlogits_torch(lg, tokens, lse, mz, glp, gent, c0, temperature):
     return (g / temperature).to(lg.dtype)
 
 
-# fp32 temporaries of _dlogits_torch per row block: ~6 x rows x V x 4 bytes (about 3.6 GiB at V=151936)
+# fp32 temporaries of dlogits_torch per row block: ~6 x rows x V x 4 bytes (about 3.6 GiB at V=151936)
 _DLOGITS_ROW_BLOCK = 1024
 
 
-def _dlogits_rowwise(lg, tokens, lse, mz, glp, gent, temperature):
+def dlogits_rowwise(lg, tokens, lse, mz, glp, gent, temperature):
     """d loss / d logits for a [T, V] logits tensor, written block of rows by block of rows into one
     output of the logits' dtype. Each row's gradient depends only on that row, so the blocking changes
     no bits; it bounds the fp32 temporaries (a 16K-token micro-batch at V=151936 otherwise needs ~60 GiB,
@@ -87,7 +87,7 @@ def _dlogits_rowwise(lg, tokens, lse, mz, glp, gent, temperature):
     out = torch.empty_like(lg)
     for r0 in range(0, lg.shape[0], _DLOGITS_ROW_BLOCK):
         r1 = min(lg.shape[0], r0 + _DLOGITS_ROW_BLOCK)
-        out[r0:r1] = _dlogits_torch(lg[r0:r1], tokens[r0:r1], lse[r0:r1], mz[r0:r1],
+        out[r0:r1] = dlogits_torch(lg[r0:r1], tokens[r0:r1], lse[r0:r1], mz[r0:r1],
                                     glp[r0:r1] if glp is not None else None,
                                     gent[r0:r1] if gent is not None else None, 0, temperature)
     return out

@@ -16,7 +16,7 @@ def _lse_update(z, m, s, t):
 
 
 @triton.jit(do_not_specialize=["stride_l", "c0", "c1"])
-def _lse_blocks_kernel(lg_ptr, stride_l, tok_ptr, state_ptr, lp_ptr, ent_ptr, c0, c1, temperature, last,
+def lse_blocks_kernel(lg_ptr, stride_l, tok_ptr, state_ptr, lp_ptr, ent_ptr, c0, c1, temperature, last,
                        V_BLOCK: tl.constexpr):
     """Update row ``pid``'s (m, s, t, z_tok) with absolute vocab columns [c0, c1).
 
@@ -65,7 +65,7 @@ def _lse_blocks_kernel(lg_ptr, stride_l, tok_ptr, state_ptr, lp_ptr, ent_ptr, c0
 
 
 @triton.jit
-def _dlogits_kernel(lg_ptr, stride_l, tok_ptr, lse_ptr, mz_ptr, glp_ptr, gent_ptr, c0, ncols, temperature,
+def dlogits_kernel(lg_ptr, stride_l, tok_ptr, lse_ptr, mz_ptr, glp_ptr, gent_ptr, c0, ncols, temperature,
                     HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK: tl.constexpr):
     """In place: logits chunk -> d loss / d logits (x dtype) for columns [c0, c0+ncols)."""
     row = tl.program_id(0).to(tl.int64)

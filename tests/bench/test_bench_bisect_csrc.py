@@ -5,7 +5,7 @@ import os
 import sys
 import types
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "bench", "probes"))
 
 import bisect_csrc  # noqa: E402

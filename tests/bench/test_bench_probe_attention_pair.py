@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-PROBES = os.path.join(os.path.dirname(__file__), "..", "bench", "probes")
+PROBES = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "probes")
 sys.path.insert(0, PROBES)
 
 import probe_attention_pair as p  # noqa: E402

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from areal_tik.kernels.linear import selection  # noqa: E402
 from bench.tune_linear import merge_winners, same_bits_as_incumbent, set_bucket  # noqa: E402

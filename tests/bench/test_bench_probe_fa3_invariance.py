@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-PROBES = os.path.join(os.path.dirname(__file__), "..", "bench", "probes")
+PROBES = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "probes")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-FA3 path")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "bench", "results")
 CITING = ("docs/*.md", "README.md", "bench/README.md")
 

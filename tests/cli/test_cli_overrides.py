@@ -12,7 +12,7 @@ import pytest
 
 from areal_tik.areal.overrides import OverrideError, check_keys, closest_key, recipe_keys
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from areal_tik.cli import main
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
 
 
