@@ -1,9 +1,9 @@
-"""The rollout's decode GEMMs at batch M (the stacked q/k/v, o, stacked gate/up and down projections of the 1.5B
-shape): every tile config that fits M, bit-checked against the incumbent, timed in CUDA graphs on weights that are
+"""The rollout's decode GEMMs at batch M (the stacked q/k/v, o, stacked gate/up and down projections of one layer,
+and with ``--lm-head`` the output head, of the 1.5B or the 7B shape): every tile config that fits M, bit-checked against the incumbent, timed in CUDA graphs on weights that are
 not L2-resident (rotating buffers), beside cuBLAS, then the four GEMMs of a layer in sequence (one graph over
 rotating per-layer weight sets) with the table's picks and with the winners.
 
-    python bench/probes/probe_decode_linear.py --out $OUT [--ms 64,128] [--write-table FILE]
+    python bench/probes/probe_decode_linear.py --out $OUT [--layer 1.5b|7b] [--lm-head] [--ms 64,128] [--write-table FILE]
 
 ``--write-table`` writes ``linear_tuned.json`` with the bucket of each measured M replaced by its winner (only where
 the winner beats the current pick by more than ``--min-gain``; other buckets and shapes unchanged:
@@ -22,7 +22,9 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, BENCH)
 sys.path.insert(0, os.path.dirname(BENCH))
 
-LAYER = ("1.5b_qkv", "1.5b_o", "1.5b_gate_up", "1.5b_down")  # one decoder layer's GEMMs on the rollout side
+# one decoder layer's GEMMs on the rollout side, per model shape
+LAYERS = {size: tuple(f"{size}_{g}" for g in ("qkv", "o", "gate_up", "down")) for size in ("1.5b", "7b")}
+LM_HEADS = {"1.5b": ("1.5b_lm_head", (151936, 1536)), "7b": ("7b_lm_head", (152064, 3584))}
 
 
 def candidates(M: int) -> list[str]:
@@ -35,6 +37,8 @@ def candidates(M: int) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--layer", choices=sorted(LAYERS), default="1.5b", help="which model shape's layer")
+    ap.add_argument("--lm-head", action="store_true", help="also the output head (timed alone, not in the layer sum)")
     ap.add_argument("--ms", default="64,128")
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--min-gain", type=float, default=0.03, help="a winner must beat the pick by this fraction")
@@ -49,13 +53,18 @@ def main() -> int:
     from bench.harness import gemm_probe_start
     from bench.tune_linear import INCUMBENT, merge_winners, same_bits_as_incumbent
 
+    LAYER = LAYERS[a.layer]
+    head_name, head_shape = LM_HEADS[a.layer]
+    shapes = {**SHAPES, head_name: head_shape}
+    cell_names = LAYER + ((head_name,) if a.lm_head else ())
+
     dev, arch, deadline, res = gemm_probe_start(a.out, a.budget_s)
-    res.update(cells=[], layer={})
+    res.update(cells=[], layer={}, layer_shape=a.layer)
     winners = {}
     for M in (int(m) for m in a.ms.split(",")):
         picks, bests = {}, {}
-        for name in LAYER:
-            N, K = SHAPES[name]
+        for name in cell_names:
+            N, K = shapes[name]
             wbytes = N * K * 2
             nxt = rotating(lambda: (torch.randn(M, K, device=dev).to(torch.bfloat16),
                                     (torch.randn(N, K, device=dev) * K ** -0.5).to(torch.bfloat16)),
