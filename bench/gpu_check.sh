@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on the device: GPU tests + benchmarks, JSON/logs under $OUT.
 #   bash bench/gpu_check.sh [PART ...]   parts: env tests negctl <bench name without bench_/.py> ...; default: all
-#   GPU_TESTS='tests/kernels/test_x.py ...' limits the tests part; part "isolate" runs the decode-path
+#   GPU_TESTS='tests/kernels/test_x.py ...' limits the tests part; part "shards" runs them in parallel processes
+#   (GPU_SHARDS); part "isolate" runs the decode-path
 #   isolation tests (tests/engine/test_gpu_decode_isolation.py + the tiny GPU parity) into gpu_isolate.log;
 #   part "profile" splits an engine decode step into host phases + top device ops (bench/probes/profile_engine.py,
 #   PROFILE_ARGS e.g. "--batches 64 128 --prompt-len 136": contexts 136..235 stay in one 16-page table-width
@@ -40,6 +41,21 @@ for part in "${PARTS[@]}"; do
          # pretrained weights cached on the device? (the A/B's reward comparison needs real weights)
          ( ls -la ~/.cache/huggingface/hub; du -sh ~/.cache/huggingface/hub/* ) > "$OUT/hf_cache.txt" 2>&1 ;;
     tests) python -m pytest -q -rfEs -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    shards) # the GPU tests in parallel pytest processes on the one GPU (compile-bound: ~3x faster on 16 cores); GPU_SHARDS
+         # = test paths, shards separated by ';' (a last shard REST: every other test). Each shard logs to gpu_tests_<i>.log; the csrc extension is built first.
+         python -c "from areal_tik.kernels.cuda import loader as c; print('csrc', c.status()[0])" 2>&1 | tail -1
+         IFS=';' read -ra SH <<< "${GPU_SHARDS:-tests/kernels/test_attention.py tests/kernels/test_linear.py tests/kernels/test_linear_split.py;tests/engine tests/verify;tests/kernels/test_cuda_attention.py tests/kernels/test_cuda_attention_backward.py tests/kernels/test_cuda_decode_merge.py tests/kernels/test_fa3_backend.py;REST}"
+         last=$(( ${#SH[@]} - 1 ))
+         if [ "${SH[$last]}" = REST ]; then  # the last shard: every test path the others do not name
+           SH[$last]="tests $(for j in $(seq 0 $(( last - 1 ))); do for t in ${SH[$j]}; do printf -- '--ignore=%s ' "$t"; done; done)"
+         fi
+         TO=$(python -c "import pytest_timeout" 2>/dev/null && echo --timeout=300)
+         for i in "${!SH[@]}"; do
+           timeout "${PART_TIMEOUT:-900}" python -m pytest -v -rfEs -m gpu ${SH[$i]} -p no:cacheprovider $TO > "$OUT/gpu_tests_$i.log" 2>&1 &
+         done
+         for i in "${!SH[@]}"; do wait -n || status=1; done
+         for i in "${!SH[@]}"; do echo "shard $i: $(tail -1 "$OUT/gpu_tests_$i.log")"; done
+         grep -hE " FAILED| ERROR" "$OUT"/gpu_tests_*.log | head -30 ;;
     isolate) python -m pytest -q -rfEs -m gpu tests/engine/test_gpu_decode_isolation.py tests/verify/test_parity.py -p no:cacheprovider --timeout=300 --junitxml="$OUT/gpu_isolate.xml" 2>&1 | tee "$OUT/gpu_isolate.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     negctl) python bench/negative_controls.py --out "$OUT" || status=1 ;;
     profile) timeout "${PART_TIMEOUT:-900}" python bench/probes/profile_engine.py --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_engine.log" | tail -60; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
