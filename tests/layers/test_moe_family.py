@@ -21,6 +21,7 @@ from areal_tik.layers.models import PRESETS, build_model, preset_config
 from areal_tik.layers.moe import TikMoE, host_synced
 from areal_tik.layers.modules import TikMLP
 from areal_tik.layers.patch import patch_model
+from areal_tik.layers.precompile import linear_shapes
 from areal_tik.verify.contract import poison_
 from areal_tik.verify.parity import ParityConfig, run_parity
 
@@ -77,6 +78,8 @@ def test_entries_presets_and_layer_rule():
         assert [moe_layer(m.config, i) for i in range(2)] == want
         assert [type(layer.mlp) for layer in m.model.layers] == [TikMoE if w else TikMLP for w in want]
     assert host_synced(m)
+    # precompilation knows the router's and the experts' GEMM shapes (N, K)
+    assert {(8, 128), (128, 128), (128, 64)} <= {(n, k) for n, k, _, _ in linear_shapes(m)}
 
 
 @pytest.mark.parametrize("mt", FAMILIES)
