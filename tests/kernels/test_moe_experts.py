@@ -94,13 +94,18 @@ def test_negative_control_hf_experts_differ_alone_and_crowded(seed_rng):
         ex.gate_up_proj.normal_(0, 0.05)
         ex.down_proj.normal_(0, 0.05)
     T = 64
-    x = torch.randn(T, H2).bfloat16()
     ids = torch.tensor([[0, 1]] * T)                 # every token on both experts: crowded
     w = torch.full((T, 2), 0.5)
-    with torch.no_grad():
-        batch = ex(x, ids, w)
-        alone = torch.cat([ex(x[t:t + 1], ids[t:t + 1], w[t:t + 1]) for t in range(16)])
-    assert not torch.equal(alone, batch[:16])
+    differs = []
+    for _ in range(3):                               # fresh tokens until a row differs (typically the first try)
+        x = torch.randn(T, H2).bfloat16()
+        with torch.no_grad():
+            batch = ex(x, ids, w)
+            alone = torch.cat([ex(x[t:t + 1], ids[t:t + 1], w[t:t + 1]) for t in range(T)])
+        differs.append(int((alone != batch).any(-1).sum()))
+        if differs[-1]:
+            break
+    assert differs[-1] > 0, differs
     # ours on the same weights and tokens: equal
     y = moe.experts_torch(x, ex.gate_up_proj.detach(), ex.down_proj.detach(), ids)
     assert torch.equal(torch.cat([moe.experts_torch(x[t:t + 1], ex.gate_up_proj.detach(), ex.down_proj.detach(),
