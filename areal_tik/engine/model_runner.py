@@ -6,7 +6,8 @@
 - Forward: the patched model's base stack on one packed row with the engine context set,
   then ``lm_head`` on the rows that sample only (linear rows are batch-invariant, so
   selecting first changes no bits).
-- CUDA graphs (GPU, ``enforce_eager=False``): pure-decode steps replay a graph captured
+- CUDA graphs (GPU, ``enforce_eager=False``, a model whose forward never waits on the host: not one with MoE
+  blocks, ``layers/moe.py``): pure-decode steps replay a graph captured
   lazily per (batch bucket, block-table width bucket) in one memory pool, with static
   input buffers; padding rows have slot -1, one key and page 0. Decode batches above
   ``cuda_graph_max_bs`` run eagerly.
@@ -32,6 +33,7 @@ import torch
 
 from areal_tik.layers.attn_context import AttentionContext, reset_context, set_context
 from areal_tik.dispatch.bound import bind
+from areal_tik.layers.moe import host_synced
 from areal_tik.layers.patch import kernels_of, ops_of
 from areal_tik.engine.config import EngineConfig
 from areal_tik.engine.context import prepare_step
@@ -102,7 +104,8 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
         self.sampler = Sampler(self.vocab_size, self.device, model_ops or bind(), model_ops)
         emulate = self.device.type != "cuda" and EMULATE_GRAPHS_ON_CPU
-        self.use_graphs = (self.device.type == "cuda" or emulate) and not cfg.enforce_eager
+        # a forward that waits on the host (an MoE block's per-expert counts) cannot be captured: eager steps
+        self.use_graphs = (self.device.type == "cuda" or emulate) and not cfg.enforce_eager and not host_synced(model)
         self.graph_max_bs = min(cfg.cuda_graph_max_bs or cfg.max_num_seqs, _BS_BUCKETS[-1])
         self.capture = GraphCapture(self.device, emulate)
         self._static = None

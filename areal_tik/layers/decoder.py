@@ -13,7 +13,8 @@ points (the model dtype, bf16, between ops; every op is a module of the model):
         q, k = step.rope(q, k)
         a = step.attend(self_attn, q, k, v)                   [T, Hq, D]
         h = h + o_proj(a)
-        h = h + mlp(post_attention_layernorm(h))              (down(silu_mul(gate(x), up(x))))
+        h = h + mlp(post_attention_layernorm(h))              (down(silu_mul(gate(x), up(x))), or on a
+                                                              family's MoE layers the MoE block: moe.py)
     h = norm(h)
 
 then the host's head: ``lm_head`` logits or the fused log-prob head (``logprob_head.py``).
@@ -36,9 +37,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from areal_tik.layers.family import family_of, head_dim_of
+from areal_tik.layers.family import family_of, head_dim_of, moe_layer
 from areal_tik.layers.model_config import validate_config
 from areal_tik.layers.modules import RopeCache, TikLinear, TikMLP, TikRMSNorm
+from areal_tik.layers.moe import build_moe_block
 from areal_tik.layers.stacking import stacked_projection
 
 __all__ = ["DecoderAttention", "DecoderLayer", "DecoderModel", "decoder_layer_forward", "decoder_forward", "embed",
@@ -142,9 +144,12 @@ def build_decoder(cfg, ops) -> DecoderModel:
             attn.q_norm, attn.k_norm = _rms_norm(D, eps, ops), _rms_norm(D, eps, ops)
         configure_attention(attn, cfg, i)
         attn._tik_ops = ops
-        mlp = TikMLP()
-        mlp.gate_proj, mlp.up_proj = _linear(H, inter, mlp_b, ops), _linear(H, inter, mlp_b, ops)
-        mlp.down_proj, mlp._tik_ops = _linear(inter, H, mlp_b, ops), ops
+        if moe_layer(cfg, i):
+            mlp = build_moe_block(cfg, fam, ops)
+        else:
+            mlp = TikMLP()
+            mlp.gate_proj, mlp.up_proj = _linear(H, inter, mlp_b, ops), _linear(H, inter, mlp_b, ops)
+            mlp.down_proj, mlp._tik_ops = _linear(inter, H, mlp_b, ops), ops
         layer = DecoderLayer()
         layer.self_attn, layer.mlp = attn, mlp
         layer.input_layernorm, layer.post_attention_layernorm = _rms_norm(H, eps, ops), _rms_norm(H, eps, ops)

@@ -15,6 +15,12 @@ Qwen3 and Llama is data, kept here and nowhere else:
   either);
 - ``config_defaults``: HF config fields a preset of the family sets (Qwen2's sliding window off);
 - ``vllm_architecture``: the model class name the vLLM plugin registers for the family;
+- ``moe``: the family's MLPs may be mixture-of-experts blocks (``layers/moe.py``): a router ``mlp.gate``
+  (``weight [E, H]``) and routed experts ``mlp.experts`` (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``),
+  on the layers :func:`moe_layer` names (the config's ``num_experts``, ``decoder_sparse_step``,
+  ``mlp_only_layers``; the other layers keep the dense MLP of ``intermediate_size``);
+- ``shared_expert``: an MoE block also has a dense ``mlp.shared_expert`` (``shared_expert_intermediate_size``)
+  added through a sigmoid gate ``mlp.shared_expert_gate`` (Qwen2-MoE);
 - ``presets``: named random-init shapes (``layers/models.py`` builds them; no downloads).
 
 Whether the output embedding is tied to the input one is a fact of each checkpoint
@@ -30,7 +36,7 @@ from collections.abc import Mapping
 from typing import Callable
 
 __all__ = ["Family", "FAMILIES", "UnsupportedModelError", "register_family", "unregister_family", "family_of",
-           "head_dim_of", "tied_embeddings", "TableView"]
+           "head_dim_of", "tied_embeddings", "moe_layer", "TableView"]
 
 
 class UnsupportedModelError(ValueError):
@@ -47,6 +53,8 @@ class Family:
     qk_norm: bool = False
     rope_types: tuple[str, ...] = ("default", "linear", "llama3")
     head_dim_in_config: bool = False
+    moe: bool = False
+    shared_expert: bool = False
     config_defaults: dict = dataclasses.field(default_factory=dict)
     presets: dict = dataclasses.field(default_factory=dict)
 
@@ -96,13 +104,25 @@ def family_of(cfg) -> Family:
     """The entry of ``cfg.model_type``; :class:`UnsupportedModelError` for any other type."""
     mt = getattr(cfg, "model_type", None)
     if mt not in FAMILIES:
-        hint = " (mixture-of-experts models are not supported)" if mt and "moe" in mt else ""
+        moe = (mt and "moe" in mt) or getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0)
+        hint = " (a mixture-of-experts type without a family entry)" if moe else ""
         raise UnsupportedModelError(f"patch_model supports model_type {tuple(FAMILIES)}, got {mt!r}{hint}")
     return FAMILIES[mt]
 
 
 def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def moe_layer(cfg, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` of ``cfg``'s model has an MoE block in place of the dense MLP: a family with
+    ``moe``, experts in the config, the layer not in ``mlp_only_layers``, and ``(layer_idx + 1)`` a multiple of
+    ``decoder_sparse_step`` (HF's rule for Qwen2-MoE and Qwen3-MoE)."""
+    fam = FAMILIES.get(getattr(cfg, "model_type", None))
+    if fam is None or not fam.moe or not getattr(cfg, "num_experts", 0):
+        return False
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return layer_idx not in (getattr(cfg, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
 
 
 def tied_embeddings(cfg) -> bool:
@@ -134,3 +154,23 @@ register_family(Family(
 register_family(Family(
     "llama", "TikLlamaForCausalLM", qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
     presets={"tiny-llama": dict(**_TINY, rope_theta=500000.0)}))
+
+_TINY_MOE = dict(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                 mlp_only_layers=[])
+_QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645)
+register_family(Family(
+    "qwen3_moe", "TikQwen3MoeForCausalLM", qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True,
+    head_dim_in_config=True, moe=True,
+    presets={"tiny-qwen3-moe": dict(**{**_TINY, "num_attention_heads": 4}, **_TINY_MOE, norm_topk_prob=True,
+                                    rope_theta=10000.0),
+             "qwen3-30b-a3b": _QWEN3_30B_A3B,
+             "qwen3-30b-a3b-4l": {**_QWEN3_30B_A3B, "num_hidden_layers": 4}}))
+register_family(Family(
+    "qwen2_moe", "TikQwen2MoeForCausalLM", qkv_bias=True, moe=True, shared_expert=True,
+    config_defaults={"use_sliding_window": False},
+    presets={"tiny-qwen2-moe": dict(**_TINY, **_TINY_MOE, shared_expert_intermediate_size=128, norm_topk_prob=False,
+                                    rope_theta=10000.0)}))

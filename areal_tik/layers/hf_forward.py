@@ -21,6 +21,7 @@ import torch
 
 from areal_tik.layers.attn_context import AttentionContext, get_context
 from areal_tik.layers.decoder import decoder_forward, embed
+from areal_tik.layers.family import family_of
 from areal_tik.layers.steps import DefaultStep, TikStep
 
 __all__ = ["base_model_forward", "tik_step", "default_step", "Packing"]
@@ -104,7 +105,7 @@ def base_model_forward(self, input_ids=None, attention_mask=None, position_ids=N
     kwargs or position_ids that restart at 0) or a plain ``[B, L]`` batch. Engine: a context is set and
     ``position_ids`` gives each token's absolute position."""
     # lazy: transformers is imported only by forwards of HF models, never by importing the layers
-    from transformers.modeling_outputs import BaseModelOutputWithPast
+    from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
 
     if past_key_values is not None:
         raise ValueError("patched models keep no HF KV cache (past_key_values); use areal_tik.engine for generation")
@@ -121,4 +122,6 @@ def base_model_forward(self, input_ids=None, attention_mask=None, position_ids=N
     position_ids = position_ids.reshape(B, L) if position_ids.dim() == 2 else position_ids.view(B, L)
     packing = None if ctx is not None else _packing(B, L, position_ids, kwargs, h.device)
     h = decoder_forward(self, h, self._tik_step(h, position_ids, ctx, packing))
-    return BaseModelOutputWithPast(last_hidden_state=h.reshape(B, L, h.shape[-1]))
+    # an MoE family's HF head reads ``router_logits`` (None: the router's auxiliary loss is refused at patch time)
+    out_cls = MoeModelOutputWithPast if family_of(self.config).moe else BaseModelOutputWithPast
+    return out_cls(last_hidden_state=h.reshape(B, L, h.shape[-1]))

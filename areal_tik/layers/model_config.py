@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from areal_tik.kernels.moe.checks import MAX_EXPERTS
 from areal_tik.kernels.rope import MAX_ANGLE
 from areal_tik.layers.family import Family, UnsupportedModelError, family_of, head_dim_of
 
@@ -64,14 +65,30 @@ def _check_rope_scaling(scaling: dict, family: Family) -> None:
                                     f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
 
 
+def _check_moe(cfg, mt: str, experts: int) -> None:
+    k = getattr(cfg, "num_experts_per_tok", None)
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise UnsupportedModelError(f"{mt}: {experts} experts; the router supports 1..{MAX_EXPERTS}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
+        raise UnsupportedModelError(f"{mt}: num_experts_per_tok must be in [1, {experts}], got {k!r}")
+    if getattr(cfg, "output_router_logits", False):
+        raise UnsupportedModelError(f"{mt}: output_router_logits (the router's auxiliary loss) is not supported; "
+                                    "set it to false")
+    if not isinstance(getattr(cfg, "decoder_sparse_step", 1) or 1, int):
+        raise UnsupportedModelError(f"{mt}: decoder_sparse_step must be an int, got {cfg.decoder_sparse_step!r}")
+
+
 def validate_config(cfg) -> Family:
     """The family of ``cfg``, or :class:`UnsupportedModelError` for a config the tik kernels cannot run: other
-    model types (MoE included), sliding windows, non-SiLU MLPs, head dims the attention kernels lack, uneven
-    GQA, RoPE types the family does not list."""
+    model types, experts in a family without MoE blocks, MoE settings the router cannot run, sliding windows,
+    non-SiLU MLPs, head dims the attention kernels lack, uneven GQA, RoPE types the family does not list."""
     family = family_of(cfg)
     mt = family.model_type
-    if getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0):
-        raise UnsupportedModelError(f"{mt}: mixture-of-experts layers are not supported")
+    experts = getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0)
+    if experts and not family.moe:
+        raise UnsupportedModelError(f"{mt}: mixture-of-experts layers are not supported for this family")
+    if family.moe and experts:
+        _check_moe(cfg, mt, experts)
     layer_types = getattr(cfg, "layer_types", None) or []
     if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         raise UnsupportedModelError(f"{mt}: sliding-window attention is not supported (layer_types={layer_types})")

@@ -1,10 +1,12 @@
-"""``patch_model``: put an HF Qwen2/Qwen2.5, Qwen3 or Llama-3 causal LM on tik kernels, in place.
+"""``patch_model``: put an HF causal LM of a family in ``layers/family.py`` (Qwen2/Qwen2.5, Qwen3, Llama-3,
+Qwen3-MoE, Qwen2-MoE) on tik kernels, in place.
 
 What changes (``kernels="tik"``):
 - every ``nn.Linear`` under the decoder and ``lm_head`` (or a critic's value head ``score``)
   -> ``TikLinear`` (``ops.linear``);
 - every RMSNorm -> ``TikRMSNorm`` (``ops.rms_norm``), Qwen3's q/k norms included;
-- MLPs -> ``TikMLP`` (``ops.silu_mul``);
+- MLPs -> ``TikMLP`` (``ops.silu_mul``); on a family's MoE layers the sparse-MoE block -> ``TikMoE``
+  (``layers/moe.py``: router, experts and combine on the ``moe_*`` ops; a shared expert's MLP -> ``TikMLP``);
 - attention -> ``DecoderAttention``, and decoder layers and the base model get the forwards of
   the one decoder graph (``decoder.py``, ``hf_forward.py``); its step (``steps.TikStep``) applies
   RoPE from one fp32 table built by ``ops.rope_table`` (``ops.apply_rope``) and attends by
@@ -19,10 +21,11 @@ decoder layers (FSDP2 wraps by ``_no_split_modules`` class name). Swaps are ``__
 assignments to subclasses / siblings with the same attributes.
 
 Refused with ``UnsupportedModelError`` before anything is touched: a config
-``model_config.validate_config`` refuses (a ``model_type`` without a family entry, MoE variants,
-sliding windows, non-SiLU MLPs, head dims the attention kernels lack, RoPE types its family does
+``model_config.validate_config`` refuses (a ``model_type`` without a family entry, MoE settings the
+router cannot run, sliding windows, non-SiLU MLPs, head dims the attention kernels lack, RoPE types its family does
 not list), and a module layout that is not the family entry's (``layers/family.py``: which
-projections have biases, q/k norms). A model is never left half patched.
+projections have biases, q/k norms, which layers hold MoE blocks and their expert layout). A model is never
+left half patched.
 """
 from __future__ import annotations
 
@@ -33,9 +36,10 @@ from torch import nn
 from areal_tik.dispatch.bound import BoundOps, bind
 from areal_tik.layers import modules as M
 from areal_tik.layers.decoder import DecoderAttention, configure_attention, decoder_layer_forward
-from areal_tik.layers.family import UnsupportedModelError, head_dim_of
+from areal_tik.layers.family import UnsupportedModelError, head_dim_of, moe_layer
 from areal_tik.layers.hf_forward import base_model_forward, default_step, tik_step
 from areal_tik.layers.model_config import validate_config
+from areal_tik.layers.moe import check_moe_block, patch_moe_block
 
 __all__ = ["patch_model", "UnsupportedModelError", "kernels_of", "ops_of"]
 
@@ -65,7 +69,9 @@ def _validate(model: nn.Module) -> tuple[nn.Module, object]:
                                                              ("mlp", _MLP)) for n in names}
     for i, layer in enumerate(base.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        for owner, names in ((attn, _ATTN), (mlp, _MLP)):
+        if moe_layer(cfg, i):
+            check_moe_block(mlp, cfg, family, i)
+        for owner, names in ((attn, _ATTN),) + (() if moe_layer(cfg, i) else ((mlp, _MLP),)):
             if owner is None or not all(isinstance(getattr(owner, n, None), nn.Linear) for n in names):
                 raise UnsupportedModelError(f"layer {i}: unexpected attention/MLP layout ({type(owner).__name__})")
             for n in names:
@@ -102,7 +108,7 @@ def _swap(module: nn.Module, cls: type, ops: BoundOps | None = None) -> None:
 
 
 def patch_model(model: nn.Module, kernels: str = "tik", backend: str | None = None) -> nn.Module:
-    """Patch ``model`` (an HF Qwen2/Qwen3/Llama ``*ForCausalLM``, or the same decoder under a
+    """Patch ``model`` (an HF ``*ForCausalLM`` of a registered family, or the same decoder under a
     ``*ForTokenClassification`` value head as AReaL's critic builds it) in place and return it.
 
     ``kernels="tik"``: every op on the tik kernels (bitwise rollout == training).
@@ -136,11 +142,14 @@ def patch_model(model: nn.Module, kernels: str = "tik", backend: str | None = No
             for n in ("q_norm", "k_norm"):
                 if hasattr(attn, n):
                     _swap(getattr(attn, n), M.TikRMSNorm, ops)
-            for n in _MLP:
-                _swap(getattr(layer.mlp, n), M.TikLinear, ops)
-            _swap(layer.mlp, M.TikMLP, ops)
+            if not moe_layer(cfg, i):
+                for n in _MLP:
+                    _swap(getattr(layer.mlp, n), M.TikLinear, ops)
+                _swap(layer.mlp, M.TikMLP, ops)
             _swap(layer.input_layernorm, M.TikRMSNorm, ops)
             _swap(layer.post_attention_layernorm, M.TikRMSNorm, ops)
+        if moe_layer(cfg, i):
+            patch_moe_block(layer.mlp, cfg, ops)
         _swap(attn, DecoderAttention, ops)
         configure_attention(attn, cfg, i)
         layer.forward = types.MethodType(decoder_layer_forward, layer)

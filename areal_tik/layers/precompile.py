@@ -10,7 +10,9 @@ later step compiles. Which configs are reachable is the bound implementation's o
 (``ImplInfo.tile_configs``); an implementation without tile configs (``torch_ref``) has nothing
 to compile, and nothing runs.
 
-What it covers: every ``TikLinear`` shape of the model for M in ``[1, max_tokens]``. It does not
+What it covers: every ``TikLinear`` shape of the model, and the router and expert GEMMs of its MoE blocks (``moe_experts``
+runs the same backend's linear kernel on each expert's ``[2I, H]`` and ``[H, I]`` weights), for M in
+``[1, max_tokens]``. It does not
 change any result (dummy tensors only; the model's weights are only read for their shapes).
 ``Settings.precompile = False`` (``actor.tik.precompile=false``, ``serve --no-precompile``) turns it off.
 """
@@ -23,6 +25,7 @@ import torch
 
 from areal_tik.kernels import jit_watch
 from areal_tik.layers.modules import TikLinear
+from areal_tik.layers.moe import TikMoE
 
 __all__ = ["linear_shapes", "precompile_plan", "precompile_linears"]
 
@@ -32,14 +35,22 @@ logger = logging.getLogger("areal_tik.precompile")
 def _shapes_by_ops(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tuple[object, list[tuple]]]:
     """[(bound ops, their distinct ``(N, K, dtype, has_bias)``)] over the model's ``TikLinear`` modules."""
     groups: dict[int, tuple[object, list]] = {}
+
+    def add(ops, n: int, k: int, dt: torch.dtype, has_bias: bool) -> None:
+        seen = groups.setdefault(id(ops), (ops, []))[1]
+        if (n, k, dt, has_bias) not in seen:
+            seen.append((n, k, dt, has_bias))
+
     for m in model.modules():
+        ops = getattr(m, "_tik_ops", None)
         if isinstance(m, TikLinear):
             n, k = (int(s) for s in m.weight.shape)
-            key = (n, k, dtype or m.weight.dtype, m.bias is not None)
-            ops = getattr(m, "_tik_ops", None)
-            seen = groups.setdefault(id(ops), (ops, []))[1]
-            if key not in seen:
-                seen.append(key)
+            add(ops, n, k, dtype or m.weight.dtype, m.bias is not None)
+        elif isinstance(m, TikMoE) and ops is not None:
+            add(ops, *(int(s) for s in m.gate.weight.shape), dtype or m.gate.weight.dtype, False)   # the router
+            if ops.impls["moe_experts"].backend == ops.impls["linear"].backend:
+                for w in (m.experts.gate_up_proj, m.experts.down_proj):
+                    add(ops, int(w.shape[1]), int(w.shape[2]), dtype or w.dtype, False)
     return list(groups.values())
 
 

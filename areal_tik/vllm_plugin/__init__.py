@@ -74,7 +74,9 @@ def architecture_for(model_type: str) -> str:
 def llm_kwargs(model_type: str, block_size: int = 64) -> dict:
     """Keyword arguments for ``vllm.LLM(model=dir, **llm_kwargs(cfg.model_type))`` that run the
     checkpoint on tik kernels: the tik architecture, the CUSTOM attention backend, full CUDA
-    graphs for decode batches (prefill eager) and no torch.compile (our Triton launchers are
-    not traced)."""
-    return dict(hf_overrides={"architectures": [architecture_for(model_type)]}, attention_backend="CUSTOM",
-                block_size=block_size, compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+    graphs for decode batches (prefill eager; none for a family with MoE blocks, whose expert loop waits on
+    the host: ``layers/moe.py``) and no torch.compile (our Triton launchers are not traced)."""
+    arch = architecture_for(model_type)
+    graphs = "NONE" if FAMILIES[model_type].moe else "FULL_DECODE_ONLY"
+    return dict(hf_overrides={"architectures": [arch]}, attention_backend="CUSTOM",
+                block_size=block_size, compilation_config={"mode": 0, "cudagraph_mode": graphs})

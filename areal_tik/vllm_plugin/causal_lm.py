@@ -11,11 +11,15 @@ tests put a stand-in in their place.
   from the fp32 table (``steps.TikRope``) and attends through each layer's ``self_attn.attn``
   (vLLM's ``Attention``: stores K/V in vLLM's paged cache and runs our CUSTOM backend).
 - Weights: an HF checkpoint's tensors are copied by name into the parameters (the stacked
-  tensors behind them are written through the views).
+  tensors behind them are written through the views). MoE experts load under either name form: the fused
+  ``mlp.experts.gate_up_proj`` / ``down_proj`` of a transformers 5 model's state dict (what weight updates
+  send), or the per-expert ``mlp.experts.<e>.{gate,up,down}_proj.weight`` of a checkpoint file (how
+  ``save_pretrained`` writes them and the released checkpoints hold them), written into their slices.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable
 
 import torch
@@ -78,18 +82,47 @@ class TikCausalLM(nn.Module):
                 yield name, p
 
 
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _expert_slice(params: dict, name: str):
+    """``(fused parameter name, piece, view)`` for a per-expert checkpoint name, or None: expert e's
+    ``gate_proj`` / ``up_proj`` are the first / second half of ``gate_up_proj[e]``, ``down_proj`` is ``down_proj[e]``."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
+    fused = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+    dst = params.get(fused)
+    if dst is None or e >= dst.shape[0]:
+        return None
+    if part == "down_proj":
+        return fused, (e, part), dst[e]
+    half = dst.shape[1] // 2
+    return fused, (e, part), dst[e, :half] if part == "gate_proj" else dst[e, half:]
+
+
 def load_hf_tensors(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Copy HF-named tensors in place into ``lm``'s parameters of the same names (a tied ``lm_head`` and RoPE
-    buffers skipped). Returns the parameter names written. Unknown names or wrong shapes raise ``ValueError``
-    before anything of the offending tensor is written."""
+    buffers skipped; per-expert MoE names into their slices of the fused parameters). Returns the parameter
+    names written (a fused expert parameter once every expert's piece of it was). Unknown names or wrong shapes
+    raise ``ValueError`` before anything of the offending tensor is written."""
     params = dict(lm.named_parameters())
     loaded: set[str] = set()
+    pieces: dict[str, set] = {}
     unknown = []
     with torch.no_grad():
         for name, w in weights:
             if "rotary_emb.inv_freq" in name or (lm.tied and name.startswith("lm_head.")):
                 continue
             dst = params.get(name)
+            if dst is None and (piece := _expert_slice(params, name)) is not None:
+                fused, key, dst = piece
+                if dst.shape != w.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model {tuple(dst.shape)}")
+                dst.copy_(w)
+                pieces.setdefault(fused, set()).add(key)
+                continue
             if dst is None:
                 unknown.append(name)
                 continue
@@ -97,6 +130,9 @@ def load_hf_tensors(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                 raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model {tuple(dst.shape)}")
             dst.copy_(w)
             loaded.add(name)
+    for fused, got in pieces.items():
+        if len(got) == params[fused].shape[0] * (1 if fused.endswith("down_proj") else 2):
+            loaded.add(fused)
     if unknown:
         raise ValueError(f"checkpoint tensors the tik model does not have: {unknown[:8]}"
                          f"{' ...' if len(unknown) > 8 else ''}")

@@ -30,3 +30,12 @@ def test_verify_default_kernels_fail():
     rc, rep, _ = _verify("--kernels", "default")
     assert rc == 1 and not rep["passed"] and rep["n_mismatch_total"] > 0
     assert "kernel_selection" not in rep
+
+
+def test_verify_moe_preset_passes():
+    """An MoE preset (tiny-qwen3-moe) through every regime; the MoE ops are in the reported selection."""
+    rc, rep, err = _verify("--model", "tiny-qwen3-moe")      # a later --model wins
+    assert rc == 0, err[-2000:]
+    assert rep["passed"] and rep["n_mismatch_total"] == 0 and rep["model"] == "tiny-qwen3-moe"
+    assert all(r["n_tokens"] > 0 for r in rep["regimes"].values())
+    assert {"moe_route", "moe_experts", "moe_combine"} <= set(rep["kernel_selection"])

@@ -48,9 +48,9 @@ def test_unsupported_architectures_raise_before_touching_the_model():
     with pytest.raises(UnsupportedModelError, match="sliding"):
         patch_model(m)
     assert type(m.model.layers[0].self_attn).__name__ == "Qwen2Attention"  # untouched
-    moe = AutoConfig.for_model("qwen2_moe", vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=1, num_key_value_heads=1, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=32, num_experts=2, num_experts_per_tok=1)
+    # an MoE type without a family entry (supported MoE families: tests/layers/test_moe_family.py)
+    moe = AutoConfig.for_model("mixtral", vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=1, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1)
     with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
         patch_model(AutoModelForCausalLM.from_config(moe))
     gpt2 = AutoConfig.for_model("gpt2", n_layer=1, n_embd=64, n_head=1, vocab_size=64)

@@ -102,15 +102,18 @@ def run_plugin_path(m, hf, lens, seqs):
     return [torch.cat(got[i]) for i in range(len(seqs))], refs
 
 
-def load_from(hf, cfg, ops=OPS) -> TikCausalLM:
-    """The plugin's model of ``cfg``, every parameter poisoned, then loaded from ``hf``'s state dict; checks that
+def load_from(hf, cfg, ops=OPS, tensors=None) -> TikCausalLM:
+    """The plugin's model of ``cfg``, every parameter poisoned, then loaded from ``hf``'s state dict (or the
+    ``(name, tensor)`` pairs ``tensors``, e.g. a checkpoint file's); checks that
     the load wrote every parameter, through the stacked projections, and names them as the trainer does."""
     m = tik_lm(cfg, ops)
     for p in m.parameters():                            # poison: every parameter must be written by the load
         p.data.fill_(float("nan"))
-    loaded = m.load_weights(hf.state_dict().items())
+    loaded = m.load_weights(hf.state_dict().items() if tensors is None else tensors)
     assert loaded == {n for n, _ in m.named_parameters()}
-    assert all(layer.self_attn._tik_qkv.intact() and layer.mlp._tik_gate_up.intact() for layer in m.model.layers)
+    assert all(layer.self_attn._tik_qkv.intact() for layer in m.model.layers)
+    mlps = [mod for mod in m.model.modules() if hasattr(mod, "gate_proj") and hasattr(mod, "up_proj")]
+    assert all(mod._tik_gate_up.intact() for mod in mlps)     # every dense MLP (and shared expert) stacked
     # the HF-named weights are the trainer's tensors, so the weights digests agree
     ours, theirs = dict(m.hf_named_parameters()), dict(hf.named_parameters())
     assert sorted(ours) == sorted(theirs)

@@ -51,7 +51,8 @@ def test_llm_kwargs_and_architectures():
     assert kw["hf_overrides"] == {"architectures": ["TikQwen2ForCausalLM"]}
     assert kw["attention_backend"] == "CUSTOM"
     assert kw["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
-    assert {vllm_plugin.architecture_for(t) for t in ("qwen2", "qwen3", "llama")} == set(vllm_plugin.ARCHITECTURES.values())
+    families = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
+    assert {vllm_plugin.architecture_for(t) for t in families} == set(vllm_plugin.ARCHITECTURES.values())
     with pytest.raises(ValueError):
         vllm_plugin.architecture_for("mixtral")
 
