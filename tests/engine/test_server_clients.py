@@ -148,3 +148,62 @@ def test_abort_all_ends_the_held_requests_too(S):
         assert call(S.addr, "/continue_generation", {})[0] == 200
     i = assert_clean(S)
     assert i["generated_tokens"] == before["generated_tokens"], "an aborted held request ran after continue"
+
+
+class _Holder:
+    """A request holding an id (hashable, as the server's Pending is)."""
+    def __init__(self, rid: str):
+        self.rid, self.client_gone = rid, False
+
+
+class _Transport:
+    def __init__(self):
+        self.closing = False
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+def _server_with_holder(rid: str):
+    """A TikServer (no engine: a worker that records what it is given) whose request id ``rid`` is
+    held by a request whose connection is still open."""
+    from areal_tik.engine.server.routes import TikServer
+    worker = types.SimpleNamespace(submitted=[], submit=lambda fn: worker.submitted.append(fn))
+    server = TikServer(worker, cfg=None, info={})
+    holder = _Holder(rid)
+    request = types.SimpleNamespace(transport=_Transport())
+    server._inflight[rid] = holder
+    server.clients.add(holder, request)
+    return server, holder, request
+
+
+def test_a_retry_that_outruns_its_first_connections_close_waits_for_it():
+    """A busy event loop can read a retry before the close of the retried request's connection:
+    the retry waits (up to RETRY_GRACE_S) for that close instead of a 409, and the first request
+    is ended in the engine."""
+    async def go():
+        server, holder, request = _server_with_holder("c1-1")
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, lambda: setattr(request.transport, "closing", True))
+        t0 = loop.time()
+        free = await server._rid_free("c1-1")
+        return free, loop.time() - t0, holder.client_gone, len(server.worker.submitted)
+    free, waited, gone, ended = asyncio.run(go())
+    assert free and gone and ended == 1 and 0.15 <= waited < 1.0, (free, waited, gone, ended)
+
+
+def test_a_second_request_with_an_id_whose_client_stays_is_refused_after_the_grace():
+    """The negative control: nothing closes, so the id stays taken (a 409 after RETRY_GRACE_S);
+    and an id whose holder finishes during the wait is free."""
+    async def go():
+        server, holder, _ = _server_with_holder("dup")
+        server.RETRY_GRACE_S = 0.3
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        taken = not await server._rid_free("dup")
+        waited = loop.time() - t0
+        loop.call_later(0.1, lambda: server._inflight.pop("dup"))
+        freed = await server._rid_free("dup")
+        return taken, waited, holder.client_gone, freed
+    taken, waited, gone, freed = asyncio.run(go())
+    assert taken and not gone and 0.3 <= waited < 1.0 and freed, (taken, waited, gone, freed)

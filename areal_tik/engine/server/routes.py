@@ -30,7 +30,11 @@ class TikServer:
 
     A ``/generate`` whose client goes away (its connection closes) is ended in the engine
     within ``ClientWatch``'s sweep interval, running or held during a pause: its KV pages and
-    its request id are free again, and a retry with the same ``rid`` is served."""
+    its request id are free again, and a retry with the same ``rid`` is served (a retry that
+    arrives before its first connection's close was read waits up to ``RETRY_GRACE_S`` for it;
+    a second request with an id whose client is still there is a 409 after that wait)."""
+
+    RETRY_GRACE_S = 1.0
 
     def __init__(self, worker: EngineWorker, cfg: ServerConfig, info: dict):
         self.worker = worker
@@ -65,6 +69,26 @@ class TikServer:
         while (rid := f"tik-{next(self._rid)}") in self._inflight:
             pass
         return rid
+
+    async def _rid_free(self, rid: str) -> bool:
+        """Whether a new request may take ``rid``: nobody holds it, or its holder's client went
+        away. A client retrying its rid right after a timeout can reach us before this loop has
+        read its first connection's close (a busy loop reads sockets in any order), so a holder
+        whose client still looks connected is watched for up to ``RETRY_GRACE_S`` first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.RETRY_GRACE_S
+        while True:
+            holder = self._inflight.get(rid)
+            if holder is None or holder.client_gone:
+                return True
+            self.clients.sweep()
+            if holder.client_gone:
+                return True
+            if self._inflight.get(rid) is not holder:  # it ended meanwhile: look again
+                continue
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
 
     def _client_gone(self, p: Pending) -> None:
         """``p``'s client went away: end it in the engine thread (its reply goes nowhere)."""
@@ -115,10 +139,7 @@ class TikServer:
         except (RequestError, ValueError, TypeError) as e:
             return error_reply(getattr(e, "message", str(e)), getattr(e, "status", 400))
         rid = req.rid or self._new_rid()
-        holder = self._inflight.get(rid)
-        if holder is not None and not holder.client_gone:
-            self.clients.sweep()  # a client retrying its rid after a timeout: its first request may be gone
-        if holder is not None and not holder.client_gone:
+        if not await self._rid_free(rid):
             return error_reply(f"request id {rid!r} is already in flight; give each request its own rid", 409)
         ids = req.input_ids
         loop = asyncio.get_running_loop()
