@@ -198,3 +198,26 @@ def test_arch_preferred_backend_unavailable_warns_once(monkeypatch):
         assert len(warns) == n_warn, (cuda_ok, [r.getMessage() for r in warns])
         if n_warn:
             assert "test: no nvcc" in warns[0].getMessage() and "attention_paged, attention_varlen" in warns[0].getMessage()
+
+
+def test_an_op_that_calls_other_kernels_is_fingerprinted_with_their_sources(monkeypatch):
+    """moe_experts runs the linear and silu_mul_packed kernels of its own backend (its module's ``USES``), so
+    its fingerprint entry covers their sources on its own: with moe_experts the only op bound, an edit of the
+    linear kernels' source changes the fingerprint. Negative control: moe_experts with its own package's
+    sources only (no ``USES``) misses the same edit."""
+    env = fingerprint.environment()
+    impls = registry.implementations()
+    ops = bind()
+    experts = impls["moe_experts"]["triton"]
+    ops.impls = {"moe_experts": experts}
+    kernels_file = next(s for s in experts.sources if s.endswith(os.path.join("linear", "triton_kernels.py")))
+    own_only = dataclasses.replace(experts, sources=tuple(
+        s for s in experts.sources if os.path.dirname(s) == os.path.dirname(experts.sources[0])))
+    narrow = bind()
+    narrow.impls = {"moe_experts": own_only}
+    before = [fingerprint.compute(o, env=env)["fingerprint"] for o in (ops, narrow)]
+    real_read = fingerprint._read
+    monkeypatch.setattr(fingerprint, "_read", lambda path: real_read(path) + (b"#" if path == kernels_file else b""))
+    after = [fingerprint.compute(o, env=env)["fingerprint"] for o in (ops, narrow)]
+    assert after[0] != before[0]
+    assert after[1] == before[1]

@@ -2,7 +2,7 @@
 
 Kernel modules list ``COMPILE_SPECS``: dicts with ``fn`` (a ``@triton.jit`` function),
 ``signature`` (arg name -> Triton type string, e.g. ``"*bf16"``, ``"i32"``),
-``constexprs`` and optional ``num_warps``/``num_stages`` and ``attrs`` (ASTSource
+``constexprs`` and optional ``num_warps``/``num_stages``/``enable_fp_fusion`` (as the kernel is launched) and ``attrs`` (ASTSource
 argument attributes, ``{(i,): [["tt.divisibility", 16]]}``, as Triton specialises at launch). Must run with
 ``TRITON_INTERPRET`` unset (the interpreter replaces jit functions); the tests call it in
 a subprocess. CUDA sources are compiled with ``nvcc -c`` for sm_80 and sm_90a, with ptxas's
@@ -57,7 +57,7 @@ def compile_triton(archs=TRITON_ARCHS) -> list[dict]:
                 # optional "attrs": argument specialisations as at launch, e.g. tt.divisibility 16
                 src = ASTSource(fn=fn, signature=dict(spec["signature"]), constexprs=dict(spec["constexprs"]),
                                 attrs=spec.get("attrs"))
-                opts = {k: spec[k] for k in ("num_warps", "num_stages") if k in spec}
+                opts = {k: spec[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in spec}
                 k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=opts)
                 row.update(ok=True, cubin_bytes=len(k.asm["cubin"]), shared=k.metadata.shared,
                            n_regs=getattr(k, "n_regs", None))

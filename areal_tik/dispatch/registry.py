@@ -99,7 +99,9 @@ def _ensure_loaded() -> None:
     A kernel module declares ``OPS = {op_name: {backend_name: callable}}`` and optionally
     ``META`` (bit-defining meta-parameters), ``CUDA_SOURCES`` (csrc files its cuda
     implementation is built from), ``CHECK_SHAPES`` (its implementations' shape limits,
-    :attr:`ImplInfo.check_shapes`) and ``TILE_CONFIGS`` (``{op: {backend: fn}}``, :attr:`ImplInfo.tile_configs`).
+    :attr:`ImplInfo.check_shapes`), ``TILE_CONFIGS`` (``{op: {backend: fn}}``, :attr:`ImplInfo.tile_configs`)
+    and ``USES`` (the other op modules its implementations call: their sources join this op's, so the
+    fingerprint follows them whatever is bound for their own ops).
     """
     global _LOADED
     if _LOADED:
@@ -111,6 +113,8 @@ def _ensure_loaded() -> None:
         for op, impls in getattr(mod, "OPS", {}).items():
             for be, fn in impls.items():
                 srcs = module_sources(mod)
+                for used in getattr(mod, "USES", ()):
+                    srcs += module_sources(importlib.import_module(used))
                 if be == "cuda":
                     srcs += list(getattr(mod, "CUDA_SOURCES", ()))
                 meta = tuple(sorted(getattr(mod, "META", {}).items()))

@@ -1,6 +1,11 @@
 """moe_combine and moe_shared_add: the stated fp32 order, one rounding; both backends the same bits; a token's
 row alone equals its row in a batch; accurate; backward accurate. Negative control: the same sum in another
 order (descending rank) differs on some input."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -89,3 +94,31 @@ def test_refuses_bad_arguments():
         moe.combine_torch(y, w.bfloat16())
     with pytest.raises(ValueError, match=r"\[T, k\]"):
         moe.combine_torch(y, w[:, :3].contiguous())
+
+
+_PTX_FMA = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from areal_tik.kernels import moe
+spec = next(s for s in moe.COMPILE_SPECS if s["fn"].__name__ == "_combine_kernel")
+out = {}
+for fusion in (spec["enable_fp_fusion"], True):
+    src = ASTSource(fn=spec["fn"], signature=dict(spec["signature"]), constexprs=dict(spec["constexprs"]))
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": spec["num_warps"],
+                                                                        "enable_fp_fusion": fusion})
+    out[str(fusion)] = k.asm["ptx"].count("fma.rn.f32")
+print(json.dumps(out))
+"""
+
+
+def test_combine_compiles_without_fma_as_launched():
+    """The combine's contract is ``acc += w * y`` as a rounded product then a rounded add (no FMA): its
+    compile spec (what CI compiles for sm_90) carries the launch's ``enable_fp_fusion=False``, and that PTX has
+    no ``fma.rn.f32``. Negative control: the same kernel compiled with fusion on has FMAs."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _PTX_FMA], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert counts["False"] == 0 and counts["True"] > 0, counts

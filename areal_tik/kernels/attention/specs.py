@@ -32,14 +32,14 @@ def compile_specs():
             c = dict(GROUP=4, HEAD_DIM=D, BLOCK_M=t["BLOCK_M"], BLOCK_N=T.BLOCK_N, PARTITION=T.KV_PARTITION,
                      PAGED=paged, PAGE_SIZE=ps, STORE_LSE=lse, FLAT=int(t.get("FLAT", 1)))
             specs.append(dict(fn=attn_fwd_kernel, signature=_sig(attn_fwd_kernel, fwd_t, c), constexprs=c,
-                              num_warps=t["num_warps"], num_stages=t["num_stages"]))
+                              num_warps=t["num_warps"], num_stages=t["num_stages"], enable_fp_fusion=False))
         dec = T._DEC_GPU
         for group, ps in ((4, 16), (8, 64)):
             c = dict(GROUP=group, HEAD_DIM=D, BLOCK_H=16, BLOCK_N=T.BLOCK_N, PARTITION=T.KV_PARTITION, PAGE_SIZE=ps,
                      HSPLIT=int(dec.get("HSPLIT", 1)))
             ty = dict(Q=bf, KC=bf, VC=bf, BT=i32, CUQ=i32, SEQK=i32, O=bf, WM=f32, WL=f32, WA=f32, CNT=i32)
             specs.append(dict(fn=attn_decode_kernel, signature=_sig(attn_decode_kernel, ty, c), constexprs=c,
-                              num_warps=dec["num_warps"], num_stages=dec["num_stages"]))
+                              num_warps=dec["num_warps"], num_stages=dec["num_stages"], enable_fp_fusion=False))
         b = T._BWD_GPU[D]
         ty = dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK=bf, DV=bf, DQ=bf, CU=i32)
         for fn, bm, bn_ in ((attn_bwd_dkdv_kernel, b["BLOCK_M1"], b["BLOCK_N1"]),

@@ -28,7 +28,7 @@ from areal_tik.kernels.moe.combine import _combine_kernel, _shared_add_kernel   
 
 __all__ = ["route_triton", "route_torch", "route_reference", "experts_triton", "experts_torch", "experts_reference",
            "expert_groups", "combine_triton", "combine_torch", "combine_reference", "shared_add_triton",
-           "shared_add_torch", "shared_add_reference", "OPS", "META", "COMPILE_SPECS"]
+           "shared_add_torch", "shared_add_reference", "OPS", "META", "USES", "COMPILE_SPECS"]
 
 OPS = {
     "moe_route": {"triton": route_triton, "torch_ref": route_torch},
@@ -36,6 +36,9 @@ OPS = {
     "moe_combine": {"triton": combine_triton, "torch_ref": combine_torch},
     "moe_shared_add": {"triton": shared_add_triton, "torch_ref": shared_add_torch},
 }
+# moe_experts runs the linear and silu_mul_packed kernels of its own backend, whatever a model binds for
+# those ops: their sources are part of its numerics
+USES = ("areal_tik.kernels.linear", "areal_tik.kernels.swiglu")
 META = {"moe.route": "fp32 softmax, top-k ties to lower index, renorm sum in rank order",
         "moe.experts": "per expert: linear + silu_mul_packed + linear of the same backend",
         "moe.combine": f"fp32 acc += w*y in rank order, no fma, BLOCK_H={BLOCK_H}",
@@ -46,7 +49,7 @@ COMPILE_SPECS = [
                                       "stride_t": "i32"},
          constexprs={"K": 8, "BLOCK_E": 128, "BLOCK_K": 8, "NORM": True}, num_warps=1),
     dict(fn=_combine_kernel, signature={"y_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32"},
-         constexprs={"K": 8, "BLOCK_H": BLOCK_H}, num_warps=4),
+         constexprs={"K": 8, "BLOCK_H": BLOCK_H}, num_warps=4, enable_fp_fusion=False),   # as launched
     dict(fn=_shared_add_kernel, signature={"r_ptr": "*bf16", "s_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16",
                                            "H": "i32"},
          constexprs={"BLOCK_H": BLOCK_H}, num_warps=4),
