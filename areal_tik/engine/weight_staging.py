@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from areal_tik.layers.moe import per_expert_views
+
 __all__ = ["WeightUpdateError", "UnknownParameterError", "StagedWeights", "stage", "commit", "check_specs", "parse_dtype",
            "parse_shape", "target_table", "model_nbytes", "device_room", "STAGING_RESERVE_BYTES"]
 
@@ -96,10 +98,17 @@ def device_room(device) -> int:
     return max(0, free + unused - STAGING_RESERVE_BYTES)
 
 
-def target_table(model) -> dict[str, torch.Tensor]:
-    """Every tensor an update may write: parameters and buffers by ``state_dict`` name."""
+def _own_tensors(model) -> dict[str, torch.Tensor]:
     table = dict(model.named_parameters())
     table.update(dict(model.named_buffers()))
+    return table
+
+
+def target_table(model) -> dict[str, torch.Tensor]:
+    """Every tensor an update may write: parameters and buffers by ``state_dict`` name, and the per-expert
+    views of fused MoE expert weights under their checkpoint names (``layers.moe.per_expert_views``)."""
+    table = _own_tensors(model)
+    table.update({name: view for name, (_, view) in per_expert_views(table).items()})
     return table
 
 
@@ -107,7 +116,7 @@ def model_nbytes(model) -> int:
     """Bytes of every tensor an update may write (0 for no model)."""
     if model is None:
         return 0
-    return sum(t.numel() * t.element_size() for t in target_table(model).values())
+    return sum(t.numel() * t.element_size() for t in _own_tensors(model).values())
 
 
 def _tied_head(model, name: str) -> bool:

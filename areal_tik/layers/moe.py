@@ -32,7 +32,7 @@ from areal_tik.layers.family import Family, UnsupportedModelError
 from areal_tik.layers.modules import TikLinear, TikMLP
 
 __all__ = ["TikMoE", "MoeRouterWeights", "MoeExpertWeights", "check_moe_block", "patch_moe_block",
-           "build_moe_block", "default_moe_forward", "host_synced"]
+           "build_moe_block", "default_moe_forward", "host_synced", "per_expert_views"]
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -69,6 +69,28 @@ class MoeExpertWeights(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+
+def per_expert_views(named: dict) -> dict[str, tuple[str, torch.Tensor]]:
+    """The per-expert checkpoint names of every fused expert tensor in ``named`` (name -> tensor), each mapped
+    to ``(fused name, view)``: ``<p>.experts.<e>.gate_proj.weight`` / ``up_proj.weight`` are the first / second
+    half of ``<p>.experts.gate_up_proj[e]``, ``<p>.experts.<e>.down_proj.weight`` is ``<p>.experts.down_proj[e]``.
+    transformers 5 keeps an MoE model's experts fused but saves its checkpoints under these names; a weight
+    update from such a checkpoint writes through the views."""
+    out = {}
+    for name, t in named.items():
+        for fused in ("gate_up_proj", "down_proj"):
+            if not name.endswith(f"experts.{fused}") or t.dim() != 3:
+                continue
+            prefix = name[: -len(fused)]
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                if fused == "down_proj":
+                    out[f"{prefix}{e}.down_proj.weight"] = (name, t[e])
+                else:
+                    out[f"{prefix}{e}.gate_proj.weight"] = (name, t[e, :half])
+                    out[f"{prefix}{e}.up_proj.weight"] = (name, t[e, half:])
+    return out
 
 
 def check_moe_block(mlp: nn.Module, cfg, family: Family, layer_idx: int) -> None:

@@ -19,7 +19,6 @@ tests put a stand-in in their place.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 from areal_tik.layers.decoder import build_decoder, decoder_forward, embed
 from areal_tik.layers.family import tied_embeddings
 from areal_tik.layers.modules import TikLinear
+from areal_tik.layers.moe import per_expert_views
 from areal_tik.layers.stacking import stack_projections
 from areal_tik.layers.steps import TikRope
 
@@ -82,32 +82,13 @@ class TikCausalLM(nn.Module):
                 yield name, p
 
 
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def _expert_slice(params: dict, name: str):
-    """``(fused parameter name, piece, view)`` for a per-expert checkpoint name, or None: expert e's
-    ``gate_proj`` / ``up_proj`` are the first / second half of ``gate_up_proj[e]``, ``down_proj`` is ``down_proj[e]``."""
-    m = _EXPERT.match(name)
-    if m is None:
-        return None
-    prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
-    fused = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
-    dst = params.get(fused)
-    if dst is None or e >= dst.shape[0]:
-        return None
-    if part == "down_proj":
-        return fused, (e, part), dst[e]
-    half = dst.shape[1] // 2
-    return fused, (e, part), dst[e, :half] if part == "gate_proj" else dst[e, half:]
-
-
 def load_hf_tensors(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Copy HF-named tensors in place into ``lm``'s parameters of the same names (a tied ``lm_head`` and RoPE
     buffers skipped; per-expert MoE names into their slices of the fused parameters). Returns the parameter
     names written (a fused expert parameter once every expert's piece of it was). Unknown names or wrong shapes
     raise ``ValueError`` before anything of the offending tensor is written."""
     params = dict(lm.named_parameters())
+    views = per_expert_views(params)
     loaded: set[str] = set()
     pieces: dict[str, set] = {}
     unknown = []
@@ -116,12 +97,12 @@ def load_hf_tensors(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             if "rotary_emb.inv_freq" in name or (lm.tied and name.startswith("lm_head.")):
                 continue
             dst = params.get(name)
-            if dst is None and (piece := _expert_slice(params, name)) is not None:
-                fused, key, dst = piece
+            if dst is None and name in views:
+                fused, dst = views[name]
                 if dst.shape != w.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model {tuple(dst.shape)}")
                 dst.copy_(w)
-                pieces.setdefault(fused, set()).add(key)
+                pieces.setdefault(fused, set()).add(name)
                 continue
             if dst is None:
                 unknown.append(name)
