@@ -7,7 +7,8 @@
 # asynchronous recipe). SET (default vllm,tik,vllm_tik when vLLM is importable, else baseline,tik) names the compared
 # arms, ARMS the ones this call runs (both/all, or a comma list, e.g. ARMS=vllm, then ARMS=tik, then ARMS=vllm_tik,
 # one per call). RECIPES names recipes/<name>_qwen2.5-1.5b_gsm8k.yaml: grpo, ppo, grpo_async (asynchronous mode,
-# rollout.max_head_offpolicyness 2, decoupled loss: the tik arms skip the recompute per sequence).
+# rollout.max_head_offpolicyness 2, decoupled loss: the tik arms skip the recompute per sequence), or recipes/<name>.yaml
+# (e.g. grpo_qwen3-moe-4l_arith, with MODEL=qwen3-30b-a3b-4l: the preset a run without real weights starts from).
 # The asynchronous A/B (one arm per call, the same warm machine; step throughput, fraction of sequences skipped,
 # reward ratio with its 95% CI and audit counts are in ab_grpo_async_summary.md):
 #   RECIPES=grpo_async SET=vllm,vllm_loglinear,tik,vllm_tik ARMS=vllm BUDGET_S=520 STEPS=10 WARMSTART_STEPS=300 \
@@ -71,7 +72,7 @@
 # emits EOS, so every sample runs to gconfig.max_new_tokens (GEN_TOKENS, default 512).
 # QWEN_DIR=<local HF dir> uses real weights + tokenizer instead.
 #
-# Env knobs: RECIPES ("grpo ppo"), SET (see above), ARMS (both | all | comma list of SET's arms), STEPS (10), BUDGET_S (540),
+# Env knobs: RECIPES ("grpo ppo"), MODEL (the preset without real weights, default qwen2.5-1.5b), SET (see above), ARMS (both | all | comma list of SET's arms), STEPS (10), BUDGET_S (540),
 # VLLM_MEM (vllm.gpu_memory_utilization when the vLLM server shares the trainer's GPU, default 0.35),
 # VLLM_SKIP_TOKENIZER (1 with the char tokenizer: vllm.skip_tokenizer_init=true),
 # WEIGHT_UPDATE (xccl when the server has its own GPU, else disk), WARMSTART_STEPS (0; N > 0: first
@@ -157,7 +158,7 @@ fi
 if [ -n "${QWEN_DIR:-}" ]; then  # real weights + tokenizer available locally (or the warm start)
   DATA=(actor.path="$QWEN_DIR" tokenizer_path="$QWEN_DIR" "train_dataset.path='builtin:arith/mix?n=8192'")
 else
-  DATA=(actor.path=preset:qwen2.5-1.5b tokenizer_path=builtin:tiny-char "train_dataset.path='builtin:arith/mix?n=8192'")
+  DATA=(actor.path=preset:${MODEL:-qwen2.5-1.5b} tokenizer_path=builtin:tiny-char "train_dataset.path='builtin:arith/mix?n=8192'")
 fi
 SIZE=(gconfig.max_new_tokens="$GEN_TOKENS" gconfig.max_tokens=$(( GEN_TOKENS + 512 )) rollout.setup_timeout=900
       actor.tik.audit_interval=5 actor.weight_update_mode="$WEIGHT_UPDATE")
@@ -185,9 +186,12 @@ if [ "$SMOKE" = 1 ]; then
         actor.ppo_n_minibatches=1 actor.tik.audit_interval=5 actor.weight_update_mode="$WEIGHT_UPDATE")
 fi
 
+recipe_file() {  # recipes/<name>.yaml when it exists, else the 1.5B recipe recipes/<name>_qwen2.5-1.5b_gsm8k.yaml
+  if [ -f "recipes/$1.yaml" ]; then echo "recipes/$1.yaml"; else echo "recipes/$1_qwen2.5-1.5b_gsm8k.yaml"; fi
+}
 if [ "${DRY_RUN:-0}" = 1 ]; then  # the overrides every arm gets, one JSON list per recipe (tests compose them on a CPU)
   for RECIPE in "${RECIPE_LIST[@]}"; do
-    python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "recipes/${RECIPE}_qwen2.5-1.5b_gsm8k.yaml" \
+    python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$(recipe_file "$RECIPE")" \
       "${DATA[@]}" "${SIZE[@]}" "${SETTINGS[@]+"${SETTINGS[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}"
   done
   exit 0
@@ -208,7 +212,7 @@ trap pack EXIT
 
 status=0
 for RECIPE in "${RECIPE_LIST[@]}"; do
-  CFG=recipes/${RECIPE}_qwen2.5-1.5b_gsm8k.yaml
+  CFG=$(recipe_file "$RECIPE")
   [ -f "$CFG" ] || { echo "no recipe $CFG"; status=1; continue; }
   PER=()
   if [ "$SMOKE" = 1 ] && [ "$RECIPE" = ppo ]; then
