@@ -3,8 +3,8 @@
 ``vllm.LLM(model=config_only_dir, load_format="tik_preset",
 model_loader_extra_config={"preset": "qwen2.5-7b", "seed": 0})`` builds the preset exactly as
 :func:`areal_tik.layers.models.build_model` does (same seed, same device, same weights as our engine and
-trainer build) and hands its state dict to the model's own ``load_weights`` (HF names; vLLM stacks q/k/v and
-gate/up itself). No checkpoint is written or read, so speed and parity runs at 7B and larger shapes need only
+trainer build) and hands its state dict to the model's own ``load_weights`` under checkpoint names (HF names,
+MoE experts per expert: :func:`checkpoint_items`; vLLM stacks q/k/v, gate/up and the experts itself). No checkpoint is written or read, so speed and parity runs at 7B and larger shapes need only
 a folder with ``config.json`` (:func:`config_dir`), and every arm (stock vLLM, vLLM + tik, our engine, the
 trainer) holds the same weights.
 """
@@ -16,6 +16,7 @@ import os
 import torch
 
 from areal_tik.layers.models import build_model, preset_config
+from areal_tik.layers.moe import per_expert_views
 
 LOAD_FORMAT = "tik_preset"
 
@@ -28,6 +29,15 @@ def config_dir(preset: str, path: str) -> str:
         cfg.torch_dtype = "bfloat16"
         cfg.save_pretrained(path)
     return path
+
+
+def checkpoint_items(state_dict: dict) -> list[tuple[str, torch.Tensor]]:
+    """``state_dict``'s tensors as a checkpoint on disk names them: fused MoE expert weights (how transformers 5
+    holds them) as per-expert tensors (how checkpoints store them, and what a stock vLLM MoE model's
+    ``load_weights`` maps); every other tensor as it is."""
+    views = per_expert_views(state_dict)
+    fused = {name for name, _ in views.values()}
+    return [(n, t) for n, t in state_dict.items() if n not in fused] + [(n, v) for n, (_, v) in views.items()]
 
 
 def llm_kwargs(preset: str, seed: int = 0) -> dict:
@@ -64,7 +74,7 @@ def register() -> None:
             device = next(model.parameters()).device
             src = build_model(self.preset, dtype=model_config.dtype, device=device, seed=self.seed)
             with torch.no_grad():
-                model.load_weights(iter(src.state_dict().items()))
+                model.load_weights(iter(checkpoint_items(src.state_dict())))
             del src
             gc.collect()
             if device.type == "cuda":
