@@ -68,7 +68,7 @@ def _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_lo, k_hi, acc,
 
 
 @triton.jit
-def _ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
+def ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    K_UNROLL: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
     """The fixed split of K in one program. SPLITS == 1: the plain ascending chain over all of K. Otherwise
@@ -98,11 +98,11 @@ def linear_fwd_kernel(
     K_UNROLL: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile; K walked ascending in BLOCK_K steps, in SPLITS fixed
-    chunks of K_CHUNK summed in ascending order (:func:`_ptr_split_sum`)."""
+    chunks of K_CHUNK summed in ascending order (:func:`ptr_split_sum`)."""
     pid = tl.program_id(0)
     pid_m, pid_n, offs_m, offs_n, offs_k, m_mask, n_mask, x_ptrs, w_ptrs = _ptr_tile(
         pid, x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-    acc = _ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
+    acc = ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
                          BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, PRECISION, SPLITS)
     _store_tile(acc, b_ptr, y_ptr, pid_m, pid_n, M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N)
 
@@ -158,7 +158,7 @@ def _tma_chain(x_desc, w_desc, off_m, off_n, t_lo, t_hi,
 def _tma_split_sum(x_desc, w_desc, off_m, off_n, k_tiles, CHUNK_TILES,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRECISION: tl.constexpr, SPLITS: tl.constexpr):
-    """:func:`_ptr_split_sum` with TMA loads: chunk c = tiles [c*CHUNK_TILES, (c+1)*CHUNK_TILES) of K, each
+    """:func:`ptr_split_sum` with TMA loads: chunk c = tiles [c*CHUNK_TILES, (c+1)*CHUNK_TILES) of K, each
     from a fresh accumulator, added to a total that starts at +0.0 in ascending c (SPLITS == 1: the plain
     chain)."""
     if SPLITS == 1:
