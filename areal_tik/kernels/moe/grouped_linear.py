@@ -19,7 +19,8 @@ entries have 0 rows. All of it is device torch ops (``argsort(stable=True)``, ``
 ``index_select``, ``clamp``, ``where``): nothing reads a value back to the host, so the forward can be captured in
 a CUDA graph. :func:`grouped_linear` launches ``(max_blocks, cdiv(N, BLOCK_N))`` programs, a grid (and launch
 arguments) that depends on ``T*k``, ``E``, ``N`` and ``K`` only; a program whose block has no rows exits at once.
-Every assignment row lies in exactly one block, so every row of ``out`` is written once.
+Every assignment row lies in exactly one block, so every row of ``out`` is written once. (An id outside
+``[0, E)``, which the router never emits, would get no block: its row left unwritten, no weight read past E.)
 
 Invariance: ``out[a]`` depends only on its source row and ``w[e]``. On the GPU it equals ``linear_fwd`` on that
 row alone bit for bit: the linear op's dot chain per output element is the same for every tile shape and row
