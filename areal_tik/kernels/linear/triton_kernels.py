@@ -69,12 +69,13 @@ def _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_lo, k_hi, acc,
 
 @triton.jit
 def ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   K_UNROLL: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  K_UNROLL: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
     """The fixed split of K in one program. SPLITS == 1: the plain ascending chain over all of K. Otherwise
     chunk c = [c*K_CHUNK, min((c+1)*K_CHUNK, K)) is reduced from a fresh fp32 accumulator and the chunk sums
     are added to a total that starts at +0.0, in ascending c (a loop over the chunks, so the inner chain is
-    one software-pipelined loop)."""
+    one software-pipelined loop). Rows may be gathered: ``x_ptrs`` is any [BLOCK_M, BLOCK_K] pointer tile (the
+    MoE grouped GEMM, ``kernels/moe/grouped_linear.py``, feeds it indexed rows and one expert's weight)."""
     if SPLITS == 1:
         total = _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, 0, K,
                            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, K_UNROLL, PRECISION)
