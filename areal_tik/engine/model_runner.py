@@ -6,8 +6,9 @@
 - Forward: the patched model's base stack on one packed row with the engine context set,
   then ``lm_head`` on the rows that sample only (linear rows are batch-invariant, so
   selecting first changes no bits).
-- CUDA graphs (GPU, ``enforce_eager=False``, a model whose forward never waits on the host: not one with MoE
-  blocks, ``layers/moe.py``): pure-decode steps replay a graph captured
+- CUDA graphs (GPU, ``enforce_eager=False``, a model whose forward never waits on the host: dense models and
+  MoE models on the triton experts; not MoE blocks on the torch_ref experts or HF's own block,
+  ``layers/moe.py`` ``host_synced``): pure-decode steps replay a graph captured
   lazily per (batch bucket, block-table width bucket) in one memory pool, with static
   input buffers; padding rows have slot -1, one key and page 0. Decode batches above
   ``cuda_graph_max_bs`` run eagerly.
@@ -104,7 +105,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
         self.sampler = Sampler(self.vocab_size, self.device, model_ops or bind(), model_ops)
         emulate = self.device.type != "cuda" and EMULATE_GRAPHS_ON_CPU
-        # a forward that waits on the host (an MoE block's per-expert counts) cannot be captured: eager steps
+        # a forward that waits on the host (an MoE block looping over experts on the host) cannot be captured
         self.use_graphs = (self.device.type == "cuda" or emulate) and not cfg.enforce_eager and not host_synced(model)
         self.graph_max_bs = min(cfg.cuda_graph_max_bs or cfg.max_num_seqs, _BS_BUCKETS[-1])
         self.capture = GraphCapture(self.device, emulate)

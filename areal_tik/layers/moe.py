@@ -18,8 +18,10 @@ table's rule (:func:`~areal_tik.layers.family.moe_layer`); the others keep the d
   ``shared_expert_gate.weight``); :func:`build_moe_block` builds the same tree for a host without an HF model.
 - ``kernels="default"``: HF's block runs unchanged (its own router, expert loop and ``index_add_``), fed the
   graph's flattened tokens (:func:`default_moe_forward`).
-- The expert loop syncs with the host (per-expert token counts), so a model with MoE blocks is not captured in
-  CUDA graphs (:func:`host_synced`; the engine runs it eagerly).
+- Host syncs: the triton ``moe_experts`` forward never waits on the host (grouped GEMMs with static grids), so a
+  model whose MoE blocks are bound to it is captured in CUDA graphs like a dense one; the torch_ref experts and
+  HF's own block (``kernels="default"``) loop over experts on the host, and a model with such a block runs
+  eagerly (:func:`host_synced`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import types
 import torch
 from torch import nn
 
+from areal_tik.kernels.moe import HOST_SYNC_FREE
 from areal_tik.layers.family import Family, UnsupportedModelError
 from areal_tik.layers.modules import TikLinear, TikMLP
 
@@ -170,7 +173,13 @@ def build_moe_block(cfg, family: Family, ops) -> TikMoE:
     return block
 
 
+def _block_synced(m: nn.Module) -> bool:
+    ops = getattr(m, "_tik_ops", None)          # None: HF's block on the default kernels
+    return ops is None or ops.moe_experts not in HOST_SYNC_FREE
+
+
 def host_synced(model: nn.Module) -> bool:
-    """Whether a forward of ``model`` waits on the host (an MoE block's per-expert counts): such a model runs
-    eagerly, never in a CUDA graph."""
-    return any(getattr(m, "_tik_moe", False) for m in model.modules())
+    """Whether a forward of ``model`` waits on the host: an MoE block whose bound experts op loops over experts on
+    the host (torch_ref, HF's own block), read from the bound implementation. Such a model runs eagerly, never in
+    a CUDA graph; with the triton experts (:data:`~areal_tik.kernels.moe.HOST_SYNC_FREE`) it is captured."""
+    return any(getattr(m, "_tik_moe", False) and _block_synced(m) for m in model.modules())

@@ -10,9 +10,9 @@ later step compiles. Which configs are reachable is the bound implementation's o
 (``ImplInfo.tile_configs``); an implementation without tile configs (``torch_ref``) has nothing
 to compile, and nothing runs.
 
-What it covers: every ``TikLinear`` shape of the model, and the router and expert GEMMs of its MoE blocks (``moe_experts``
-runs the same backend's linear kernel on each expert's ``[2I, H]`` and ``[H, I]`` weights), for M in
-``[1, max_tokens]``. It does not
+What it covers: every ``TikLinear`` shape of the model and the router GEMM of its MoE blocks, for M in
+``[1, max_tokens]`` (the triton ``moe_experts`` runs its own grouped kernel, not the linear's tile configs; the
+torch_ref one compiles nothing). It does not
 change any result (dummy tensors only; the model's weights are only read for their shapes).
 ``Settings.precompile = False`` (``actor.tik.precompile=false``, ``serve --no-precompile``) turns it off.
 """
@@ -48,9 +48,6 @@ def _shapes_by_ops(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tu
             add(ops, n, k, dtype or m.weight.dtype, m.bias is not None)
         elif isinstance(m, TikMoE) and ops is not None:
             add(ops, *(int(s) for s in m.gate.weight.shape), dtype or m.gate.weight.dtype, False)   # the router
-            if ops.impls["moe_experts"].backend == ops.impls["linear"].backend:
-                for w in (m.experts.gate_up_proj, m.experts.down_proj):
-                    add(ops, int(w.shape[1]), int(w.shape[2]), dtype or w.dtype, False)
     return list(groups.values())
 
 

@@ -26,6 +26,7 @@ import importlib.util
 from collections.abc import Mapping
 
 from areal_tik.dispatch.bound import bind
+from areal_tik.kernels.moe import HOST_SYNC_FREE
 from areal_tik.layers.family import FAMILIES, TableView
 from areal_tik.settings import Settings
 
@@ -71,12 +72,15 @@ def architecture_for(model_type: str) -> str:
     return ARCHITECTURES[model_type]
 
 
-def llm_kwargs(model_type: str, block_size: int = 64) -> dict:
+def llm_kwargs(model_type: str, block_size: int = 64, ops=None) -> dict:
     """Keyword arguments for ``vllm.LLM(model=dir, **llm_kwargs(cfg.model_type))`` that run the
     checkpoint on tik kernels: the tik architecture, the CUSTOM attention backend, full CUDA
-    graphs for decode batches (prefill eager; none for a family with MoE blocks, whose expert loop waits on
-    the host: ``layers/moe.py``) and no torch.compile (our Triton launchers are not traced)."""
+    graphs for decode batches (prefill eager) and no torch.compile (our Triton launchers are not traced). A
+    family with MoE blocks gets the same graphs when the experts op bound in this process (``ops``, default
+    :func:`process_ops`: the workers bind the same) never waits on the host (the triton backend's), else none
+    (``layers/moe.py``, ``host_synced``)."""
     arch = architecture_for(model_type)
-    graphs = "NONE" if FAMILIES[model_type].moe else "FULL_DECODE_ONLY"
+    synced = FAMILIES[model_type].moe and (ops if ops is not None else process_ops()).moe_experts not in HOST_SYNC_FREE
+    graphs = "NONE" if synced else "FULL_DECODE_ONLY"
     return dict(hf_overrides={"architectures": [arch]}, attention_backend="CUSTOM",
                 block_size=block_size, compilation_config={"mode": 0, "cudagraph_mode": graphs})

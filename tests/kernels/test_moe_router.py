@@ -1,5 +1,6 @@
 """moe_route: a token's experts and weights are the same bits alone and in any batch; ties go to the lower
-expert index; accurate against the float64 reference; backward matches the reference's gradient."""
+expert index; a non-finite row gets valid ids (E - 1); accurate against the float64 reference; backward matches
+the reference's gradient."""
 import pytest
 import torch
 
@@ -38,6 +39,23 @@ def test_ties_go_to_the_lower_expert_index(backend):
     assert ids[0].tolist() == [0, 1, 2]          # all -1: the lowest indices
     # the float64 reference (a stable descending sort) agrees
     assert torch.equal(moe.route_reference(rows.bfloat16(), 3, False)[1], ids)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("E", [8, 12])
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")     # the NaN row's arithmetic in the interpreter
+def test_non_finite_rows_get_the_last_expert(backend, E, seed_rng):
+    """A row with a NaN or an inf logit (a CUDA graph's padding row) gets expert E - 1 at every rank, never an id
+    past E; the finite rows beside it keep their bits."""
+    logits = torch.randn(6, E).bfloat16()
+    bad = logits.clone()
+    bad[1, 3], bad[4, 0], bad[5] = float("nan"), float("inf"), float("nan")
+    w, ids = ROUTE[backend](bad, 3, True)
+    w0, ids0 = ROUTE[backend](logits, 3, True)
+    for t in (1, 4, 5):
+        assert ids[t].tolist() == [E - 1] * 3              # (its weights are meaningless: NaN, or not)
+    ok = [0, 2, 3]
+    assert torch.equal(ids[ok], ids0[ok]) and torch.equal(w[ok], w0[ok])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
+import areal_tik.engine.model_runner as mr
 from areal_tik import vllm_plugin
+from areal_tik.dispatch.bound import bind
 from areal_tik.engine import EngineConfig, LLMEngine, SamplingParams
 from areal_tik.layers.family import UnsupportedModelError, moe_layer
 from areal_tik.layers.logprob_head import generated_logprobs
@@ -32,8 +34,8 @@ FAMILIES = {"qwen3_moe": "tiny-qwen3-moe", "qwen2_moe": "tiny-qwen2-moe"}
 LENS = [(9, 6), (14, 4), (5, 7)]                         # (prompt, generated) per sequence
 
 
-def _model(preset, seed=0, dtype=torch.bfloat16, **overrides):
-    m = build_model(preset, device="cpu", seed=seed, dtype=dtype, **overrides)
+def _model(preset, seed=0, dtype=torch.bfloat16, device="cpu", **overrides):
+    m = build_model(preset, device=device, seed=seed, dtype=dtype, **overrides)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():                                # larger router logits: routing decided, not uniform
         for name, p in m.named_parameters():
@@ -63,7 +65,11 @@ def _per_expert_tensors(hf):
 def test_entries_presets_and_layer_rule():
     for mt, preset in FAMILIES.items():
         assert PRESETS[preset]["model_type"] == mt and vllm_plugin.architecture_for(mt) in vllm_plugin.ARCHITECTURES.values()
-        assert vllm_plugin.llm_kwargs(mt)["compilation_config"]["cudagraph_mode"] == "NONE"
+        # decode graphs as a dense model's on the triton experts (no host sync), none on the torch_ref experts
+        graphs = {be: vllm_plugin.llm_kwargs(mt, ops=bind(be))["compilation_config"]["cudagraph_mode"]
+                  for be in ("moe_experts=triton", "torch_ref")}
+        assert graphs == {"moe_experts=triton": vllm_plugin.llm_kwargs("qwen3")["compilation_config"]["cudagraph_mode"],
+                          "torch_ref": "NONE"}
     for name in ("qwen3-30b-a3b", "qwen3-30b-a3b-4l"):
         cfg = preset_config(name)
         assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (2048, 32, 4, 128)
@@ -77,9 +83,12 @@ def test_entries_presets_and_layer_rule():
         m = patch_model(_model("tiny-qwen3-moe", **overrides))
         assert [moe_layer(m.config, i) for i in range(2)] == want
         assert [type(layer.mlp) for layer in m.model.layers] == [TikMoE if w else TikMLP for w in want]
-    assert host_synced(m)
-    # precompilation knows the router's and the experts' GEMM shapes (N, K)
-    assert {(8, 128), (128, 128), (128, 64)} <= {(n, k) for n, k, _, _ in linear_shapes(m)}
+    # host syncs, read from the bound experts op: triton none, torch_ref and HF's own block per-expert counts
+    assert [host_synced(patch_model(_model("tiny-qwen3-moe"), kernels=kn, backend=be)) for kn, be in
+            (("tik", "moe_experts=triton"), ("tik", "torch_ref"), ("default", None))] == [False, True, True]
+    # precompilation knows the router's GEMM shape (N, K); the experts' GEMMs are not the linear op's launches
+    shapes = {(n, k) for n, k, _, _ in linear_shapes(m)}
+    assert (8, 128) in shapes and (128, 128) not in shapes and (128, 64) not in shapes
 
 
 @pytest.mark.parametrize("mt", FAMILIES)
@@ -118,6 +127,31 @@ def test_regimes_r1_to_r5_zero_mismatches(seed_rng):
     for r, v in rep["regimes"].items():
         assert v["n_tokens"] > 0 and v["n_mismatch"] == 0 and v["divergent_sequences"] == 0, (r, v)
     assert rep["passed"]
+
+
+def test_engine_graphs_on_the_triton_experts(seed_rng, monkeypatch):
+    """The triton experts never wait on the host, so the engine captures the MoE model's decode and prefill steps
+    (emulated graphs on a CPU, ``model_runner.EMULATE_GRAPHS_ON_CPU``; real ones on a GPU): graph steps happen, and
+    tokens and log-prob bits equal the eager engine's and the trainer forward's. The torch_ref experts stay
+    eager."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":
+        monkeypatch.setattr(mr, "EMULATE_GRAPHS_ON_CPU", True)
+    hf = patch_model(_model("tiny-qwen3-moe", seed=seed_rng % 1000, device=dev), backend="moe_experts=triton")
+    prompts = [torch.randint(3, 512, (a,)).tolist() for a, _ in LENS]
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=seed_rng % 997)
+    cfg = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=24, chunked_prefill=True, page_size=16)
+    graphed, eager = (LLMEngine(hf, EngineConfig(**cfg, enforce_eager=e)) for e in (False, True))
+    got, ref = graphed.generate(prompts, params), eager.generate(prompts, params)
+    assert graphed.runner.num_prefill_graph_steps > 0 and graphed.runner.num_graph_steps > \
+        graphed.runner.num_prefill_graph_steps and eager.runner.num_graph_steps == 0   # prefill and decode graphs
+    assert [o.output_ids for o in got] == [o.output_ids for o in ref]
+    train = generated_logprobs(hf, [(p, o.output_ids) for p, o in zip(prompts, got)])
+    for g, r, t in zip(got, ref, train):
+        assert torch.equal(torch.tensor(g.output_logprobs), torch.tensor(r.output_logprobs))
+        assert torch.equal(torch.tensor(g.output_logprobs, dtype=torch.float32), t.cpu())
+    synced = patch_model(_model("tiny-qwen3-moe", device=dev), backend="torch_ref")
+    assert not LLMEngine(synced, EngineConfig(**cfg)).runner.use_graphs
 
 
 @pytest.mark.parametrize("mt", FAMILIES)

@@ -1,6 +1,7 @@
 """MoE parity at the Qwen3-30B-A3B widths on a GPU (the lead runs these; CPU runs skip them): the 4-layer preset
 ``qwen3-30b-a3b-4l`` (hidden 2048, 32/4 heads, head dim 128, 128 experts, top-8, moe_intermediate 768, vocab
-151,936), random weights, our engine against the trainer's forward, 0 mismatching tokens. Sized to run in well
+151,936), random weights, our engine (CUDA graphs: the triton experts never wait on the host) against the
+trainer's forward, 0 mismatching tokens. Sized to run in well
 under two minutes on one H100 (about 6 GB of weights; most of the time is Triton compiling linear configs)."""
 import pytest
 import torch
@@ -36,7 +37,7 @@ def test_engine_equals_trainer_forward(model):
     train = generated_logprobs(model, [(p, o.output_ids) for p, o in zip(prompts, outs)])
     mismatches = sum(int((torch.tensor(o.output_logprobs, dtype=torch.float32) != t).sum()) for o, t in zip(outs, train))
     assert mismatches == 0
-    assert eng.runner.num_graph_steps == 0              # MoE: eager steps (the expert loop syncs with the host)
+    assert eng.runner.num_graph_steps > 0               # the triton experts never sync: CUDA graphs as a dense model
     alone = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=512, page_size=32)).generate(prompts[:1], params)
     assert alone[0].output_ids == outs[0].output_ids and alone[0].output_logprobs == outs[0].output_logprobs
 

@@ -68,13 +68,14 @@ def _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_lo, k_hi, acc,
 
 
 @triton.jit
-def _ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   K_UNROLL: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+def ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  K_UNROLL: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
     """The fixed split of K in one program. SPLITS == 1: the plain ascending chain over all of K. Otherwise
     chunk c = [c*K_CHUNK, min((c+1)*K_CHUNK, K)) is reduced from a fresh fp32 accumulator and the chunk sums
     are added to a total that starts at +0.0, in ascending c (a loop over the chunks, so the inner chain is
-    one software-pipelined loop)."""
+    one software-pipelined loop). Rows may be gathered: ``x_ptrs`` is any [BLOCK_M, BLOCK_K] pointer tile (the
+    MoE grouped GEMM, ``kernels/moe/grouped_linear.py``, feeds it indexed rows and one expert's weight)."""
     if SPLITS == 1:
         total = _ptr_chain(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, 0, K,
                            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, K_UNROLL, PRECISION)
@@ -98,11 +99,11 @@ def linear_fwd_kernel(
     K_UNROLL: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile; K walked ascending in BLOCK_K steps, in SPLITS fixed
-    chunks of K_CHUNK summed in ascending order (:func:`_ptr_split_sum`)."""
+    chunks of K_CHUNK summed in ascending order (:func:`ptr_split_sum`)."""
     pid = tl.program_id(0)
     pid_m, pid_n, offs_m, offs_n, offs_k, m_mask, n_mask, x_ptrs, w_ptrs = _ptr_tile(
         pid, x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-    acc = _ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
+    acc = ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
                          BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, PRECISION, SPLITS)
     _store_tile(acc, b_ptr, y_ptr, pid_m, pid_n, M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N)
 
@@ -158,7 +159,7 @@ def _tma_chain(x_desc, w_desc, off_m, off_n, t_lo, t_hi,
 def _tma_split_sum(x_desc, w_desc, off_m, off_n, k_tiles, CHUNK_TILES,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRECISION: tl.constexpr, SPLITS: tl.constexpr):
-    """:func:`_ptr_split_sum` with TMA loads: chunk c = tiles [c*CHUNK_TILES, (c+1)*CHUNK_TILES) of K, each
+    """:func:`ptr_split_sum` with TMA loads: chunk c = tiles [c*CHUNK_TILES, (c+1)*CHUNK_TILES) of K, each
     from a fresh accumulator, added to a total that starts at +0.0 in ascending c (SPLITS == 1: the plain
     chain)."""
     if SPLITS == 1:

@@ -9,9 +9,16 @@ with the backend's own ``linear`` forward (``kernels/linear``) and ``silu_mul_pa
 their rounding points (fp32 accumulation, each GEMM output and the activation rounded to x's dtype). Returns
 ``y [T, k, H]`` in x's dtype.
 
-How it runs: the (token, rank) assignments are grouped by expert (a stable sort, so within an expert in
-ascending ``t*k + r``), each expert's tokens gathered and run through the two GEMMs as one batch, the results
-written back to their assignments.
+How it runs. triton (:func:`experts_triton`): no host sync, so a forward can be captured in a CUDA graph. The
+assignments ``a = t*k + r`` are sorted by expert on the device and cut into blocks of a static-size table
+(:mod:`.grouped_linear`); one grouped GEMM launch writes ``gu[a] = linear(x[t], w_gate_up[e])`` for all T*k
+assignments, ``silu_mul_packed`` runs on the ``[T*k, 2I]`` buffer, and a second grouped launch writes
+``y[a] = linear(h[a], w_down[e])``. Both launches have grids fixed by T*k, E and the widths, never by the
+routing. Each grouped row is reduced exactly as the linear op reduces a row (its own dot chain and fixed K
+split), so it has the bits of ``linear_fwd`` on that row alone. torch_ref (:func:`experts_torch`): the
+assignments grouped by expert on the host (:func:`expert_groups`: a stable sort, so within an expert in
+ascending ``a``; one host sync for the per-expert counts), each expert's tokens gathered and run through the
+two GEMMs as one batch, the results written back to their assignments.
 
 Invariance: ``y[t, r]`` depends only on ``x[t]`` and expert e's weights, bit for bit: not on which other tokens
 went to the same expert, how many, in what order, or on T. That is the linear op's row invariance (a row's
@@ -21,8 +28,8 @@ op on the single row ``x[t:t+1]`` with ``w_gate_up[e]``, then ``silu_mul_packed`
 
 Shapes/dtypes: x ``[T, H]``, weights of x's dtype (bf16, fp16, fp32), ids ``[T, k]`` int32/int64 in ``[0, E)``,
 all contiguous. Accuracy vs :func:`experts_reference` (float64): relative Frobenius error below 1e-2 (bf16),
-1e-5 (fp32). The expert loop syncs with the host (per-expert counts), so a forward cannot be captured in a
-CUDA graph.
+1e-5 (fp32). Host syncs: none in the triton forward (:data:`HOST_SYNC_FREE` lists it); the torch_ref forward
+and the backward (both backends) wait on the host for the per-expert counts.
 
 Backward (both backends, torch math, deterministic): per expert the recomputed activations, ``dW_down[e]``,
 ``dW_gate_up[e]`` from fp32 matmuls, the SiLU-mul backward at HF's rounding points, each assignment's ``dx`` row
@@ -32,12 +39,13 @@ from __future__ import annotations
 
 import torch
 
-from areal_tik.kernels.linear import linear_fwd
 from areal_tik.kernels.linear.torch_ref import matmul_invariant_torch
 from areal_tik.kernels.moe.checks import validate_experts
+from areal_tik.kernels.moe.grouped_linear import grouped_linear, routing_plan
 from areal_tik.kernels.swiglu import silu_mul_packed_torch, silu_mul_packed_triton
 
-__all__ = ["experts_triton", "experts_torch", "experts_reference", "expert_groups"]
+__all__ = ["experts_triton", "experts_torch", "experts_reference", "expert_groups", "experts_triton_fwd",
+           "HOST_SYNC_FREE"]
 
 
 def expert_groups(topk_ids: torch.Tensor, num_experts: int):
@@ -66,16 +74,19 @@ def _experts_fwd(linear, act, x, w_gate_up, w_down, topk_ids):
     return y.view(T, k, H)
 
 
-def _linear_triton(x2, w):
-    return linear_fwd(x2, w)
-
-
 def _linear_torch(x2, w):
     return matmul_invariant_torch(x2, w).to(x2.dtype)     # the torch_ref linear forward without a bias
 
 
-def _fwd_triton(x, w_gate_up, w_down, topk_ids):
-    return _experts_fwd(_linear_triton, silu_mul_packed_triton, x, w_gate_up, w_down, topk_ids)
+def experts_triton_fwd(x, w_gate_up, w_down, topk_ids) -> torch.Tensor:
+    """The triton forward without argument checks or autograd (as ``linear_fwd`` is the linear op's): two
+    grouped GEMM launches around ``silu_mul_packed``, no host sync."""
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    plan = routing_plan(topk_ids, w_gate_up.shape[0])
+    gu = grouped_linear(x, w_gate_up, plan, row_div=k)               # [T*k, 2I], row a from x[a // k]
+    y = grouped_linear(silu_mul_packed_triton(gu), w_down, plan, row_div=1)
+    return y.view(T, k, H)
 
 
 def _fwd_torch(x, w_gate_up, w_down, topk_ids):
@@ -141,12 +152,13 @@ def _experts(fwd, x, w_gate_up, w_down, topk_ids, triton_path):
 
 
 def experts_triton(x, w_gate_up, w_down, topk_ids) -> torch.Tensor:
-    """``y [T, k, H]``: each token's k expert outputs on the Triton linear and SiLU-mul kernels."""
-    return _experts(_fwd_triton, x, w_gate_up, w_down, topk_ids, True)
+    """``y [T, k, H]``: each token's k expert outputs through grouped GEMMs with the Triton linear op's row
+    reduction and the Triton SiLU-mul; the forward never waits on the host (CUDA-graph capturable)."""
+    return _experts(experts_triton_fwd, x, w_gate_up, w_down, topk_ids, True)
 
 
 def experts_torch(x, w_gate_up, w_down, topk_ids) -> torch.Tensor:
-    """The same on the torch_ref linear and SiLU-mul (any device)."""
+    """The same on the torch_ref linear and SiLU-mul (any device); a per-expert loop that waits on the host."""
     return _experts(_fwd_torch, x, w_gate_up, w_down, topk_ids, False)
 
 
@@ -158,3 +170,7 @@ def experts_reference(x, w_gate_up, w_down, topk_ids) -> torch.Tensor:
     g, u = gu[..., :I], gu[..., I:]
     h = g * torch.sigmoid(g) * u
     return torch.einsum("tki,tkhi->tkh", h, w_down.double()[topk_ids])
+
+
+#: the experts implementations whose forward never waits on the host: ``layers/moe.host_synced`` asks this
+HOST_SYNC_FREE = frozenset({experts_triton})

@@ -6,7 +6,10 @@ experts by ``p``, largest first, **ties broken by the lower expert index**; weig
 ``norm_topk_prob`` ``w_r = p[id_r] / (w_0 + w_1 + ... + w_{k-1})`` with the sum taken in rank order. Returns
 fp32 weights ``[T, k]`` and int64 expert ids ``[T, k]`` (rank order).
 
-Shapes/dtypes: logits ``[T, E]`` (bf16, fp16 or fp32), contiguous, ``1 <= E <= 1024``, ``1 <= k <= E``.
+Shapes/dtypes: logits ``[T, E]`` (bf16, fp16 or fp32), contiguous, ``1 <= E <= 1024``, ``1 <= k <= E``. Ids always
+lie in ``[0, E)``: a row whose logits are not all finite (a CUDA graph's padding rows, a capture's warm-up on
+stale buffers) gets expert ``E - 1`` at every rank (its weights are meaningless), so the experts op never
+indexes past E; a finite row's ids are unaffected (some entry always equals the maximum).
 Accuracy vs :func:`route_reference` (float64 softmax, a stable descending sort): the same ids except where two
 probabilities lie within fp32 rounding of each other; weights within 1e-6 relative.
 
@@ -51,7 +54,8 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_t, K: tl.constexpr, BLOC
     idxs = tl.zeros([BLOCK_K], dtype=tl.int32)
     for r in tl.static_range(K):
         v = tl.max(sel, axis=0)
-        i = tl.min(tl.where(sel == v, offs, BLOCK_E), axis=0)        # ties: the lowest expert index
+        # ties: the lowest expert index; a non-finite row (no lane equals v) gets E - 1
+        i = tl.minimum(tl.min(tl.where(sel == v, offs, BLOCK_E), axis=0), E - 1)
         vals = tl.where(ks == r, v, vals)
         idxs = tl.where(ks == r, i, idxs)
         sel = tl.where(offs == i, -2.0, sel)
@@ -87,7 +91,8 @@ def _route_torch_fwd(logits: torch.Tensor, top_k: int, norm: bool):
     vals, ids = [], []
     for _ in range(top_k):
         v = sel.amax(-1, keepdim=True)
-        i = torch.where(sel == v, experts, E).amin(-1)           # ties: the lowest expert index
+        # ties: the lowest expert index; a non-finite row (no entry equals v) gets E - 1
+        i = torch.where(sel == v, experts, E).amin(-1).clamp(max=E - 1)
         vals.append(v[:, 0])
         ids.append(i)
         sel = sel.scatter(1, i[:, None], -1.0)

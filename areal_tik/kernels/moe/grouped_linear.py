@@ -1,0 +1,176 @@
+"""The routed experts' GEMM without a host sync: every (token, rank) assignment's row through its expert's weight
+in one launch whose grid never depends on the routing.
+
+Maths, for every assignment ``a = t*k + r`` with expert ``e = topk_ids.flat[a]`` (``w [E, N, K]``)::
+
+    out[a] = linear(src[a // row_div], w[e])        # row_div = k: src is x [T, K];  row_div = 1: src is [T*k, K]
+
+each row reduced exactly as the linear op reduces a row (``kernels/linear``): the K chunks of
+:func:`~areal_tik.kernels.linear.k_split` (K), each by ``acc = tl.dot(x_tile, w_tile^T, acc)`` over ascending
+``BLOCK_K = 64`` steps from a fresh fp32 accumulator, the chunk sums added to +0.0 in ascending order, one
+rounding to the source's dtype; it is the linear op's own chain (:func:`~areal_tik.kernels.linear.triton_kernels.
+ptr_split_sum`), fed rows gathered by index instead of consecutive rows. ``input_precision`` as the linear op:
+``ieee`` for fp32, the tensor cores' bf16/fp16 products otherwise.
+
+How it runs: :func:`routing_plan` sorts the assignments by expert (stable: within an expert in ascending ``a``)
+and cuts each expert's run into blocks of ``BLOCK_M`` rows, writing a block table ``(expert, first position in
+the sorted order, rows)`` of the static length :func:`max_blocks` ``(T*k, E, BLOCK_M)``; the table's unused
+entries have 0 rows. All of it is device torch ops (``argsort(stable=True)``, ``searchsorted``, ``cumsum``,
+``index_select``, ``clamp``, ``where``): nothing reads a value back to the host, so the forward can be captured in
+a CUDA graph. :func:`grouped_linear` launches ``(max_blocks, cdiv(N, BLOCK_N))`` programs, a grid (and launch
+arguments) that depends on ``T*k``, ``E``, ``N`` and ``K`` only; a program whose block has no rows exits at once.
+Every assignment row lies in exactly one block, so every row of ``out`` is written once. (An id outside
+``[0, E)``, which the router never emits, would get no block: its row left unwritten, no weight read past E.)
+
+Invariance: ``out[a]`` depends only on its source row and ``w[e]``. On the GPU it equals ``linear_fwd`` on that
+row alone bit for bit: the linear op's dot chain per output element is the same for every tile shape and row
+position (the GPU fact ``kernels/linear`` relies on and its tests measure; ``tests/kernels/
+test_moe_grouped_linear.py::test_gpu_grouped_rows_equal_linear_fwd_rows`` checks it for this kernel). Under the
+CPU interpreter the bits come from the test setup's dot (``kernels/_interpreter_fix``: bf16/fp32 products
+accumulated k by k in fp32, independent of the tile shape), which also makes each row equal ``linear_fwd`` on it.
+
+Shapes/dtypes: src and w of one dtype (bf16, fp16, fp32), unit last stride, w ``[E, N, K]`` contiguous; ids int32
+or int64 in ``[0, E)``. The out buffer ``[T*k, N]`` (unit last stride) in src's dtype. The caller checks the
+arguments (``moe.checks.validate_experts``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from areal_tik.kernels import interpreting
+from areal_tik.kernels.linear.configs import BLOCK_K
+from areal_tik.kernels.linear.splits import k_split
+from areal_tik.kernels.linear.triton_kernels import ptr_split_sum
+
+__all__ = ["grouped_linear_kernel", "RoutingPlan", "routing_plan", "grouped_linear", "max_blocks", "block_m_for",
+           "tile_config", "GPU_TILES", "compile_specs"]
+
+
+@triton.jit
+def grouped_linear_kernel(src_ptr, w_ptr, y_ptr, order_ptr, blocks_ptr,
+                          N, K, K_CHUNK, ROW_DIV, stride_src, stride_we, stride_wn, stride_y,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          K_UNROLL: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+    """One block of one expert's assignment rows x one BLOCK_N slice of its outputs: rows gathered through the
+    sorted order, reduced by the linear op's chain (:func:`ptr_split_sum`), stored at their assignments."""
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    count = tl.load(blocks_ptr + b * 3 + 2)
+    if count > 0:
+        e = tl.load(blocks_ptr + b * 3).to(tl.int64)
+        start = tl.load(blocks_ptr + b * 3 + 1).to(tl.int64)
+        rows = tl.arange(0, BLOCK_M)
+        m_mask = rows < count
+        a = tl.load(order_ptr + start + rows, mask=m_mask, other=0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = src_ptr + (a // ROW_DIV)[:, None] * stride_src + offs_k[None, :]
+        w_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        acc = ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
+                            BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, PRECISION, SPLITS)
+        y_ptrs = y_ptr + a[:, None] * stride_y + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingPlan:
+    """``order`` int64 ``[T*k]``: the assignments sorted by expert (stable). ``blocks`` int32
+    ``[max_blocks, 3]``: per block (expert, first position in ``order``, rows); 0 rows = no block."""
+
+    order: torch.Tensor
+    blocks: torch.Tensor
+    block_m: int
+    num_experts: int
+
+
+def max_blocks(assignments: int, num_experts: int, block_m: int) -> int:
+    """The static block-table length: an expert with c rows takes ``cdiv(c, block_m)`` blocks, so the blocks of
+    T*k rows over E experts number at most ``cdiv(T*k, block_m) + E - 1`` (and at most one per row)."""
+    if assignments == 0:
+        return 0
+    return min(assignments, triton.cdiv(assignments, block_m) + num_experts - 1)
+
+
+def block_m_for(assignments: int, num_experts: int) -> int:
+    """Rows per block (speed only, never bits): the mean rows per expert, rounded up to a power of two in
+    16..64; 16 under the CPU interpreter."""
+    if interpreting():
+        return 16
+    return min(64, max(16, triton.next_power_of_2(triton.cdiv(assignments, max(num_experts, 1)))))
+
+
+#: BLOCK_M -> the launch's other tile constants on a GPU (speed only; BLOCK_K is the linear op's)
+GPU_TILES = {16: dict(BLOCK_N=64, K_UNROLL=1, num_warps=4, num_stages=4),
+             32: dict(BLOCK_N=64, K_UNROLL=1, num_warps=4, num_stages=4),
+             64: dict(BLOCK_N=128, K_UNROLL=1, num_warps=4, num_stages=4)}
+INTERPRETER_TILE = dict(BLOCK_N=32, K_UNROLL=1, num_warps=4, num_stages=1)
+
+
+def tile_config(block_m: int) -> dict:
+    """The launch's tile constants beside BLOCK_M (a fresh dict)."""
+    return dict(INTERPRETER_TILE if interpreting() else GPU_TILES[block_m])
+
+
+def compile_specs() -> list[dict]:
+    """Compile-check specs: the bf16 kernel at every GPU tile, one K chunk."""
+    sig = {"src_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "order_ptr": "*i64", "blocks_ptr": "*i32",
+           "N": "i32", "K": "i32", "K_CHUNK": "i32", "ROW_DIV": "i32", "stride_src": "i32", "stride_we": "i32",
+           "stride_wn": "i32", "stride_y": "i32"}
+    specs = []
+    for bm, tile in GPU_TILES.items():
+        t = dict(tile)
+        nw, ns = t.pop("num_warps"), t.pop("num_stages")
+        specs.append(dict(fn=grouped_linear_kernel, signature=sig, num_warps=nw, num_stages=ns,
+                          constexprs=dict(t, BLOCK_M=bm, BLOCK_K=BLOCK_K, PRECISION="tf32", SPLITS=1)))
+    return specs
+
+
+def routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> RoutingPlan:
+    """The expert-sorted order and the block table of ``topk_ids [T, k]`` (device ops only, no host sync)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    bm = block_m or block_m_for(n, num_experts)
+    dev = flat.device
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat.index_select(0, order)
+    experts = torch.arange(num_experts, device=dev, dtype=torch.int64)
+    lo = torch.searchsorted(sorted_e, experts)                  # an expert's first position in order
+    hi = torch.searchsorted(sorted_e, experts, right=True)      # ... one past its last
+    nblk = (hi - lo + (bm - 1)) // bm
+    blk_end = torch.cumsum(nblk, 0)                            # blocks of experts 0..e
+    b = torch.arange(max_blocks(n, num_experts, bm), device=dev, dtype=torch.int64)
+    owner = torch.searchsorted(blk_end, b, right=True)          # block b's expert (E: past the last block)
+    e = owner.clamp(max=num_experts - 1)
+    first = blk_end.index_select(0, e) - nblk.index_select(0, e)
+    start = lo.index_select(0, e) + (b - first) * bm
+    rows = torch.where(owner < num_experts, (hi.index_select(0, e) - start).clamp(0, bm), 0)
+    blocks = torch.stack([e, start.clamp(0, max(n - 1, 0)), rows], 1).to(torch.int32).contiguous()
+    return RoutingPlan(order, blocks, bm, num_experts)
+
+
+def grouped_linear(src: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, row_div: int,
+                   out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """``out[a] = linear(src[a // row_div], w[expert of a])`` for every assignment a of ``plan`` (module
+    docstring). ``splits`` overrides the number of K chunks (:func:`~areal_tik.kernels.linear.k_split`): tests."""
+    n_rows = plan.order.numel()
+    E, N, K = w.shape
+    if out is None:
+        out = torch.empty((n_rows, N), dtype=src.dtype, device=src.device)
+    if n_rows == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    n_chunks, chunk = k_split(K, splits)
+    cfg = tile_config(plan.block_m)
+    nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+    grid = (plan.blocks.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
+    grouped_linear_kernel[grid](
+        src, w, out, plan.order, plan.blocks, N, K, chunk, row_div, src.stride(0), w.stride(0), w.stride(1),
+        out.stride(0), BLOCK_M=plan.block_m, BLOCK_K=BLOCK_K, PRECISION="ieee" if src.dtype == torch.float32
+        else "tf32", SPLITS=n_chunks, num_warps=nw, num_stages=ns, **cfg)
+    return out
