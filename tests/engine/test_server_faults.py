@@ -205,7 +205,11 @@ def test_bad_token_ids_context_and_seed_get_400_and_leave_nothing_in_flight(S):
     assert_healthy(S)
 
 
-def test_duplicate_rid_in_flight_is_409_and_the_first_request_gets_its_answer(S):
+def test_duplicate_rid_in_flight_is_409_and_the_first_request_gets_its_answer(S, monkeypatch):
+    """A second request whose id is held by a running request (its client connected) waits up to the server's
+    retry grace for the id to free (tests/engine/test_server_clients.py), then gets 409: the grace is cut to
+    50 ms here so that the first request (40 tokens) outlasts it."""
+    monkeypatch.setattr(S.server, "RETRY_GRACE_S", 0.05)
     body = {**LONG, "rid": "dup"}
     th, box = in_thread(call, S.addr, "/generate", body)
     wait_active(S.addr)

@@ -32,7 +32,8 @@ class TikServer:
     within ``ClientWatch``'s sweep interval, running or held during a pause: its KV pages and
     its request id are free again, and a retry with the same ``rid`` is served (a retry that
     arrives before its first connection's close was read waits up to ``RETRY_GRACE_S`` for it;
-    a second request with an id whose client is still there is a 409 after that wait)."""
+    a second request with an id whose holder is still running, its client still there, is a 409
+    after that wait)."""
 
     RETRY_GRACE_S = 1.0
 
@@ -71,10 +72,11 @@ class TikServer:
         return rid
 
     async def _rid_free(self, rid: str) -> bool:
-        """Whether a new request may take ``rid``: nobody holds it, or its holder's client went
-        away. A client retrying its rid right after a timeout can reach us before this loop has
-        read its first connection's close (a busy loop reads sockets in any order), so a holder
-        whose client still looks connected is watched for up to ``RETRY_GRACE_S`` first."""
+        """Whether a new request may take ``rid``: nobody holds it, its holder's client went away,
+        or the id frees within ``RETRY_GRACE_S``. A client retrying its rid right after a timeout
+        can reach us before this loop has read its first connection's close (a busy loop reads
+        sockets in any order), so a holder whose client still looks connected is watched for that
+        long (its close seen: the holder is ended; the holder done: the id is free) before a 409."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.RETRY_GRACE_S
         while True:
