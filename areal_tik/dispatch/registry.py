@@ -66,7 +66,8 @@ class ImplInfo:
     model or cache it cannot keep its contract on (``BoundOps.check_shapes`` runs it up front);
     ``tile_configs(n, k, dtype, m_min, m_max, device) -> [name]``, for an implementation that compiles one kernel
     per tile config and takes ``config=name``, lists the configs calls in that row range can compile (what
-    ``layers/precompile.py`` launches the bound op with).
+    ``layers/precompile.py`` launches the bound op with); ``moe_experts``' is
+    ``tile_configs(num_experts, top_k, t_min, t_max) -> [token count]``, one token count per tile it can compile.
     """
 
     op: str

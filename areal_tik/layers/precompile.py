@@ -11,9 +11,11 @@ later step compiles. Which configs are reachable is the bound implementation's o
 to compile, and nothing runs.
 
 What it covers: every ``TikLinear`` shape of the model and the router GEMM of its MoE blocks, for M in
-``[1, max_tokens]`` (the triton ``moe_experts`` runs its own grouped kernel, not the linear's tile configs; the
-torch_ref one compiles nothing). It does not
-change any result (dummy tensors only; the model's weights are only read for their shapes).
+``[1, max_tokens]``; and the MoE blocks themselves: each distinct block shape runs once (router, experts,
+combine) at one token count per grouped-GEMM tile the bound experts op lists (``ImplInfo.tile_configs``; the
+torch_ref one lists none), on zero hidden states with the block's own weights when they are plain CUDA tensors
+(a sharded trainer's blocks compile on their first forward instead). It does not change any result (dummy
+inputs only; the model's weights are only read).
 ``Settings.precompile = False`` (``actor.tik.precompile=false``, ``serve --no-precompile``) turns it off.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ from areal_tik.kernels import jit_watch
 from areal_tik.layers.modules import TikLinear
 from areal_tik.layers.moe import TikMoE
 
-__all__ = ["linear_shapes", "precompile_plan", "precompile_linears"]
+__all__ = ["linear_shapes", "precompile_plan", "moe_plan", "precompile_linears"]
 
 logger = logging.getLogger("areal_tik.precompile")
 
@@ -76,11 +78,30 @@ def precompile_plan(model: torch.nn.Module, max_tokens: int, min_tokens: int, de
     return work
 
 
+def moe_plan(model: torch.nn.Module, max_tokens: int, min_tokens: int) -> list[tuple[TikMoE, list[int]]]:
+    """``[(MoE block, token counts)]``: one block per distinct (bound ops, shape), run at the token counts its
+    bound experts op lists; blocks whose weights are not plain tensors (a sharded trainer) are left out."""
+    seen: dict[tuple, tuple[TikMoE, list[int]]] = {}
+    for m in model.modules():
+        ops = getattr(m, "_tik_ops", None)
+        if not isinstance(m, TikMoE) or ops is None:
+            continue
+        counts_for = ops.impls["moe_experts"].tile_configs
+        w = m.experts.gate_up_proj
+        if counts_for is None or type(w.data) is not torch.Tensor:
+            continue
+        key = (id(ops), tuple(w.shape), tuple(m.experts.down_proj.shape), w.dtype, m._tik_top_k, m._tik_norm_topk,
+               hasattr(m, "shared_expert"))
+        if key not in seen:
+            seen[key] = (m, counts_for(int(w.shape[0]), int(m._tik_top_k), min_tokens, max_tokens))
+    return list(seen.values())
+
+
 def precompile_linears(model: torch.nn.Module, max_tokens: int, min_tokens: int = 1,
                        device: torch.device | str | None = None, progress: bool = False,
                        dtype: torch.dtype | None = None, enabled: bool = True) -> dict:
-    """Launch the bound linear once per reachable config of ``model`` (CUDA only; a no-op elsewhere and when
-    ``enabled`` is False, ``Settings.precompile``).
+    """Launch the bound linear once per reachable config of ``model``, and each MoE block shape once per token
+    count of :func:`moe_plan` (CUDA only; a no-op elsewhere and when ``enabled`` is False, ``Settings.precompile``).
     ``dtype``: the compute dtype when it differs from the stored weights' (see :func:`linear_shapes`).
 
     Returns ``{"shapes", "configs", "compiles", "compile_s", "seconds"}``; ``compiles`` counts
@@ -95,7 +116,8 @@ def precompile_linears(model: torch.nn.Module, max_tokens: int, min_tokens: int 
     if dev.type != "cuda" or not enabled:
         return res
     work = precompile_plan(model, max_tokens, min_tokens, dev, dtype)
-    if not work:
+    moe = [(block, counts) for block, counts in moe_plan(model, max_tokens, min_tokens) if block.gate.weight.is_cuda]
+    if not work and not moe:
         return res
     jit_watch.install()
     before, t0 = jit_watch.snapshot(), time.perf_counter()
@@ -111,10 +133,14 @@ def precompile_linears(model: torch.nn.Module, max_tokens: int, min_tokens: int 
             x = torch.zeros((m, k), dtype=dt, device=dev)
             linear(x, w, b, config=name)
             del w, b, x
+        for block, counts in moe:     # router, grouped-GEMM tiles, combine (and shared expert) of each block shape
+            for t in counts:
+                block(torch.zeros((t, block.gate.weight.shape[1]), dtype=block.gate.weight.dtype, device=dev))
         torch.cuda.synchronize(dev)
     d = jit_watch.delta(before)
-    res.update(configs=len(work), compiles=d["compiles"], compile_s=d["seconds"],
+    res.update(configs=len(work) + sum(len(c) for _, c in moe), compiles=d["compiles"], compile_s=d["seconds"],
                seconds=round(time.perf_counter() - t0, 3))
-    logger.info("precompiled %d linear configs over %d shapes (M %d..%d) in %.1fs, %d compiles",
-                res["configs"], res["shapes"], min_tokens, max_tokens, res["seconds"], res["compiles"])
+    logger.info("precompiled %d launches (linear configs over %d shapes, %d MoE block runs; M %d..%d) in %.1fs, "
+                "%d compiles", res["configs"], res["shapes"], sum(len(c) for _, c in moe), min_tokens, max_tokens,
+                res["seconds"], res["compiles"])
     return res

@@ -125,3 +125,44 @@ def test_shapes_in_the_compute_dtype():
     assert {d for _, _, d, _ in shapes} == {torch.bfloat16} and len(shapes) == len(linear_shapes(m))
     n, k, d, _ = shapes[0]
     assert not any(c.startswith("f32_") for c in config_names(n, k, d, "sm_90", 64, 16384))
+
+
+def test_moe_plan_runs_each_block_shape_once_per_grouped_tile(monkeypatch):
+    """The triton experts list one token count per grouped-GEMM tile reachable in the range (each count's
+    block size is that tile), and the plan holds one block per distinct shape; the torch_ref experts list none."""
+    from areal_tik.kernels.moe import grouped_linear
+    from areal_tik.layers.precompile import moe_plan
+    monkeypatch.setattr(grouped_linear, "interpreting", lambda: False)     # tiles as on a GPU
+    for E, k, lo, hi, want in [(128, 8, 1, 8192, {16, 32, 64}), (128, 8, 1, 300, {16, 32}), (8, 2, 256, 256, {64}),
+                               (128, 8, 1, 1, {16})]:
+        counts = grouped_linear.token_counts_per_tile(E, k, lo, hi)
+        assert all(lo <= t <= hi for t in counts), (E, k, lo, hi, counts)
+        got = {grouped_linear.block_m_for(t * k, E) for t in counts}
+        every = {grouped_linear.block_m_for(t * k, E) for t in range(lo, hi + 1)}
+        assert got == every == want and len(counts) == len(want), (E, k, lo, hi, counts)
+    m = patch_model(build_model("tiny-qwen3-moe", device="cpu", seed=0), backend="moe_experts=triton")
+    plan = moe_plan(m, max_tokens=4096, min_tokens=1)
+    assert len(plan) == 1 and plan[0][1] == grouped_linear.token_counts_per_tile(8, 2, 1, 4096)
+    ref = patch_model(build_model("tiny-qwen3-moe", device="cpu", seed=0), backend="moe_experts=torch_ref")
+    assert moe_plan(ref, max_tokens=4096, min_tokens=1) == []
+
+
+@pytest.mark.gpu
+def test_after_precompile_moe_blocks_compile_nothing():
+    """tiny-qwen3-moe on the GPU, triton experts: after precompile_linears, its MoE blocks at token counts across
+    every grouped-GEMM tile compile nothing more (router, grouped GEMMs, combine)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from areal_tik.layers.moe import TikMoE
+    assert jit_watch.install()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    m = patch_model(build_model("tiny-qwen3-moe", device=dev, seed=0), backend="moe_experts=triton")
+    res = precompile_linears(m, max_tokens=1024, min_tokens=1)
+    assert res["configs"] > 0
+    block = next(b for b in m.modules() if isinstance(b, TikMoE))
+    before = jit_watch.snapshot()
+    with torch.no_grad():
+        for t in (1, 7, 64, 100, 128, 300, 512, 1024):
+            block(torch.randn((t, block.gate.weight.shape[1]), dtype=block.gate.weight.dtype, device=dev))
+    torch.cuda.synchronize()
+    assert jit_watch.delta(before)["compiles"] == 0, jit_watch.delta(before)

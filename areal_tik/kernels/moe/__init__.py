@@ -26,14 +26,14 @@ from areal_tik.kernels.moe.combine import (
 from areal_tik.kernels.moe.experts import (
     HOST_SYNC_FREE, expert_groups, experts_reference, experts_torch, experts_triton, experts_triton_fwd,
 )
-from areal_tik.kernels.moe.grouped_linear import compile_specs as grouped_compile_specs
+from areal_tik.kernels.moe.grouped_linear import compile_specs as grouped_compile_specs, token_counts_per_tile
 from areal_tik.kernels.moe.router import _route_kernel, route_reference, route_torch, route_triton
 from areal_tik.kernels.moe.combine import _combine_kernel, _shared_add_kernel   # noqa: F401  (compile specs)
 
 __all__ = ["route_triton", "route_torch", "route_reference", "experts_triton", "experts_torch", "experts_reference",
            "expert_groups", "experts_triton_fwd", "HOST_SYNC_FREE", "combine_triton", "combine_torch",
            "combine_reference", "shared_add_triton", "shared_add_torch", "shared_add_reference", "OPS", "META",
-           "USES", "COMPILE_SPECS"]
+           "USES", "COMPILE_SPECS", "TILE_CONFIGS"]
 
 OPS = {
     "moe_route": {"triton": route_triton, "torch_ref": route_torch},
@@ -41,6 +41,9 @@ OPS = {
     "moe_combine": {"triton": combine_triton, "torch_ref": combine_torch},
     "moe_shared_add": {"triton": shared_add_triton, "torch_ref": shared_add_torch},
 }
+# what precompilation launches the triton experts at: one token count per grouped-GEMM tile
+# (``token_counts_per_tile(num_experts, top_k, min_tokens, max_tokens)``); torch_ref compiles nothing
+TILE_CONFIGS = {"moe_experts": {"triton": token_counts_per_tile}}
 # moe_experts runs the linear and silu_mul_packed kernels of its own backend, whatever a model binds for
 # those ops: their sources are part of its numerics
 USES = ("areal_tik.kernels.linear", "areal_tik.kernels.swiglu")

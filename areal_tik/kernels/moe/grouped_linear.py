@@ -47,7 +47,7 @@ from areal_tik.kernels.linear.splits import k_split
 from areal_tik.kernels.linear.triton_kernels import ptr_split_sum
 
 __all__ = ["grouped_linear_kernel", "RoutingPlan", "routing_plan", "grouped_linear", "max_blocks", "block_m_for",
-           "tile_config", "GPU_TILES", "compile_specs"]
+           "tile_config", "GPU_TILES", "compile_specs", "token_counts_per_tile"]
 
 
 @triton.jit
@@ -109,6 +109,17 @@ GPU_TILES = {16: dict(BLOCK_N=64, K_UNROLL=1, num_warps=4, num_stages=4),
              32: dict(BLOCK_N=64, K_UNROLL=1, num_warps=4, num_stages=4),
              64: dict(BLOCK_N=128, K_UNROLL=1, num_warps=4, num_stages=4)}
 INTERPRETER_TILE = dict(BLOCK_N=32, K_UNROLL=1, num_warps=4, num_stages=1)
+
+
+def token_counts_per_tile(num_experts: int, top_k: int, min_tokens: int, max_tokens: int) -> list[int]:
+    """One token count T in ``[min_tokens, max_tokens]`` per tile (BLOCK_M) the grouped GEMMs pick for some T in
+    that range (:func:`block_m_for` of ``T * top_k`` assignments over ``num_experts``): what precompilation runs
+    the experts at, so that no later step compiles a tile."""
+    counts: dict[int, int] = {}
+    for bm in sorted(GPU_TILES):
+        t = max(min_tokens, min(max_tokens, triton.cdiv(bm * num_experts, top_k)))
+        counts.setdefault(block_m_for(t * top_k, num_experts), t)
+    return sorted(counts.values())
 
 
 def tile_config(block_m: int) -> dict:
