@@ -18,6 +18,15 @@ correctly rounded); same row invariance on any device, its own bits.
 Backward: dx, dweight (fp32 partial sums per program, then summed) — accurate, not
 promised invariant. The gradient treats the intermediate rounding as identity, like
 autograd through HF's module.
+
+``add_rms_norm(x, residual, weight, eps) -> (y, s)``: the decoder's residual add and the
+next RMSNorm in one launch: ``s = round_to(x.dtype)(x.float() + residual.float())`` (the
+bits of ``residual + x`` in PyTorch) and ``y = rms_norm(s)``, each row by the same
+statements as the RMSNorm kernel with the same block and warps, so ``(y, s)`` equal
+``(rms_norm(residual + x), residual + x)`` bit for bit (triton: checked on the GPU by
+``tests/kernels/test_rms_norm_add.py``; torch_ref: it is that composition). x and residual
+of one dtype and shape ``[..., N]``, last dim unit stride. Backward: ``ds = dx_rms(dy) + ds``
+flows to both inputs.
 """
 from __future__ import annotations
 
@@ -31,7 +40,8 @@ from areal_tik.kernels._dense_common import (
     check_triton_device, div16_attrs,
 )
 
-__all__ = ["rms_norm_triton", "rms_norm_torch", "rms_norm_reference", "rms_norm_fwd"]
+__all__ = ["rms_norm_triton", "rms_norm_torch", "rms_norm_reference", "rms_norm_fwd", "add_rms_norm_triton",
+           "add_rms_norm_torch", "add_rms_norm_reference"]
 
 MAX_N = 65536
 
@@ -43,6 +53,27 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, e
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / N
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    h = (x * rstd).to(y_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (w * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _add_rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, rstd_ptr, N, stride_x, stride_r, stride_y, stride_s,
+                             eps, BLOCK_N: tl.constexpr, STORE_RSTD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    xa = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    ra = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (xa + ra).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + row * stride_s + cols, s, mask=mask)
+    x = s.to(tl.float32)          # from here the RMSNorm kernel's statements on the rounded sum
     var = tl.sum(x * x, axis=0) / N
     rstd = 1.0 / tl.sqrt_rn(var + eps)
     h = (x * rstd).to(y_ptr.dtype.element_ty)
@@ -95,6 +126,21 @@ def rms_norm_fwd(x2, w, eps, out=None, store_rstd=False):
     return y, rstd
 
 
+def add_rms_norm_fwd(x2, r2, w, eps, store_rstd=False):
+    """Launch the fused forward on ``x2, r2 [M, N]``; returns ``(y, s, rstd or None)``."""
+    M, N = x2.shape
+    y = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    s = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x2.device) if store_rstd else None
+    if M == 0:
+        return y, s, rstd
+    bn, nw = _block(N)
+    _add_rms_norm_fwd_kernel[(M,)](x2, r2, w, y, s, rstd if rstd is not None else y, N, x2.stride(0), r2.stride(0),
+                                   y.stride(0), s.stride(0), float(eps), BLOCK_N=bn, STORE_RSTD=store_rstd,
+                                   num_warps=nw)
+    return y, s, rstd
+
+
 def rms_norm_bwd(dy2, x2, w, rstd):
     M, N = x2.shape
     dy2 = dy2.contiguous()
@@ -125,6 +171,22 @@ class _RMSNormFn(torch.autograd.Function):
         return dx, dw, None
 
 
+class _AddRMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, r2, w, eps):
+        y, s, rstd = add_rms_norm_fwd(x2, r2, w, eps, store_rstd=True)
+        ctx.save_for_backward(s, w, rstd)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        s, w, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_bwd(dy, s, w, rstd)
+        if ds is not None:
+            dx = dx + ds
+        return dx, dx, dw, None
+
+
 def _validate(x, weight, triton_path):
     check_dtype("x", x)
     check_dtype("weight", weight)
@@ -147,6 +209,41 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     else:
         y, _ = rms_norm_fwd(x2, weight, eps)
     return y.view(x.shape)
+
+
+def _validate_add(x, residual, weight, triton_path):
+    _validate(x, weight, triton_path)
+    check_same_dtype(x=x, residual=residual)
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} must have x's shape {tuple(x.shape)}")
+    check_last_dim_contiguous("residual", residual)
+    (check_triton_device if triton_path else check_same_device)(("x", x), ("residual", residual))
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + x), residual + x)`` in one Triton launch per row block (module docstring)."""
+    _validate_add(x, residual, weight, True)
+    x2, r2 = as_2d(x, "[M, N]"), as_2d(residual, "[M, N]")
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+        y, s = _AddRMSNormFn.apply(x2, r2, weight, float(eps))
+    else:
+        y, s, _ = add_rms_norm_fwd(x2, r2, weight, eps)
+    return y.view(x.shape), s.view(x.shape)
+
+
+def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add then :func:`rms_norm_torch` (plain PyTorch, autograd through plain ops)."""
+    _validate_add(x, residual, weight, False)
+    s = residual + x
+    return rms_norm_torch(s, weight, eps), s
+
+
+def add_rms_norm_reference(x, residual, weight, eps):
+    """float64 ``(w * s / sqrt(mean(s^2) + eps), s)`` with ``s = x + residual``."""
+    sd = x.double() + residual.double()
+    return rms_norm_reference(sd, weight, eps), sd
 
 
 def tree_sum_lastdim(v: torch.Tensor) -> torch.Tensor:
@@ -177,18 +274,26 @@ def rms_norm_reference(x, weight, eps):
     return weight.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
 
 
-OPS = {"rms_norm": {"triton": rms_norm_triton, "torch_ref": rms_norm_torch}}
+OPS = {"rms_norm": {"triton": rms_norm_triton, "torch_ref": rms_norm_torch},
+       "add_rms_norm": {"triton": add_rms_norm_triton, "torch_ref": add_rms_norm_torch}}
 META = {"rms_norm.BLOCK_N": "next_pow2(N)", "rms_norm.num_warps": "4/8/16 by BLOCK_N",
         "rms_norm.torch_ref": "pairwise tree over pow2-padded row"}
 
 _FWD_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "rstd_ptr": "*fp32", "N": "i32",
             "stride_x": "i32", "stride_y": "i32", "eps": "fp32"}
+_ADD_FWD_SIG = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16",
+                "rstd_ptr": "*fp32", "N": "i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
+                "stride_s": "i32", "eps": "fp32"}
 _BWD_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "rstd_ptr": "*fp32", "dx_ptr": "*bf16",
             "dw_part_ptr": "*fp32", "M": "i32", "N": "i32", "stride_x": "i32", "stride_dy": "i32",
             "stride_dx": "i32"}
 COMPILE_SPECS = [
     dict(fn=_rms_norm_fwd_kernel, signature=_FWD_SIG, constexprs={"BLOCK_N": _block(n)[0], "STORE_RSTD": s},
          num_warps=_block(n)[1], attrs=div16_attrs(_rms_norm_fwd_kernel, ["x_ptr", "w_ptr", "y_ptr", "N"]))
+    for n, s in ((1536, False), (3584, True))
+] + [
+    dict(fn=_add_rms_norm_fwd_kernel, signature=_ADD_FWD_SIG, constexprs={"BLOCK_N": _block(n)[0], "STORE_RSTD": s},
+         num_warps=_block(n)[1])
     for n, s in ((1536, False), (3584, True))
 ] + [
     dict(fn=_rms_norm_bwd_kernel, signature=_BWD_SIG, constexprs={"ROWS_PER_PROG": 16, "BLOCK_N": _block(n)[0]},

@@ -17,6 +17,11 @@ points (the model dtype, bf16, between ops; every op is a module of the model):
                                                               family's MoE layers the MoE block: moe.py)
     h = norm(h)
 
+Each residual add and the RMSNorm after it (``post_attention_layernorm``, the next layer's
+``input_layernorm``, the final ``norm``) run as one ``add_rms_norm`` launch on the tik norms
+(:meth:`~areal_tik.layers.modules.TikRMSNorm.add_forward`: the bits of the add then the norm), so a
+layer returns its MLP output and the residual stream unsummed and the next norm adds them.
+
 then the host's head: ``lm_head`` logits or the fused log-prob head (``logprob_head.py``).
 Which projections carry a bias and whether q/k are normed are family facts
 (``layers/family.py``); the modules carry them, the graph has no branch per family.
@@ -44,7 +49,7 @@ from areal_tik.layers.moe import build_moe_block
 from areal_tik.layers.stacking import stacked_projection
 
 __all__ = ["DecoderAttention", "DecoderLayer", "DecoderModel", "decoder_layer_forward", "decoder_forward", "embed",
-           "configure_attention", "build_decoder"]
+           "configure_attention", "build_decoder", "add_norm"]
 
 
 class DecoderAttention(nn.Module):
@@ -76,16 +81,27 @@ def configure_attention(attn: nn.Module, cfg, layer_idx: int) -> None:
     attn.head_dim, attn.scaling, attn.layer_idx = D, D ** -0.5, layer_idx
 
 
-def decoder_layer_forward(self, hidden_states: torch.Tensor, step, *args, **kwargs) -> torch.Tensor:
-    """One decoder layer on ``[T, H]`` (bound on HF decoder-layer instances; :class:`DecoderLayer`'s forward)."""
-    residual = hidden_states
-    h = self.input_layernorm(hidden_states)
+def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(residual + x), residual + x)``: one fused launch on a tik norm, else the add then ``norm``."""
+    if isinstance(norm, TikRMSNorm):
+        return norm.add_forward(x, residual)
+    s = residual + x
+    return norm(s), s
+
+
+def decoder_layer_forward(self, hidden_states: torch.Tensor, step, residual: torch.Tensor | None = None,
+                          *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer on ``[T, H]`` (bound on HF decoder-layer instances; :class:`DecoderLayer`'s forward).
+    ``residual`` None: ``hidden_states`` is the layer's input; else the previous layer's MLP output, added to the
+    residual stream ``residual`` by this layer's input norm. Returns ``(mlp output, residual stream)``, unsummed."""
+    if residual is None:
+        residual = hidden_states
+        h = self.input_layernorm(hidden_states)
+    else:
+        h, residual = add_norm(self.input_layernorm, hidden_states, residual)
     h = self.self_attn(h, step)
-    h = residual + h
-    residual = h
-    h = self.post_attention_layernorm(h)
-    h = self.mlp(h)
-    return residual + h
+    h, residual = add_norm(self.post_attention_layernorm, h, residual)
+    return self.mlp(h), residual
 
 
 def embed(base: nn.Module, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,9 +113,10 @@ def embed(base: nn.Module, input_ids: torch.Tensor | None, inputs_embeds: torch.
 def decoder_forward(base: nn.Module, h: torch.Tensor, step) -> torch.Tensor:
     """The layers and the final norm of ``base`` (an HF base model or a :class:`DecoderModel`) over the
     embeddings ``h`` ``[T, H]``; each layer is called as a module (FSDP's hooks run)."""
+    residual = None
     for layer in base.layers[: base.config.num_hidden_layers]:
-        h = layer(h, step)
-    return base.norm(h)
+        h, residual = layer(h, step, residual)
+    return base.norm(h) if residual is None else add_norm(base.norm, h, residual)[0]
 
 
 class DecoderLayer(nn.Module):

@@ -23,7 +23,7 @@ from areal_tik.layers.family import head_dim_of
 from areal_tik.layers.model_config import rope_spec
 from areal_tik.layers.stacking import stacked_output
 
-__all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "RopeCache"]
+__all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "RopeCache", "fuses_add_norm"]
 
 
 class TikLinear(nn.Linear):
@@ -33,11 +33,27 @@ class TikLinear(nn.Linear):
         return self._tik_ops.linear(x, self.weight, self.bias)
 
 
+def fuses_add_norm(ops) -> bool:
+    """Whether ``ops.add_rms_norm`` computes the bound ``rms_norm``'s arithmetic (the same backend and sources):
+    then the residual add and the norm run as one launch; otherwise (e.g. an exported or csrc RMSNorm bound) the
+    add and the bound norm run apart."""
+    fused, plain = ops.impls.get("add_rms_norm"), ops.impls["rms_norm"]
+    return fused is not None and fused.backend == plain.backend and fused.sources == plain.sources
+
+
 class TikRMSNorm(nn.Module):
     """HF RMSNorm (``weight``, ``variance_epsilon``) computed by ``ops.rms_norm``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._tik_ops.rms_norm(x, self.weight, self.variance_epsilon)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(residual + x), residual + x)``, the same bits whether fused (:func:`fuses_add_norm`) or not."""
+        ops = self._tik_ops
+        if x.dtype == residual.dtype and x.dtype == self.weight.dtype and fuses_add_norm(ops):
+            return ops.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        s = residual + x
+        return self(s), s
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, tik"
