@@ -22,7 +22,7 @@ autograd through HF's module.
 ``add_rms_norm(x, residual, weight, eps) -> (y, s)``: the decoder's residual add and the
 next RMSNorm in one launch: ``s = round_to(x.dtype)(x.float() + residual.float())`` (the
 bits of ``residual + x`` in PyTorch) and ``y = rms_norm(s)``, each row by the same
-statements as the RMSNorm kernel with the same block and warps, so ``(y, s)`` equal
+row function (``_norm_row``) as the RMSNorm kernel with the same block and warps, so ``(y, s)`` equal
 ``(rms_norm(residual + x), residual + x)`` bit for bit (triton: checked on the GPU by
 ``tests/kernels/test_rms_norm_add.py``; torch_ref: it is that composition). x and residual
 of one dtype and shape ``[..., N]``, last dim unit stride. Backward: ``ds = dx_rms(dy) + ds``
@@ -47,12 +47,8 @@ MAX_N = 65536
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, eps,
-                         BLOCK_N: tl.constexpr, STORE_RSTD: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+def _norm_row(x, w_ptr, y_ptr, rstd_ptr, row, cols, mask, N, stride_y, eps, STORE_RSTD: tl.constexpr):
+    """One row ``x`` (fp32, zero past N) normalised at HF's rounding points; stores y (and rstd)."""
     var = tl.sum(x * x, axis=0) / N
     rstd = 1.0 / tl.sqrt_rn(var + eps)
     h = (x * rstd).to(y_ptr.dtype.element_ty)
@@ -61,6 +57,16 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, e
     tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
     if STORE_RSTD:
         tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, eps,
+                         BLOCK_N: tl.constexpr, STORE_RSTD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    _norm_row(x, w_ptr, y_ptr, rstd_ptr, row, cols, mask, N, stride_y, eps, STORE_RSTD)
 
 
 @triton.jit
@@ -73,15 +79,7 @@ def _add_rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, rstd_ptr, N, str
     ra = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     s = (xa + ra).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + row * stride_s + cols, s, mask=mask)
-    x = s.to(tl.float32)          # from here the RMSNorm kernel's statements on the rounded sum
-    var = tl.sum(x * x, axis=0) / N
-    rstd = 1.0 / tl.sqrt_rn(var + eps)
-    h = (x * rstd).to(y_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
-    if STORE_RSTD:
-        tl.store(rstd_ptr + row, rstd)
+    _norm_row(s.to(tl.float32), w_ptr, y_ptr, rstd_ptr, row, cols, mask, N, stride_y, eps, STORE_RSTD)
 
 
 @triton.jit
