@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from areal_tik.layers.moe import per_expert_views
+from areal_tik.layers.moe import LazyExpertViews
 
 __all__ = ["WeightUpdateError", "UnknownParameterError", "StagedWeights", "stage", "commit", "check_specs", "parse_dtype",
            "parse_shape", "target_table", "model_nbytes", "device_room", "STAGING_RESERVE_BYTES"]
@@ -104,12 +104,25 @@ def _own_tensors(model) -> dict[str, torch.Tensor]:
     return table
 
 
-def target_table(model) -> dict[str, torch.Tensor]:
-    """Every tensor an update may write: parameters and buffers by ``state_dict`` name, and the per-expert
-    views of fused MoE expert weights under their checkpoint names (``layers.moe.per_expert_views``)."""
-    table = _own_tensors(model)
-    table.update({name: view for name, (_, view) in per_expert_views(table).items()})
-    return table
+class _Targets:
+    """Every tensor an update may write, by name: the model's parameters and buffers by ``state_dict`` name, and
+    the per-expert views of fused MoE expert weights under their checkpoint names, looked up only for a name the
+    model's own tensors lack (``layers.moe.LazyExpertViews``)."""
+
+    def __init__(self, model):
+        self.own = _own_tensors(model)
+        self.views = LazyExpertViews(self.own)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        dst = self.own.get(name)
+        if dst is None and (view := self.views.get(name)) is not None:
+            dst = view[1]
+        return dst
+
+
+def target_table(model) -> _Targets:
+    """Every tensor an update may write (:class:`_Targets`: ``get(name)``)."""
+    return _Targets(model)
 
 
 def model_nbytes(model) -> int:

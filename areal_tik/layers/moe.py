@@ -35,7 +35,7 @@ from areal_tik.layers.family import Family, UnsupportedModelError
 from areal_tik.layers.modules import TikLinear, TikMLP
 
 __all__ = ["TikMoE", "MoeRouterWeights", "MoeExpertWeights", "check_moe_block", "patch_moe_block",
-           "build_moe_block", "default_moe_forward", "host_synced", "per_expert_views"]
+           "build_moe_block", "default_moe_forward", "host_synced", "per_expert_views", "LazyExpertViews"]
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -94,6 +94,20 @@ def per_expert_views(named: dict) -> dict[str, tuple[str, torch.Tensor]]:
                     out[f"{prefix}{e}.gate_proj.weight"] = (name, t[e, :half])
                     out[f"{prefix}{e}.up_proj.weight"] = (name, t[e, half:])
     return out
+
+
+class LazyExpertViews:
+    """:func:`per_expert_views` of ``named``, built at the first lookup: an update whose names are all the model's
+    own (a distributed one sends the fused names) never builds the views of every expert."""
+
+    def __init__(self, named: dict):
+        self._named, self._views = named, None
+
+    def get(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """``(fused name, view)`` of a per-expert checkpoint name, or None."""
+        if self._views is None:
+            self._views = per_expert_views(self._named)
+        return self._views.get(name)
 
 
 def check_moe_block(mlp: nn.Module, cfg, family: Family, layer_idx: int) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 from areal_tik.layers.decoder import build_decoder, decoder_forward, embed
 from areal_tik.layers.family import tied_embeddings
 from areal_tik.layers.modules import TikLinear
-from areal_tik.layers.moe import per_expert_views
+from areal_tik.layers.moe import LazyExpertViews
 from areal_tik.layers.stacking import stack_projections
 from areal_tik.layers.steps import TikRope
 
@@ -88,7 +88,7 @@ def load_hf_tensors(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     names written (a fused expert parameter once every expert's piece of it was). Unknown names or wrong shapes
     raise ``ValueError`` before anything of the offending tensor is written."""
     params = dict(lm.named_parameters())
-    views = per_expert_views(params)
+    views = LazyExpertViews(params)
     loaded: set[str] = set()
     pieces: dict[str, set] = {}
     unknown = []
@@ -97,8 +97,8 @@ def load_hf_tensors(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             if "rotary_emb.inv_freq" in name or (lm.tied and name.startswith("lm_head.")):
                 continue
             dst = params.get(name)
-            if dst is None and name in views:
-                fused, dst = views[name]
+            if dst is None and (piece := views.get(name)) is not None:
+                fused, dst = piece
                 if dst.shape != w.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model {tuple(dst.shape)}")
                 dst.copy_(w)

@@ -44,7 +44,7 @@ def test_without_the_per_expert_views_the_same_update_is_refused(tmp_path, monke
     live = build_model("tiny-qwen3-moe", dtype=torch.bfloat16, device="cpu", seed=0)
     build_model("tiny-qwen3-moe", dtype=torch.bfloat16, device="cpu", seed=1).save_pretrained(str(tmp_path))
     before = [p.clone() for p in live.parameters()]
-    monkeypatch.setattr(weight_staging, "per_expert_views", lambda named: {})
+    monkeypatch.setattr(moe, "per_expert_views", lambda named: {})
     with pytest.raises(weight_staging.UnknownParameterError, match=r"experts\.\d+\."):
         weight_staging.stage(live, str(tmp_path))
     assert all(torch.equal(a, b) for a, b in zip(before, live.parameters()))
@@ -59,3 +59,16 @@ def test_per_expert_views_alias_the_fused_weights():
     assert fused == "m.experts.gate_up_proj" and torch.equal(up1, t[1, 3:])
     up1.fill_(-1.0)   # a view: writing it writes the fused tensor
     assert (t[1, 3:] == -1).all() and (t[1, :3] >= 0).all() and torch.equal(v["m.experts.0.down_proj.weight"][1], d[0])
+
+
+def test_an_update_under_the_models_own_names_never_builds_the_expert_views(monkeypatch):
+    """A distributed update sends the fused names: staging it must not build every expert's view (18k views per
+    bucket at the 48-layer 30B-A3B shape)."""
+    live = build_model("tiny-qwen3-moe", dtype=torch.bfloat16, device="cpu", seed=0)
+    new = build_model("tiny-qwen3-moe", dtype=torch.bfloat16, device="cpu", seed=1)
+
+    def refuse(named):
+        raise AssertionError("per-expert views built for own names")
+    monkeypatch.setattr(moe, "per_expert_views", refuse)
+    weight_staging.commit(weight_staging.stage(live, dict(new.state_dict())))
+    assert all(torch.equal(a, b) for a, b in zip(live.parameters(), new.parameters()))
