@@ -19,7 +19,7 @@ points (the model dtype, bf16, between ops; every op is a module of the model):
 
 Each residual add and the RMSNorm after it (``post_attention_layernorm``, the next layer's
 ``input_layernorm``, the final ``norm``) run as one ``add_rms_norm`` launch on the tik norms
-(:meth:`~areal_tik.layers.modules.TikRMSNorm.add_forward`: the bits of the add then the norm), so a
+(:meth:`~areal_tik.layers.modules.TikRMSNorm.fused_add`: the bits of the add then the norm), so a
 layer returns its MLP output and the residual stream unsummed and the next norm adds them.
 
 then the host's head: ``lm_head`` logits or the fused log-prob head (``logprob_head.py``).
@@ -82,9 +82,10 @@ def configure_attention(attn: nn.Module, cfg, layer_idx: int) -> None:
 
 
 def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(residual + x), residual + x)``: one fused launch on a tik norm, else the add then ``norm``."""
-    if isinstance(norm, TikRMSNorm):
-        return norm.add_forward(x, residual)
+    """``(norm(residual + x), residual + x)``: one fused launch on a tik norm that can, else the add then ``norm``."""
+    fused = norm.fused_add(x, residual) if isinstance(norm, TikRMSNorm) else None
+    if fused is not None:
+        return fused
     s = residual + x
     return norm(s), s
 

@@ -47,13 +47,13 @@ class TikRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._tik_ops.rms_norm(x, self.weight, self.variance_epsilon)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(residual + x), residual + x)``, the same bits whether fused (:func:`fuses_add_norm`) or not."""
+    def fused_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(self(residual + x), residual + x)`` in one ``add_rms_norm`` launch (the same bits as apart), or None
+        where it cannot run this norm's arithmetic (:func:`fuses_add_norm`, mixed dtypes)."""
         ops = self._tik_ops
         if x.dtype == residual.dtype and x.dtype == self.weight.dtype and fuses_add_norm(ops):
             return ops.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
-        s = residual + x
-        return self(s), s
+        return None
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, tik"
