@@ -7,7 +7,8 @@ and kernel launches per decode step, and which implementation each tik op bound 
 
     python bench/probes/profile_vllm_step.py --model-dir DIR --out OUT [--arms stock tik] [--batch 64]
 
-``DIR`` is an HF checkpoint made by ``bench/bench_rollout.py`` (``bench_meta.json`` beside it).
+``DIR`` is an HF checkpoint made by ``bench/bench_rollout.py`` (``bench_meta.json`` beside it), or its config-only
+folder (``--preset-weights``: every arm builds the preset's seeded weights, e.g. the 7B shape).
 Extra engine arguments for the tik arm: ``--tik-kwargs '{"block_size": 16}'`` (JSON, merged last).
 """
 from __future__ import annotations
@@ -35,6 +36,10 @@ def _arm(a) -> int:
         from areal_tik import vllm_plugin
         kw.update(vllm_plugin.llm_kwargs(meta["model_type"]))
         kw.update(json.loads(a.tik_kwargs or "{}"))
+    preset = meta.get("weights_preset")
+    if preset and a.arm != "engine":   # a config-only folder: every arm builds the preset's seeded weights
+        from areal_tik.vllm_plugin import preset_loader
+        kw.update(preset_loader.llm_kwargs(preset))
     g = torch.Generator().manual_seed(1)
     B, P = a.batch, a.prompt
     ids = torch.randint(3, meta["vocab_size"], (B, P), generator=g).tolist()
@@ -42,7 +47,7 @@ def _arm(a) -> int:
     if a.arm == "engine":                                   # our engine on the tik-patched HF model
         from areal_tik.verify.offline import OurEngine
         eng = OurEngine(a.model_dir, kernels="tik", max_model_len=meta["max_model_len"], max_num_seqs=256,
-                        gpu_memory_utilization=0.5, async_decode=False)
+                        gpu_memory_utilization=0.5, async_decode=False, weights_preset=preset)
 
         def run(n):
             eng.generate(ids, n, seeds=[100003 + i for i in range(len(ids))])
