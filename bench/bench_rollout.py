@@ -8,6 +8,8 @@ random prompts (T = 1, ``ignore_eos``, each sampled token's log-prob returned):
 - ``batch_invariant``: the same with ``VLLM_BATCH_INVARIANT=1``;
 - ``tik``: ``vllm.LLM`` on the tik plugin (``areal_tik.vllm_plugin.llm_kwargs``: the
   ``TikQwen2ForCausalLM`` architecture, the CUSTOM attention backend, decode CUDA graphs);
+- ``tik_pw``: the same with ``llm_kwargs(piecewise=True)``: vLLM's compile traces the model with our ops opaque and
+  runs steps that mix prefill and decode as piecewise CUDA graphs too (decode steps keep full graphs);
 - ``engine``: ``areal_tik.engine.LLMEngine`` on the tik-patched HF model, ``EngineConfig(async_decode=False)``
   (each step's tokens read before the next step is launched);
 - ``engine_async``: the same with ``EngineConfig(async_decode=True)`` (pipelined decode steps, the engine's default);
@@ -63,6 +65,7 @@ ARM_WIRING = {
     "stock_nolp": ("vllm", "default", {"seed": 0, "logprobs": False}),
     "batch_invariant": ("vllm", "default", {"seed": 0, "env": {"VLLM_BATCH_INVARIANT": "1"}}),
     "tik": ("vllm", "tik", {"seed": 0}),
+    "tik_pw": ("vllm", "tik", {"seed": 0, "piecewise": True}),
     "engine": ("tik", "tik", {"gpu_memory_utilization": 0.5, "async_decode": False, "seeded": True}),
     "engine_async": ("tik", "tik", {"gpu_memory_utilization": 0.5, "async_decode": True, "seeded": True}),
     "engine_fa3": ("tik", "tik", {"gpu_memory_utilization": 0.5, "async_decode": True, "seeded": True,
@@ -72,7 +75,7 @@ ARM_ONLY = ("env", "seeded")
 ARMS = (*ARM_WIRING, "parity")
 # arms whose generations the parity step checks (every arm that returns log-probs and runs our kernels or stock's)
 PARITY_ARMS = tuple(a for a in ARM_WIRING if a not in ("batch_invariant", "stock_nolp"))
-LABELS = {"stock": "vLLM", "stock_nolp": "vLLM, no log-probs", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "engine": "our engine (tik)",
+LABELS = {"stock": "vLLM", "stock_nolp": "vLLM, no log-probs", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "tik_pw": "vLLM + tik, piecewise graphs", "engine": "our engine (tik)",
           "engine_async": "our engine, pipelined decode", "engine_fa3": "our engine, FA3 attention"}
 
 

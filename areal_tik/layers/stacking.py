@@ -16,7 +16,9 @@ always reach the stacked tensor. The stacked path runs only when
 - autograd is off (training keeps the separate projections, whose parameters get gradients),
 - and every HF parameter still views the stacked tensor at its offset (a parameter replaced
   by another tensor, e.g. ``load_state_dict(assign=True)``, falls back to the separate path:
-  a correct answer, never a stale one).
+  a correct answer, never a stale one). A forward traced by ``torch.compile`` (the vLLM plugin's
+  compiled mode) takes the stacked path without this check, which reads storage pointers: its host
+  writes weights in place only (``load_hf_tensors``), so the views stay intact.
 
 Only for inference models (the rollout engine); an FSDP-sharded training model must not be
 stacked.
@@ -74,7 +76,7 @@ def stacked_output(module: nn.Module, attr: str, x: torch.Tensor) -> torch.Tenso
     """The stacked GEMM's output for ``module.<attr>`` (a :class:`StackedWeights`), or None when the separate
     path must run (autograd on, nothing stacked, or the stack no longer intact)."""
     st = getattr(module, attr, None)
-    if st is None or torch.is_grad_enabled() or not st.intact():
+    if st is None or torch.is_grad_enabled() or (not torch.compiler.is_compiling() and not st.intact()):
         return None
     return module._tik_ops.linear(x, st.weight, st.bias)
 

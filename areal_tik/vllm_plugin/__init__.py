@@ -14,7 +14,8 @@ process it starts, and the plugin adds:
   path) in place of vLLM's, in processes that built a tik model.
 
 Pick the tik model for an HF checkpoint with :func:`llm_kwargs` (``hf_overrides``
-architectures, the CUSTOM backend, decode-only full CUDA graphs without torch.compile).
+architectures, the CUSTOM backend, decode-only full CUDA graphs without torch.compile, or with
+``piecewise=True`` graphs for mixed steps too, through vLLM's compile with our ops opaque).
 
 Nothing here imports vLLM at import time: ``import areal_tik`` never needs it, and
 :func:`available` says whether the plugin can run and why not.
@@ -72,15 +73,26 @@ def architecture_for(model_type: str) -> str:
     return ARCHITECTURES[model_type]
 
 
-def llm_kwargs(model_type: str, block_size: int = 64, ops=None) -> dict:
+def llm_kwargs(model_type: str, block_size: int = 64, ops=None, piecewise: bool = False) -> dict:
     """Keyword arguments for ``vllm.LLM(model=dir, **llm_kwargs(cfg.model_type))`` that run the
-    checkpoint on tik kernels: the tik architecture, the CUSTOM attention backend, full CUDA
-    graphs for decode batches (prefill eager) and no torch.compile (our Triton launchers are not traced). A
-    family with MoE blocks gets the same graphs when the experts op bound in this process (``ops``, default
+    checkpoint on tik kernels: the tik architecture, the CUSTOM attention backend and CUDA graphs:
+
+    - default: full graphs for pure-decode batches, every other step eager, no torch.compile;
+    - ``piecewise``: also graphs for steps that mix prefill and decode, as stock vLLM runs them: vLLM's
+      ``VLLM_COMPILE`` mode traces the model with our ops opaque (``dispatch/opaque.py``) and its ``eager``
+      backend (no Inductor: nothing rewrites the graph between our ops), splits it at the attention ops and
+      captures the pieces (``FULL_AND_PIECEWISE``; decode batches keep their full graphs).
+
+    A family with MoE blocks gets graphs only when the experts op bound in this process (``ops``, default
     :func:`process_ops`: the workers bind the same) never waits on the host (the triton backend's), else none
-    (``layers/moe.py``, ``host_synced``)."""
+    and no compile (``layers/moe.py``, ``host_synced``)."""
     arch = architecture_for(model_type)
     synced = FAMILIES[model_type].moe and (ops if ops is not None else process_ops()).moe_experts not in HOST_SYNC_FREE
-    graphs = "NONE" if synced else "FULL_DECODE_ONLY"
+    if synced:
+        compilation = {"mode": 0, "cudagraph_mode": "NONE"}
+    elif piecewise:
+        compilation = {"mode": 3, "backend": "eager", "cudagraph_mode": "FULL_AND_PIECEWISE"}
+    else:
+        compilation = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     return dict(hf_overrides={"architectures": [arch]}, attention_backend="CUSTOM",
-                block_size=block_size, compilation_config={"mode": 0, "cudagraph_mode": graphs})
+                block_size=block_size, compilation_config=compilation)

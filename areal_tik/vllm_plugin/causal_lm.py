@@ -70,8 +70,11 @@ class TikCausalLM(nn.Module):
         return self.lm_head(hidden_states)       # ops.linear: bf16 logits, rows batch-invariant
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors in place (:func:`load_hf_tensors`)."""
-        return load_hf_tensors(self, weights)
+        """Copy HF-named tensors in place (:func:`load_hf_tensors`); the RoPE table is built on the weights' device
+        here, before any forward (a compiled forward must find it, not trace its construction)."""
+        loaded = load_hf_tensors(self, weights)
+        self.model._tik_rope.get(self.model.embed_tokens.weight.device)
+        return loaded
 
     def hf_named_parameters(self):
         """``(HF name, tensor)`` pairs of the weights as the trainer names them (the tied ``lm_head`` once, as

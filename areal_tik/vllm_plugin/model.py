@@ -10,9 +10,11 @@ worker recognises a tik model by its class name. They are made on first access (
 """
 from __future__ import annotations
 
-from vllm.config import VllmConfig
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CompilationMode, VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
+from areal_tik.dispatch.opaque import opaque
 from areal_tik.vllm_plugin import ARCHITECTURES, process_ops
 from areal_tik.vllm_plugin import logprobs as tik_logprobs
 from areal_tik.vllm_plugin.attention import TikAttentionBackend
@@ -25,13 +27,22 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
 class TikForCausalLM(TikCausalLM):
+    """Compiled only under vLLM's ``VLLM_COMPILE`` mode (``llm_kwargs(piecewise=True)``), with the ops of the
+    forward opaque to the tracer (``dispatch/opaque.py``: the same implementations, the same bits); vLLM then
+    splits the graph at its attention ops and captures the pieces between them as CUDA graphs, so steps that
+    mix prefill and decode replay graphs too. Under ``mode=0`` (the default) nothing is compiled."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise NotImplementedError("tik vLLM models run on one GPU (tensor/pipeline parallel size 1)")
         if vllm_config.quant_config is not None:
             raise NotImplementedError("tik vLLM models run unquantised bf16 weights")
-        super().__init__(vllm_config.model_config.hf_config.get_text_config(), process_ops())
+        ops = process_ops()
+        if vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE:
+            ops = opaque(ops)
+        super().__init__(vllm_config.model_config.hf_config.get_text_config(), ops)
         base = _join(prefix, "model")
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn

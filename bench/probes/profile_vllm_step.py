@@ -34,7 +34,7 @@ def _arm(a) -> int:
               seed=0, dtype="bfloat16")
     if a.arm.startswith("tik"):
         from areal_tik import vllm_plugin
-        kw.update(vllm_plugin.llm_kwargs(meta["model_type"]))
+        kw.update(vllm_plugin.llm_kwargs(meta["model_type"], piecewise=a.arm == "tik_pw"))
         kw.update(json.loads(a.tik_kwargs or "{}"))
     preset = meta.get("weights_preset")
     if preset and a.arm != "engine":   # a config-only folder: every arm builds the preset's seeded weights

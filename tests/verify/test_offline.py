@@ -74,6 +74,9 @@ def test_vllm_generator_arguments_follow_the_kernels(fake_vllm, ckpt):
     assert {k: tik[k] for k in vllm_plugin.llm_kwargs("qwen2")} == vllm_plugin.llm_kwargs("qwen2")
     assert tik["max_model_len"] == 128 and tik["dtype"] == "bfloat16" and tik["skip_tokenizer_init"]
     assert "attention_backend" not in stock and "hf_overrides" not in stock and stock["block_size"] == 64
+    offline.VLLMEngine(ckpt, kernels="tik", piecewise=True)
+    assert fake_vllm[-1]["compilation_config"] == vllm_plugin.llm_kwargs("qwen2", piecewise=True)["compilation_config"]
+    assert "piecewise" not in fake_vllm[-1]
 
 
 def test_vllm_generator_records_and_staggers(fake_vllm, ckpt):

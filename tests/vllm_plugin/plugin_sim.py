@@ -38,10 +38,37 @@ class _SimAttention(torch.nn.Module):
         return glue.paged_attention(q, self.kv, self.sim.meta, self.sim.scale, OPS)
 
 
-class _PagedSim:
-    """vLLM's side of a run: per-layer [2, pages, P, Hkv, D] caches, block tables, steps."""
+_LAYERS: list = []     # the _SimAttention modules the opaque stand-in names by index
 
-    def __init__(self, model, n_seqs, P=16, width=8):
+
+@torch.library.custom_op("tiktest::sim_attention", mutates_args=())
+def _sim_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return _LAYERS[layer](q, k, v)
+
+
+@_sim_attention.register_fake
+def _(layer, q, k, v):
+    return torch.empty_like(q)
+
+
+class _OpaqueSimAttention(torch.nn.Module):
+    """:class:`_SimAttention` behind one custom op, as vLLM's ``Attention`` is behind
+    ``vllm::unified_attention_with_output`` when vLLM compiles a model: a traced forward stops there."""
+
+    def __init__(self, sim, kv):
+        super().__init__()
+        self.index = len(_LAYERS)
+        _LAYERS.append(_SimAttention(sim, kv))
+
+    def forward(self, q, k, v):
+        return _sim_attention(self.index, q, k, v)
+
+
+class _PagedSim:
+    """vLLM's side of a run: per-layer [2, pages, P, Hkv, D] caches, block tables, steps (``opaque``: each
+    layer's attention behind one custom op)."""
+
+    def __init__(self, model, n_seqs, P=16, width=8, opaque=False):
         cfg = model.config
         D = head_dim_of(cfg)
         n_pages = n_seqs * width + 1
@@ -53,7 +80,7 @@ class _PagedSim:
         self.scale = D ** -0.5
         self.meta = None
         for layer, kv in zip(model.model.layers, self.kv):
-            layer.self_attn.attn = _SimAttention(self, kv)
+            layer.self_attn.attn = (_OpaqueSimAttention if opaque else _SimAttention)(self, kv)
 
     def step(self, model, chunks):
         """chunks: (seq index, token ids, start position). Returns final hidden states [T, H]."""
@@ -71,21 +98,23 @@ class _PagedSim:
         return model(torch.tensor(ids), torch.tensor(pos)), cu
 
 
-def run_plugin_path(m, hf, lens, seqs):
+def run_plugin_path(m, hf, lens, seqs, forward=None, opaque=False):
     """Prefill (one prompt chunked) then decode steps in a changing batch, on vLLM-layout caches: every
-    generated token's log-prob from the plugin's model ``m``, and the trainer's (``packed_logprobs`` of ``hf``),
-    per sequence."""
-    sim = _PagedSim(m, len(seqs))
+    generated token's log-prob from the plugin's model ``m`` (its forward run by ``forward``, e.g. a compiled
+    ``m``; ``opaque``: attention behind a custom op), and the trainer's (``packed_logprobs`` of ``hf``), per
+    sequence."""
+    sim = _PagedSim(m, len(seqs), opaque=opaque)
+    fwd = m if forward is None else forward
     got = {i: [] for i in range(len(seqs))}
     lp_at = lambda h, row, tok: logprobs_of(m.compute_logits(h[[row]]), torch.tensor([tok]), 1.0, OPS)
     with torch.no_grad():
         # step 1: prefill seq 0 whole, the first 8 tokens of seq 1 (chunked), nothing of seq 2 yet
-        h, cu = sim.step(m, [(0, seqs[0][:9], 0), (1, seqs[1][:8], 0)])
+        h, cu = sim.step(fwd, [(0, seqs[0][:9], 0), (1, seqs[1][:8], 0)])
         got[0].append(lp_at(h, cu[1] - 1, seqs[0][9]))
         # step 2: rest of seq 1's prompt, prefill seq 2, decode seq 0; then decode steps as rows finish
         chunks = [(1, seqs[1][8:14], 8), (0, [seqs[0][9]], 9), (2, seqs[2][:5], 0)]
         while chunks:
-            h, cu = sim.step(m, chunks)
+            h, cu = sim.step(fwd, chunks)
             nxt = []
             for j, (s, toks, start) in enumerate(chunks):
                 end = start + len(toks)

@@ -50,7 +50,10 @@ def test_llm_kwargs_and_architectures():
     kw = vllm_plugin.llm_kwargs("qwen2")
     assert kw["hf_overrides"] == {"architectures": ["TikQwen2ForCausalLM"]}
     assert kw["attention_backend"] == "CUSTOM"
-    assert kw["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert kw["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    # piecewise: vLLM's compile (mode 3) on its eager backend (no Inductor between our ops), graphs for mixed steps
+    pw = vllm_plugin.llm_kwargs("qwen2", piecewise=True)["compilation_config"]
+    assert pw == {"mode": 3, "backend": "eager", "cudagraph_mode": "FULL_AND_PIECEWISE"}
     families = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
     assert {vllm_plugin.architecture_for(t) for t in families} == set(vllm_plugin.ARCHITECTURES.values())
     with pytest.raises(ValueError):
