@@ -266,6 +266,20 @@ def run_parity(a) -> int:
 
 # ---------------------------------------------------------------------------------------------- driver
 
+def _claim_work_folder(a) -> None:
+    """The work folder gathers the arms of several invocations (one table over calls): only of one model and
+    checkpoint. Arm and parity files left by a run of another model (or folder) are removed, never mixed in."""
+    mark = os.path.join(a.work, "work_model.json")
+    mine = dict(model=a.model, model_dir=os.path.abspath(a.model_dir))
+    if os.path.exists(mark) and json.load(open(mark)) != mine:
+        stale = [f for f in os.listdir(a.work)
+                 if f == "parity.json" or f.endswith("_outputs.pt") or f[:-5] in ARM_WIRING and f.endswith(".json")]
+        for f in stale:
+            os.remove(os.path.join(a.work, f))
+        _log("work folder held arms of", json.load(open(mark)), "- removed", sorted(stale))
+    json.dump(mine, open(mark, "w"))
+
+
 def make_checkpoint(model_name: str, path: str, preset_weights: bool = False) -> dict:
     """The arms' model folder: an HF checkpoint of the preset, or with ``preset_weights`` only its config (every
     arm then builds the preset's seeded weights itself: vLLM through the plugin's tik_preset load format)."""
@@ -325,6 +339,7 @@ def main() -> int:
     if not os.path.exists(os.path.join(a.model_dir, "bench_meta.json")):
         _log("saving", a.model, "to", a.model_dir)
         make_checkpoint(a.model, a.model_dir, a.preset_weights)
+    _claim_work_folder(a)
     res = dict(model=a.model, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                torch=torch.__version__, quick=a.quick, workloads=[_wl_name(w) for w in _workloads(a)], arms={}, steps={},
                settings=dict(temperature=1.0, ignore_eos=True, logprobs="sampled token only", max_model_len=MAX_MODEL_LEN,

@@ -47,3 +47,22 @@ def test_staggered_arrivals_give_the_same_bits_on_cpu(rollout):
         assert rows["B4_9to6_arr1"]["arrivals_per_step"] == 1 and rows["B4_9to6"]["arrivals_per_step"] == 0
         assert rows["B4_9to6"]["outputs_sha1"] == ref and rows["B4_9to6_arr1"]["outputs_sha1"] == ref, arm
     assert res["arms"]["engine"]["workloads"]["B2_8to4"]["outputs_sha1"] != ref   # the digest sees the outputs
+
+
+def test_work_folder_keeps_one_models_arms(tmp_path):
+    """Arms gathered over several invocations come from one model: a run of another model (or checkpoint folder)
+    in the same work folder removes the earlier arms' files instead of reporting them beside its own."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_rollout as br
+    from types import SimpleNamespace
+    work = tmp_path / "w"
+    work.mkdir()
+    first = SimpleNamespace(work=str(work), model="qwen2.5-1.5b", model_dir=str(tmp_path / "m15"))
+    br._claim_work_folder(first)
+    for f in ("tik.json", "tik_pw.json", "parity.json", "tik_outputs.pt", "notes.txt"):
+        (work / f).write_text("{}")
+    br._claim_work_folder(first)                                  # the same model again: everything kept
+    assert {"tik.json", "tik_pw.json", "parity.json"} <= set(os.listdir(work))
+    br._claim_work_folder(SimpleNamespace(work=str(work), model="qwen2.5-7b", model_dir=str(tmp_path / "m7")))
+    assert sorted(os.listdir(work)) == ["notes.txt", "work_model.json"]
+    assert json.load(open(work / "work_model.json"))["model"] == "qwen2.5-7b"
