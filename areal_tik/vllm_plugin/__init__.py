@@ -40,16 +40,25 @@ VLLM_VERSION = "0.24.0"   # the vLLM the plugin is written and measured against
 ARCHITECTURES: Mapping[str, str] = TableView(lambda: {mt: f.vllm_architecture for mt, f in FAMILIES.items()})
 
 
+def process_settings() -> Settings:
+    """This process's settings, read once from the environment (a vLLM worker's entry point is vLLM's)."""
+    global _SETTINGS
+    if _SETTINGS is None:
+        _SETTINGS = Settings.from_env()
+    return _SETTINGS
+
+
 def process_ops():
     """The tik ops of this process, bound once (``Settings.backend`` from ``AREAL_TIK_BACKEND``): a vLLM
     worker builds the model, the attention backend and the sampler hook from the same selection."""
     global _OPS
     if _OPS is None:
-        _OPS = bind(Settings.from_env().backend)
+        _OPS = bind(process_settings().backend)
     return _OPS
 
 
 _OPS = None
+_SETTINGS = None
 
 
 def available() -> tuple[bool, str]:

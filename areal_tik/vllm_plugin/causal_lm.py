@@ -28,6 +28,7 @@ from areal_tik.layers.decoder import build_decoder, decoder_forward, embed
 from areal_tik.layers.family import tied_embeddings
 from areal_tik.layers.modules import TikLinear
 from areal_tik.layers.moe import LazyExpertViews
+from areal_tik.layers.precompile import precompile_linears
 from areal_tik.layers.stacking import stack_projections
 from areal_tik.layers.steps import TikRope
 
@@ -45,8 +46,11 @@ class LayerAttentionStep(TikRope):
 class TikCausalLM(nn.Module):
     """``model`` (the family's decoder) and ``lm_head``, HF names; every tik module on ``ops``."""
 
-    def __init__(self, cfg, ops):
+    def __init__(self, cfg, ops, precompile_tokens: int = 0):
         super().__init__()
+        # the first weight load compiles every linear tile config a step of up to this many tokens can pick
+        # (``layers/precompile.py``; 0: none), so that no rollout step pays a JIT compile
+        self._tik_precompile_tokens = int(precompile_tokens)
         self.config = cfg
         self.model = build_decoder(cfg, ops)
         self.tied = tied_embeddings(cfg)
@@ -71,9 +75,13 @@ class TikCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors in place (:func:`load_hf_tensors`); the RoPE table is built on the weights' device
-        here, before any forward (a compiled forward must find it, not trace its construction)."""
+        here, before any forward (a compiled forward must find it, not trace its construction), and on the first
+        load the linear tile configs are compiled (``precompile_tokens``)."""
         loaded = load_hf_tensors(self, weights)
         self.model._tik_rope.get(self.model.embed_tokens.weight.device)
+        if self._tik_precompile_tokens:
+            precompile_linears(self, max_tokens=self._tik_precompile_tokens)   # once per process; no-op off CUDA
+            self._tik_precompile_tokens = 0
         return loaded
 
     def hf_named_parameters(self):

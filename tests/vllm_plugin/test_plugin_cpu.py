@@ -196,3 +196,25 @@ def test_verify_engine_vllm_without_vllm_is_a_one_line_usage_error():
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "vllm is not installed" in lines[0], r.stderr
+
+
+def test_first_weight_load_precompiles_the_linear_configs(monkeypatch):
+    """The plugin's model compiles every linear tile config on its first weight load (vLLM's worker passes its
+    step token budget), not inside a rollout step; later loads (weight updates) and a budget of 0 compile nothing."""
+    from areal_tik.vllm_plugin import causal_lm
+    calls = []
+    monkeypatch.setattr(causal_lm, "precompile_linears", lambda model, max_tokens: calls.append((model, max_tokens)))
+    torch.manual_seed(0)
+    hf = patch_model(build_model("tiny-qwen2", device="cpu"), kernels="tik")
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        m = TikCausalLM(hf.config, OPS, precompile_tokens=8192)
+        none = TikCausalLM(hf.config, OPS)
+    finally:
+        torch.set_default_dtype(prev)
+    m.load_weights(hf.state_dict().items())
+    assert calls == [(m, 8192)]
+    m.load_weights(hf.state_dict().items())          # a weight update
+    none.load_weights(hf.state_dict().items())
+    assert calls == [(m, 8192)]
