@@ -73,7 +73,8 @@ def precompile_plan(model: torch.nn.Module, max_tokens: int, min_tokens: int, de
         configs = ops.impls["linear"].tile_configs if ops is not None else None
         if configs is None:
             continue          # an implementation that compiles nothing per tile config
-        work += [(ops.linear, n, k, dt, hb, name) for n, k, dt, hb in shapes
+        linear = ops.impls["linear"].fn     # the bound implementation itself (a host's wrapper may take no config)
+        work += [(linear, n, k, dt, hb, name) for n, k, dt, hb in shapes
                  for name in configs(n, k, dt, min_tokens, max_tokens, device)]
     return work
 

@@ -82,6 +82,8 @@ class TikCausalLM(nn.Module):
         if self._tik_precompile_tokens:
             precompile_linears(self, max_tokens=self._tik_precompile_tokens)   # once per process; no-op off CUDA
             self._tik_precompile_tokens = 0
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()    # its dummy operands' blocks back before vLLM measures free memory
         return loaded
 
     def hf_named_parameters(self):

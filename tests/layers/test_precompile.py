@@ -166,3 +166,19 @@ def test_after_precompile_moe_blocks_compile_nothing():
             block(torch.randn((t, block.gate.weight.shape[1]), dtype=block.gate.weight.dtype, device=dev))
     torch.cuda.synchronize()
     assert jit_watch.delta(before)["compiles"] == 0, jit_watch.delta(before)
+
+
+def test_plan_launches_the_implementation_behind_opaque_ops(monkeypatch):
+    """A model on opaque ops (the vLLM plugin compiled: ``ops.linear`` is a custom op taking no tile config) is
+    precompiled through the bound implementation itself, with the same plan as the plain ops give."""
+    from areal_tik.dispatch.opaque import opaque
+    monkeypatch.setattr(selection, "interpreting", lambda: False)     # plan as on a GPU
+    plain = patch_model(build_model("tiny-qwen2", device="cpu", seed=0), backend="linear=triton")
+    ops = plain.lm_head._tik_ops
+    want = precompile_plan(plain, max_tokens=2048, min_tokens=1, device="cuda")
+    facade = opaque(ops)
+    for mod in plain.modules():
+        if getattr(mod, "_tik_ops", None) is ops:
+            mod._tik_ops = facade
+    got = precompile_plan(plain, max_tokens=2048, min_tokens=1, device="cuda")
+    assert got and got == want and all(fn is ops.impls["linear"].fn for fn, *_ in got)
