@@ -97,6 +97,9 @@ def llm_kwargs(model_type: str, block_size: int = 64, ops=None, piecewise: bool 
     and no compile (``layers/moe.py``, ``host_synced``)."""
     arch = architecture_for(model_type)
     synced = FAMILIES[model_type].moe and (ops if ops is not None else process_ops()).moe_experts not in HOST_SYNC_FREE
+    if synced and piecewise:
+        raise ValueError(f"piecewise graphs need an experts op that never waits on the host; {model_type} binds "
+                         f"moe_experts to a host-synced implementation (bind moe_experts=triton)")
     if synced:
         compilation = {"mode": 0, "cudagraph_mode": "NONE"}
     elif piecewise:

@@ -70,6 +70,9 @@ def test_entries_presets_and_layer_rule():
                   for be in ("moe_experts=triton", "torch_ref")}
         assert graphs == {"moe_experts=triton": vllm_plugin.llm_kwargs("qwen3")["compilation_config"]["cudagraph_mode"],
                           "torch_ref": "NONE"}
+        assert vllm_plugin.llm_kwargs(mt, ops=bind("moe_experts=triton"), piecewise=True)["compilation_config"]["mode"] == 3
+        with pytest.raises(ValueError, match="host"):
+            vllm_plugin.llm_kwargs(mt, ops=bind("torch_ref"), piecewise=True)
     for name in ("qwen3-30b-a3b", "qwen3-30b-a3b-4l"):
         cfg = preset_config(name)
         assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (2048, 32, 4, 128)
