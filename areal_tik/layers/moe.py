@@ -35,7 +35,8 @@ from areal_tik.layers.family import Family, UnsupportedModelError
 from areal_tik.layers.modules import TikLinear, TikMLP
 
 __all__ = ["TikMoE", "MoeRouterWeights", "MoeExpertWeights", "check_moe_block", "patch_moe_block",
-           "build_moe_block", "default_moe_forward", "host_synced", "per_expert_views", "LazyExpertViews"]
+           "build_moe_block", "default_moe_forward", "host_synced", "per_expert_views", "LazyExpertViews",
+           "experts_synced"]
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -187,9 +188,15 @@ def build_moe_block(cfg, family: Family, ops) -> TikMoE:
     return block
 
 
+def experts_synced(ops) -> bool:
+    """Whether the experts op bound in ``ops`` waits on the host (read from the bound implementation, so a
+    wrapper of the ops, e.g. ``dispatch/opaque.py``'s, answers as the ops it wraps). ``ops`` None: HF's own block
+    on the default kernels, which loops over experts on the host."""
+    return ops is None or ops.impls["moe_experts"].fn not in HOST_SYNC_FREE
+
+
 def _block_synced(m: nn.Module) -> bool:
-    ops = getattr(m, "_tik_ops", None)          # None: HF's block on the default kernels
-    return ops is None or ops.moe_experts not in HOST_SYNC_FREE
+    return experts_synced(getattr(m, "_tik_ops", None))
 
 
 def host_synced(model: nn.Module) -> bool:

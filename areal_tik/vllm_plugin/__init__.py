@@ -27,8 +27,8 @@ import importlib.util
 from collections.abc import Mapping
 
 from areal_tik.dispatch.bound import bind
-from areal_tik.kernels.moe import HOST_SYNC_FREE
 from areal_tik.layers.family import FAMILIES, TableView
+from areal_tik.layers.moe import experts_synced
 from areal_tik.settings import Settings
 
 __all__ = ["VLLM_VERSION", "ARCHITECTURES", "available", "llm_kwargs", "architecture_for"]
@@ -96,7 +96,7 @@ def llm_kwargs(model_type: str, block_size: int = 64, ops=None, piecewise: bool 
     :func:`process_ops`: the workers bind the same) never waits on the host (the triton backend's), else none
     and no compile (``layers/moe.py``, ``host_synced``)."""
     arch = architecture_for(model_type)
-    synced = FAMILIES[model_type].moe and (ops if ops is not None else process_ops()).moe_experts not in HOST_SYNC_FREE
+    synced = FAMILIES[model_type].moe and experts_synced(ops if ops is not None else process_ops())
     if synced and piecewise:
         raise ValueError(f"piecewise graphs need an experts op that never waits on the host; {model_type} binds "
                          f"moe_experts to a host-synced implementation (bind moe_experts=triton)")
