@@ -23,10 +23,6 @@ from areal_tik.dispatch.bound import BoundOps
 
 __all__ = ["FORWARD_OPS", "OpaqueOps", "opaque"]
 
-# Every op of the decoder's forward (``layers/decoder.py``, ``layers/modules.py``, ``layers/moe.py``, ``layers/steps.py``)
-FORWARD_OPS = ("linear", "rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "silu_mul_packed", "moe_route",
-               "moe_experts", "moe_combine", "moe_shared_add")
-
 _SLOTS: list[BoundOps] = []   # the BoundOps a custom op call names by its ``slot`` argument (a constant when traced)
 
 
@@ -143,10 +139,12 @@ def _(slot, routed, shared, gate_logit):
     return torch.empty_like(routed)
 
 
+# every op of the decoder's forward (``layers/decoder.py``, ``layers/modules.py``, ``layers/moe.py``,
+# ``layers/steps.py``) and its custom op
 _CUSTOM = {"linear": _linear, "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "apply_rope": _apply_rope,
            "silu_mul": _silu_mul, "silu_mul_packed": _silu_mul_packed, "moe_route": _moe_route,
            "moe_experts": _moe_experts, "moe_combine": _moe_combine, "moe_shared_add": _moe_shared_add}
-assert tuple(_CUSTOM) == FORWARD_OPS
+FORWARD_OPS = tuple(_CUSTOM)
 
 
 class OpaqueOps:
@@ -169,5 +167,11 @@ class OpaqueOps:
 
 
 def opaque(ops: BoundOps) -> OpaqueOps:
-    """``ops`` as :class:`OpaqueOps` (an ``OpaqueOps`` is returned as it is)."""
-    return ops if isinstance(ops, OpaqueOps) else OpaqueOps(ops)
+    """``ops`` as :class:`OpaqueOps`: one per ``BoundOps`` (every module of a model shares it, and one slot serves
+    it); an ``OpaqueOps`` is returned as it is."""
+    if isinstance(ops, OpaqueOps):
+        return ops
+    made = getattr(ops, "_opaque", None)
+    if made is None:
+        made = ops._opaque = OpaqueOps(ops)
+    return made
