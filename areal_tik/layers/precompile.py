@@ -98,6 +98,13 @@ def moe_plan(model: torch.nn.Module, max_tokens: int, min_tokens: int) -> list[t
     return list(seen.values())
 
 
+def step_token_bound(max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """The most tokens one forward can carry under a scheduler with these limits: a prefill step holds up to the
+    token budget, a decode step one token per running sequence, whichever is larger (the ``max_tokens`` a host
+    passes to :func:`precompile_linears`)."""
+    return max(int(max_num_batched_tokens), int(max_num_seqs))
+
+
 def precompile_linears(model: torch.nn.Module, max_tokens: int, min_tokens: int = 1,
                        device: torch.device | str | None = None, progress: bool = False,
                        dtype: torch.dtype | None = None, enabled: bool = True) -> dict:

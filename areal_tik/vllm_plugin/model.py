@@ -15,6 +15,7 @@ from vllm.config import CompilationMode, VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from areal_tik.dispatch.opaque import opaque
+from areal_tik.layers.precompile import step_token_bound
 from areal_tik.vllm_plugin import ARCHITECTURES, process_ops, process_settings
 from areal_tik.vllm_plugin import logprobs as tik_logprobs
 from areal_tik.vllm_plugin.attention import TikAttentionBackend
@@ -43,7 +44,7 @@ class TikForCausalLM(TikCausalLM):
         if vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE:
             ops = opaque(ops)
         sched = vllm_config.scheduler_config
-        tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs) if process_settings().precompile else 0
+        tokens = step_token_bound(sched.max_num_batched_tokens, sched.max_num_seqs) if process_settings().precompile else 0
         super().__init__(vllm_config.model_config.hf_config.get_text_config(), ops, precompile_tokens=tokens)
         base = _join(prefix, "model")
         for i, layer in enumerate(self.model.layers):

@@ -182,3 +182,9 @@ def test_plan_launches_the_implementation_behind_opaque_ops(monkeypatch):
             mod._tik_ops = facade
     got = precompile_plan(plain, max_tokens=2048, min_tokens=1, device="cuda")
     assert got and got == want and all(fn is ops.impls["linear"].fn for fn, *_ in got)
+
+
+def test_step_token_bound_covers_prefill_budget_and_decode_batch():
+    from areal_tik.layers.precompile import step_token_bound
+    assert step_token_bound(8192, 64) == 8192      # a prefill step fills the token budget
+    assert step_token_bound(16, 256) == 256        # a decode step carries one token per running sequence

@@ -65,8 +65,9 @@ def build(cfg: ServerConfig, device: str | None = None, dtype: str = "bfloat16")
     if cfg.kernels == "tik":
         # every linear tile config a prefill or decode step can pick, compiled now rather than
         # inside a rollout (a no-op off CUDA)
-        from areal_tik.layers.precompile import precompile_linears
-        precompile_linears(model, max_tokens=max(engine.config.max_num_batched_tokens, engine.config.max_num_seqs),
+        from areal_tik.layers.precompile import precompile_linears, step_token_bound
+        precompile_linears(model, max_tokens=step_token_bound(engine.config.max_num_batched_tokens,
+                                                              engine.config.max_num_seqs),
                            enabled=cfg.precompile)
 
     if cfg.kernels == "tik":
