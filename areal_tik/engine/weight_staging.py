@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from areal_tik.layers.moe import LazyExpertViews
+from areal_tik.layers.moe import WritableTensors
 
 __all__ = ["WeightUpdateError", "UnknownParameterError", "StagedWeights", "stage", "commit", "check_specs", "parse_dtype",
            "parse_shape", "target_table", "model_nbytes", "device_room", "STAGING_RESERVE_BYTES"]
@@ -104,25 +104,15 @@ def _own_tensors(model) -> dict[str, torch.Tensor]:
     return table
 
 
-class _Targets:
-    """Every tensor an update may write, by name: the model's parameters and buffers by ``state_dict`` name, and
-    the per-expert views of fused MoE expert weights under their checkpoint names, looked up only for a name the
-    model's own tensors lack (``layers.moe.LazyExpertViews``)."""
-
-    def __init__(self, model):
-        self.own = _own_tensors(model)
-        self.views = LazyExpertViews(self.own)
-
-    def get(self, name: str) -> torch.Tensor | None:
-        dst = self.own.get(name)
-        if dst is None and (view := self.views.get(name)) is not None:
-            dst = view[1]
-        return dst
+def target_table(model) -> WritableTensors:
+    """Every tensor an update may write (``lookup(name)``): the model's parameters and buffers by ``state_dict``
+    name, and the per-expert views of fused MoE expert weights under their checkpoint names."""
+    return WritableTensors(_own_tensors(model))
 
 
-def target_table(model) -> _Targets:
-    """Every tensor an update may write (:class:`_Targets`: ``get(name)``)."""
-    return _Targets(model)
+def _target(table: WritableTensors, name: str) -> torch.Tensor | None:
+    hit = table.lookup(name)
+    return None if hit is None else hit[1]
 
 
 def model_nbytes(model) -> int:
@@ -141,7 +131,7 @@ def _check_one(table, model, name, shape: tuple, dtype: torch.dtype) -> str | No
     :class:`UnknownParameterError` for a name the model lacks."""
     if not isinstance(name, str) or not name:
         return f"tensor name {name!r} is not a non-empty string"
-    dst = table.get(name)
+    dst = _target(table, name)
     if dst is None:
         if _tied_head(model, name):
             return None
@@ -278,7 +268,7 @@ def stage(model, src, room: Callable[[torch.device], int] = device_room) -> Stag
         if why is not None:
             raise WeightUpdateError(why)
         seen.add(name)
-        dst = table.get(name)
+        dst = _target(table, name)
         if dst is None:  # the tied lm_head: the embedding carries it (checked for finiteness all the same)
             checked.append((name, tensor))
             continue

@@ -35,7 +35,7 @@ from areal_tik.layers.family import Family, UnsupportedModelError
 from areal_tik.layers.modules import TikLinear, TikMLP
 
 __all__ = ["TikMoE", "MoeRouterWeights", "MoeExpertWeights", "check_moe_block", "patch_moe_block",
-           "build_moe_block", "default_moe_forward", "host_synced", "per_expert_views", "LazyExpertViews",
+           "build_moe_block", "default_moe_forward", "host_synced", "per_expert_views", "WritableTensors",
            "experts_synced"]
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -97,17 +97,23 @@ def per_expert_views(named: dict) -> dict[str, tuple[str, torch.Tensor]]:
     return out
 
 
-class LazyExpertViews:
-    """:func:`per_expert_views` of ``named``, built at the first lookup: an update whose names are all the model's
-    own (a distributed one sends the fused names) never builds the views of every expert."""
+class WritableTensors:
+    """A model's tensors by name (``named``) for a weight load or update to write into, and the per-expert views of
+    its fused MoE expert weights under their checkpoint names. The views are built at the first name the model's
+    own tensors lack: an update whose names are all the model's own (a distributed one sends the fused names)
+    never builds the views of every expert."""
 
     def __init__(self, named: dict):
-        self._named, self._views = named, None
+        self.own, self._views = named, None
 
-    def get(self, name: str) -> tuple[str, torch.Tensor] | None:
-        """``(fused name, view)`` of a per-expert checkpoint name, or None."""
+    def lookup(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """``(owner, tensor to write)`` for a checkpoint name: ``(name, the model's tensor)`` for one of the model's
+        own names, ``(fused parameter name, the expert's view)`` for a per-expert MoE name, None otherwise."""
+        dst = self.own.get(name)
+        if dst is not None:
+            return name, dst
         if self._views is None:
-            self._views = per_expert_views(self._named)
+            self._views = per_expert_views(self.own)
         return self._views.get(name)
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from areal_tik.layers.decoder import build_decoder, decoder_forward, embed
 from areal_tik.layers.family import tied_embeddings
 from areal_tik.layers.modules import TikLinear
-from areal_tik.layers.moe import LazyExpertViews
+from areal_tik.layers.moe import WritableTensors
 from areal_tik.layers.precompile import precompile_linears
 from areal_tik.layers.stacking import stack_projections
 from areal_tik.layers.steps import TikRope
@@ -101,7 +101,7 @@ def load_hf_tensors(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     names written (a fused expert parameter once every expert's piece of it was). Unknown names or wrong shapes
     raise ``ValueError`` before anything of the offending tensor is written."""
     params = dict(lm.named_parameters())
-    views = LazyExpertViews(params)
+    table = WritableTensors(params)
     loaded: set[str] = set()
     pieces: dict[str, set] = {}
     unknown = []
@@ -109,21 +109,18 @@ def load_hf_tensors(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         for name, w in weights:
             if "rotary_emb.inv_freq" in name or (lm.tied and name.startswith("lm_head.")):
                 continue
-            dst = params.get(name)
-            if dst is None and (piece := views.get(name)) is not None:
-                fused, dst = piece
-                if dst.shape != w.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model {tuple(dst.shape)}")
-                dst.copy_(w)
-                pieces.setdefault(fused, set()).add(name)
-                continue
-            if dst is None:
+            hit = table.lookup(name)
+            if hit is None:
                 unknown.append(name)
                 continue
+            owner, dst = hit
             if dst.shape != w.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model {tuple(dst.shape)}")
             dst.copy_(w)
-            loaded.add(name)
+            if owner == name:
+                loaded.add(name)
+            else:
+                pieces.setdefault(owner, set()).add(name)
     for fused, got in pieces.items():
         if len(got) == params[fused].shape[0] * (1 if fused.endswith("down_proj") else 2):
             loaded.add(fused)
