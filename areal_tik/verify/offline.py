@@ -70,11 +70,13 @@ class VLLMEngine:
     arguments (``vllm_plugin.llm_kwargs``; ``piecewise``: graphs for mixed steps too), ``"default"`` is stock vLLM. ``block_size``: the KV page size (the
     plugin's default when None); ``weights_preset``: fill the model with that preset's seeded weights (the
     plugin's ``tik_preset`` load format; ``model_dir`` then needs only ``config.json``); ``logprobs``: False asks
-    vLLM for no log-probs (``record`` returns an empty list); ``llm_kwargs``: more ``vllm.LLM`` arguments. Needs
+    vLLM for no log-probs (``record`` returns an empty list); ``llm_kwargs``: more ``vllm.LLM`` arguments;
+    ``overrides``: ``vllm.LLM`` arguments applied after the plugin's (a probe of another compilation config). Needs
     vLLM 0.24 and the plugin's entry point (``pip install 'areal-tik[vllm]'``)."""
 
     def __init__(self, model_dir: str, kernels: str = "tik", block_size: int | None = None,
-                 weights_preset: str | None = None, logprobs: bool = True, piecewise: bool = False, **llm_kwargs):
+                 weights_preset: str | None = None, logprobs: bool = True, piecewise: bool = False,
+                 overrides: dict | None = None, **llm_kwargs):
         from vllm import LLM   # vLLM is optional: imported only when this engine runs
         with open(os.path.join(model_dir, "config.json")) as f:
             model_type = json.load(f)["model_type"]
@@ -83,6 +85,7 @@ class VLLMEngine:
         kw.update(vllm_plugin.llm_kwargs(model_type, piecewise=piecewise, **page) if kernels == "tik" else page)
         if weights_preset:
             kw.update(preset_loader.llm_kwargs(weights_preset))
+        kw.update(overrides or {})
         self.kwargs, self.logprobs = kw, logprobs
         self.llm = LLM(**kw)
 

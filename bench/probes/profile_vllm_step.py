@@ -27,19 +27,10 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 def _arm(a) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine core in this process: profiler sees it
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     meta = json.load(open(os.path.join(a.model_dir, "bench_meta.json")))
-    kw = dict(model=a.model_dir, skip_tokenizer_init=True, max_model_len=meta["max_model_len"], max_num_seqs=256,
-              seed=0, dtype="bfloat16")
-    if a.arm.startswith("tik"):
-        from areal_tik import vllm_plugin
-        kw.update(vllm_plugin.llm_kwargs(meta["model_type"], piecewise=a.arm == "tik_pw"))
-        kw.update(json.loads(a.tik_kwargs or "{}"))
-    preset = meta.get("weights_preset")
-    if preset and a.arm != "engine":   # a config-only folder: every arm builds the preset's seeded weights
-        from areal_tik.vllm_plugin import preset_loader
-        kw.update(preset_loader.llm_kwargs(preset))
+    preset = meta.get("weights_preset")        # a config-only folder: every arm builds the preset's seeded weights
     g = torch.Generator().manual_seed(1)
     B, P = a.batch, a.prompt
     ids = torch.randint(3, meta["vocab_size"], (B, P), generator=g).tolist()
@@ -51,13 +42,17 @@ def _arm(a) -> int:
 
         def run(n):
             eng.generate(ids, n, seeds=[100003 + i for i in range(len(ids))])
-    else:
-        llm = LLM(**kw)
+    else:                                                   # stock vLLM, or vLLM + tik (tik_pw: piecewise graphs)
+        from areal_tik.verify.offline import VLLMEngine
+        tik = a.arm.startswith("tik")
+        eng = VLLMEngine(a.model_dir, kernels="tik" if tik else "default", weights_preset=preset,
+                         piecewise=a.arm == "tik_pw", overrides=json.loads(a.tik_kwargs or "{}") if tik else None,
+                         max_model_len=meta["max_model_len"], max_num_seqs=256, seed=0)
         prompts = [{"prompt_token_ids": p} for p in ids]
 
         def run(n):
             sp = SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, logprobs=0, detokenize=False)
-            llm.generate(prompts, sp, use_tqdm=False)
+            eng.llm.generate(prompts, sp, use_tqdm=False)
     start_s = time.perf_counter() - t0
 
     def gen(n):
