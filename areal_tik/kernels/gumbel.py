@@ -3,10 +3,13 @@
 Maths: ``token[b] = first argmax_v ( logits[b, v] / T[b] + g(key[b], v) )`` with
 ``g = -log(-log(u))`` and ``u`` the fp32 uniform in (0, 1) of a 32-bit hash of
 ``(key[b], vocab index v)`` (:func:`uniform_noise`, exact integer arithmetic, so every backend
-draws the same ``u``). ``key[b]`` (:func:`row_key` of the request's seed and the token's position)
-is the only per-row state: a row's token never depends on the other rows, the batch size, or the
-row's place in the batch. A top-k / top-p draw is the same op on logits outside :func:`kept_mask`
-set to ``-inf``.
+draws the same ``u``). ``u = ((x >> 9) + 0.5) / 2**23``: the hash's top 23 bits, every value exact in
+fp32 and strictly inside (0, 1), so ``g`` is finite (at most ~16.6). Not 24 bits: ``(2**24 - 0.5) / 2**24``
+rounds to 1.0 in fp32, whose ``g`` is +inf, and a row of V entries would then hold an entry that wins
+whatever the logits with probability ~V / 2**24 (0.9% of rows at V 151,936: a uniformly random token).
+``key[b]`` (:func:`row_key` of the request's seed and the token's position) is the only per-row state: a
+row's token never depends on the other rows, the batch size, or the row's place in the batch. A top-k /
+top-p draw is the same op on logits outside :func:`kept_mask` set to ``-inf``.
 
 Shapes/dtypes: logits ``[B, V]`` (bf16, fp16 or fp32, unit last stride, any row stride),
 keys int64 ``[B]`` (values < 2**32), temperatures fp32 ``[B]`` (> 0). Returns int64 ``[B]``.
@@ -29,14 +32,15 @@ import triton.language as tl
 from areal_tik.kernels import _torch_math as tm
 from areal_tik.kernels._dense_common import check_triton_device
 
-__all__ = ["gumbel_argmax_triton", "gumbel_argmax_torch", "uniform_noise", "vocab_hash", "hash32", "mix32", "row_key",
-           "kept_mask"]
+__all__ = ["gumbel_argmax_triton", "gumbel_argmax_torch", "uniform_noise", "vocab_hash", "unit_uniform", "hash32",
+           "mix32", "row_key", "kept_mask"]
 
 M32 = 0xFFFFFFFF
 C_MIX = 0x45D9F3B      # < 2**31: products of 32-bit values stay below 2**63 (no int64 overflow)
 C_VOCAB = 0x61C88647
 C_KEY = 0x27D4EB2F
 BLOCK_V = 4096
+U_SHIFT = 9            # uniforms from the hash's top 32 - U_SHIFT = 23 bits (exact in fp32; the kernel's literal too)
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +101,12 @@ def uniform_noise(keys: torch.Tensor, vhash: torch.Tensor) -> torch.Tensor:
     """fp32 uniforms in (0, 1), ``[B, V]``: row b depends only on ``keys[b]``."""
     x = hash32(vhash[None, :] ^ keys[:, None])
     x = hash32(x ^ (keys[:, None] * C_KEY & M32))
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return unit_uniform(x)
+
+
+def unit_uniform(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``((x >> 9) + 0.5) / 2**23`` of 32-bit hash values ``x`` (int64): exact, in [2**-24, 1 - 2**-24]."""
+    return ((x >> U_SHIFT).to(torch.float32) + 0.5) * (1.0 / (1 << (32 - U_SHIFT)))
 
 
 def gumbel_argmax_torch(logits: torch.Tensor, keys: torch.Tensor, temperatures: torch.Tensor,
@@ -135,7 +144,7 @@ def _gumbel_argmax_kernel(lg_ptr, stride_l, keys_ptr, temp_ptr, out_ptr, V, BLOC
         vh = _mix32(offs.to(tl.uint32) * 0x61C88647)
         x = _mix32(vh ^ key)
         x = _mix32(x ^ kmix)
-        u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)     # unit_uniform: top 23 bits, inside (0, 1)
         g = -tl.log(-tl.log(u))
         # IEEE division, as the reference's logits.float() / T (a plain '/' may lower to an approximation)
         z = tl.math.div_rn(tl.load(base + offs, mask=ok, other=0.0).to(tl.float32), temp) + g
@@ -178,7 +187,7 @@ def gumbel_argmax_triton(logits: torch.Tensor, keys: torch.Tensor, temperatures:
 
 
 OPS = {"gumbel_argmax": {"triton": gumbel_argmax_triton, "torch_ref": gumbel_argmax_torch}}
-META = {"gumbel_argmax.noise": "hash32(hash32(vhash(v) ^ key) ^ key*C) -> fp32 u; -log(-log u)"}
+META = {"gumbel_argmax.noise": "hash32(hash32(vhash(v) ^ key) ^ key*C) -> fp32 u = ((x >> 9) + 0.5) / 2**23; -log(-log u)"}
 
 COMPILE_SPECS = [
     dict(fn=_gumbel_argmax_kernel, signature={"lg_ptr": "*bf16", "stride_l": "i32", "keys_ptr": "*i64",

@@ -93,3 +93,54 @@ def test_gpu_full_vocab_matches_reference(seed_rng):
         pytest.skip("needs a GPU")
     logits, keys, temps = _inputs(seed_rng, 128, 151936)
     assert torch.equal(gumbel_argmax_triton(logits, keys, temps), gumbel_argmax_torch(logits, keys, temps))
+
+
+def _old_unit(x):
+    """The 24-bit conversion ``((x >> 8) + 0.5) / 2**24`` (the negative control: its top value rounds to 1.0)."""
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def test_every_uniform_is_inside_the_open_interval():
+    """All 2**23 values the conversion can take, exhaustively: strictly inside (0, 1), so every noise value
+    -log(-log u) is finite; the 24-bit conversion's top value is exactly 1.0 (infinite noise)."""
+    from areal_tik.kernels.gumbel import unit_uniform
+    x = torch.arange(1 << 23, dtype=torch.int64) << 9 | 0x1FF           # every top-23-bit value, low bits set
+    u = unit_uniform(x)
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+    assert torch.unique(u).numel() == 1 << 23                            # no two values round together
+    top = torch.tensor([(1 << 32) - 1])
+    assert float(_old_unit(top)) == 1.0 and torch.isinf(-torch.log(-torch.log(_old_unit(top)))).all()
+
+
+def _row_hashes(keys, vhash):
+    from areal_tik.kernels.gumbel import C_KEY, M32, hash32
+    x = hash32(vhash[None, :] ^ keys[:, None])
+    return hash32(x ^ (keys[:, None] * C_KEY & M32))
+
+
+def test_row_with_the_top_hash_still_samples_its_argmax():
+    """A full-vocab row whose hash takes the largest value at some entry v (found by search): with token 0 at
+    +30 and every other logit 0, token 0 must win on both backends (other entries' noise is at most ~16.6,
+    token 0's at least ~-2.8). Negative control: the 24-bit conversion gives that entry infinite noise, so its
+    argmax is v."""
+    V = 151936
+    vh = vocab_hash(V, "cpu")
+    key = v = None
+    for start in range(0, 1 << 14, 64):
+        keys = torch.arange(start, start + 64, dtype=torch.int64) * 2654435761 % (1 << 32)
+        hit = (_row_hashes(keys, vh) >> 8) == (1 << 24) - 1
+        rows = hit.any(-1).nonzero()
+        if len(rows):
+            r = int(rows[0])
+            key, v = int(keys[r]), int(hit[r].nonzero()[0])
+            break
+    assert key is not None and v != 0
+    logits = torch.zeros(1, V)
+    logits[0, 0] = 30.0
+    logits = logits.to(torch.bfloat16).to(DEV)
+    keys, ones = torch.tensor([key], device=DEV), torch.ones(1, device=DEV)
+    assert gumbel_argmax_torch(logits, keys, ones).tolist() == [0]
+    assert gumbel_argmax_triton(logits, keys, ones).tolist() == [0]
+    old = logits.float().cpu() - torch.log(-torch.log(_old_unit(_row_hashes(torch.tensor([key]), vh))))
+    assert int(old.argmax(-1)) == v
