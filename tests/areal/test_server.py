@@ -253,7 +253,7 @@ def test_real_engine_logprobs_match_ops(tmp_path):
         assert res2["previous_interval"] == {"engine_busy_s": 0.0, "engine_steps": 0, "tokens": 0, "requests": 0,
                                              "first_request_to_last_finish_s": None, "eager_steps": 0, "eager_s": 0.0,
                                              "max_step_ms": 0.0, "graphs_captured": 0, "jit_compiles": 0,
-                                             "jit_compile_s": 0.0, "jit_kernels": {}}
+                                             "jit_compile_s": 0.0, "jit_kernels": {}, "jit_specs": []}
         del model, ops
     finally:
         client.destroy()

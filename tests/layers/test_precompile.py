@@ -68,9 +68,15 @@ def test_jit_watch_counts_through_the_hooks():
     class Info:
         name = "areal_tik.kernels.linear.triton_kernels.linear_fwd_kernel"
     assert jit_watch._on_cache_miss(fn=Info()) is False
-    jit_watch._on_compiled(fn=Info())
+    jit_watch._on_compiled(fn=Info(), repr="linear_fwd_kernel[num_warps=4](M: i32, N: ('i32', 'D'))")
     d = jit_watch.delta(before)
     assert d["compiles"] == 1 and d["by_kernel"] == {"linear_fwd_kernel": 1} and d["seconds"] >= 0
+    assert d["specs"] == ["linear_fwd_kernel[num_warps=4](M: i32, N: ('i32', 'D'))"]   # what was specialised
+    mid = jit_watch.snapshot()
+    for _ in range(jit_watch.RECENT + 3):
+        jit_watch._on_compiled(fn=Info())
+    d = jit_watch.delta(mid)
+    assert d["compiles"] == jit_watch.RECENT + 3 and d["specs"] == ["linear_fwd_kernel"] * jit_watch.RECENT
 
 
 @pytest.mark.gpu

@@ -82,7 +82,8 @@ class EngineWorker(WeightUpdateCommands):
 
     def interval_stats(self) -> dict:
         """Also: eager steps (prefill, or decode past the graph buckets) and their seconds, the
-        slowest step, CUDA graphs captured and Triton JIT compiles in this interval."""
+        slowest step, CUDA graphs captured and Triton JIT compiles in this interval (``jit_specs``: what each
+        of the last compiles specialised, :mod:`areal_tik.kernels.jit_watch`)."""
         iv = self.iv
         span = (iv["last_finish"] - iv["first_add"]) if iv["first_add"] is not None and iv["last_finish"] else None
         jit = jit_watch.delta(iv["jit"])
@@ -91,7 +92,7 @@ class EngineWorker(WeightUpdateCommands):
                 "eager_steps": iv["eager_steps"], "eager_s": round(iv["eager_s"], 4),
                 "max_step_ms": round(1e3 * iv["max_step_s"], 2), "graphs_captured": self._graph_count() - iv["graphs"],
                 "jit_compiles": jit["compiles"] if jit["installed"] else None, "jit_compile_s": jit["seconds"],
-                "jit_kernels": jit["by_kernel"]}
+                "jit_kernels": jit["by_kernel"], "jit_specs": jit["specs"]}
 
     # ---- thread side -------------------------------------------------------------
     def start(self):
