@@ -10,6 +10,8 @@ random prompts (T = 1, ``ignore_eos``, each sampled token's log-prob returned):
   ``TikQwen2ForCausalLM`` architecture, the CUSTOM attention backend, decode CUDA graphs);
 - ``tik_pw``: the same with ``llm_kwargs(piecewise=True)``: vLLM's compile traces the model with our ops opaque and
   runs steps that mix prefill and decode as piecewise CUDA graphs too (decode steps keep full graphs);
+- ``tik_pw2k``: ``tik_pw`` with graphs for steps of up to 2,048 tokens (``graph_tokens``; vLLM's default stops at
+  512, so a mixed step of staggered arrivals, ~1,100 tokens at B 64, runs eagerly there);
 - ``engine``: ``areal_tik.engine.LLMEngine`` on the tik-patched HF model, ``EngineConfig(async_decode=False)``
   (each step's tokens read before the next step is launched);
 - ``engine_async``: the same with ``EngineConfig(async_decode=True)`` (pipelined decode steps, the engine's default);
@@ -66,6 +68,7 @@ ARM_WIRING = {
     "batch_invariant": ("vllm", "default", {"seed": 0, "env": {"VLLM_BATCH_INVARIANT": "1"}}),
     "tik": ("vllm", "tik", {"seed": 0}),
     "tik_pw": ("vllm", "tik", {"seed": 0, "piecewise": True}),
+    "tik_pw2k": ("vllm", "tik", {"seed": 0, "piecewise": True, "graph_tokens": 2048}),
     "engine": ("tik", "tik", {"gpu_memory_utilization": 0.5, "async_decode": False, "seeded": True}),
     "engine_async": ("tik", "tik", {"gpu_memory_utilization": 0.5, "async_decode": True, "seeded": True}),
     "engine_fa3": ("tik", "tik", {"gpu_memory_utilization": 0.5, "async_decode": True, "seeded": True,
@@ -75,7 +78,8 @@ ARM_ONLY = ("env", "seeded")
 ARMS = (*ARM_WIRING, "parity")
 # arms whose generations the parity step checks (every arm that returns log-probs and runs our kernels or stock's)
 PARITY_ARMS = tuple(a for a in ARM_WIRING if a not in ("batch_invariant", "stock_nolp"))
-LABELS = {"stock": "vLLM", "stock_nolp": "vLLM, no log-probs", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "tik_pw": "vLLM + tik, piecewise graphs", "engine": "our engine (tik)",
+LABELS = {"stock": "vLLM", "stock_nolp": "vLLM, no log-probs", "batch_invariant": "vLLM batch-invariant", "tik": "vLLM + tik", "tik_pw": "vLLM + tik, piecewise graphs",
+          "tik_pw2k": "vLLM + tik, piecewise graphs to 2,048 tokens", "engine": "our engine (tik)",
           "engine_async": "our engine, pipelined decode", "engine_fa3": "our engine, FA3 attention"}
 
 

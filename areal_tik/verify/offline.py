@@ -67,7 +67,8 @@ class OurEngine:
 
 class VLLMEngine:
     """``vllm.LLM`` on ``model_dir`` (bf16, no tokenizer); ``kernels="tik"`` adds the tik plugin's engine
-    arguments (``vllm_plugin.llm_kwargs``; ``piecewise``: graphs for mixed steps too), ``"default"`` is stock vLLM. ``block_size``: the KV page size (the
+    arguments (``vllm_plugin.llm_kwargs``; ``piecewise``: graphs for mixed steps too, up to ``graph_tokens``),
+    ``"default"`` is stock vLLM. ``block_size``: the KV page size (the
     plugin's default when None); ``weights_preset``: fill the model with that preset's seeded weights (the
     plugin's ``tik_preset`` load format; ``model_dir`` then needs only ``config.json``); ``logprobs``: False asks
     vLLM for no log-probs (``record`` returns an empty list); ``llm_kwargs``: more ``vllm.LLM`` arguments;
@@ -76,13 +77,14 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, kernels: str = "tik", block_size: int | None = None,
                  weights_preset: str | None = None, logprobs: bool = True, piecewise: bool = False,
-                 overrides: dict | None = None, **llm_kwargs):
+                 graph_tokens: int | None = None, overrides: dict | None = None, **llm_kwargs):
         from vllm import LLM   # vLLM is optional: imported only when this engine runs
         with open(os.path.join(model_dir, "config.json")) as f:
             model_type = json.load(f)["model_type"]
         kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", **llm_kwargs)
         page = {} if block_size is None else {"block_size": block_size}
-        kw.update(vllm_plugin.llm_kwargs(model_type, piecewise=piecewise, **page) if kernels == "tik" else page)
+        kw.update(vllm_plugin.llm_kwargs(model_type, piecewise=piecewise, graph_tokens=graph_tokens, **page)
+                  if kernels == "tik" else page)
         if weights_preset:
             kw.update(preset_loader.llm_kwargs(weights_preset))
         kw.update(overrides or {})

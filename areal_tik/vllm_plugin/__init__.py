@@ -82,7 +82,8 @@ def architecture_for(model_type: str) -> str:
     return ARCHITECTURES[model_type]
 
 
-def llm_kwargs(model_type: str, block_size: int = 64, ops=None, piecewise: bool = False) -> dict:
+def llm_kwargs(model_type: str, block_size: int = 64, ops=None, piecewise: bool = False,
+               graph_tokens: int | None = None) -> dict:
     """Keyword arguments for ``vllm.LLM(model=dir, **llm_kwargs(cfg.model_type))`` that run the
     checkpoint on tik kernels: the tik architecture, the CUSTOM attention backend and CUDA graphs:
 
@@ -90,13 +91,17 @@ def llm_kwargs(model_type: str, block_size: int = 64, ops=None, piecewise: bool 
     - ``piecewise``: also graphs for steps that mix prefill and decode, as stock vLLM runs them: vLLM's
       ``VLLM_COMPILE`` mode traces the model with our ops opaque (``dispatch/opaque.py``) and its ``eager``
       backend (no Inductor: nothing rewrites the graph between our ops), splits it at the attention ops and
-      captures the pieces (``FULL_AND_PIECEWISE``; decode batches keep their full graphs).
+      captures the pieces (``FULL_AND_PIECEWISE``; decode batches keep their full graphs). ``graph_tokens``: the
+      largest step, in tokens, that runs as a graph (vLLM's ``max_cudagraph_capture_size``; its default is
+      ``min(2 * max_num_seqs, 512)``, and a longer mixed step runs eagerly).
 
     A family with MoE blocks gets graphs only when the experts op bound in this process (``ops``, default
     :func:`process_ops`: the workers bind the same) never waits on the host (the triton backend's), else none
     and no compile (``layers/moe.py``, ``host_synced``)."""
     arch = architecture_for(model_type)
     synced = FAMILIES[model_type].moe and experts_synced(ops if ops is not None else process_ops())
+    if graph_tokens is not None and (not piecewise or int(graph_tokens) < 1):
+        raise ValueError(f"graph_tokens={graph_tokens!r} needs piecewise=True and a value >= 1")
     if synced and piecewise:
         raise ValueError(f"piecewise graphs need an experts op that never waits on the host; {model_type} binds "
                          f"moe_experts to a host-synced implementation (bind moe_experts=triton)")
@@ -104,6 +109,8 @@ def llm_kwargs(model_type: str, block_size: int = 64, ops=None, piecewise: bool 
         compilation = {"mode": 0, "cudagraph_mode": "NONE"}
     elif piecewise:
         compilation = {"mode": 3, "backend": "eager", "cudagraph_mode": "FULL_AND_PIECEWISE"}
+        if graph_tokens is not None:
+            compilation["max_cudagraph_capture_size"] = int(graph_tokens)
     else:
         compilation = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     return dict(hf_overrides={"architectures": [arch]}, attention_backend="CUSTOM",

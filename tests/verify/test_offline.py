@@ -77,6 +77,8 @@ def test_vllm_generator_arguments_follow_the_kernels(fake_vllm, ckpt):
     offline.VLLMEngine(ckpt, kernels="tik", piecewise=True)
     assert fake_vllm[-1]["compilation_config"] == vllm_plugin.llm_kwargs("qwen2", piecewise=True)["compilation_config"]
     assert "piecewise" not in fake_vllm[-1]
+    offline.VLLMEngine(ckpt, kernels="tik", piecewise=True, graph_tokens=1024)
+    assert fake_vllm[-1]["compilation_config"]["max_cudagraph_capture_size"] == 1024 and "graph_tokens" not in fake_vllm[-1]
 
 
 def test_vllm_generator_records_and_staggers(fake_vllm, ckpt):

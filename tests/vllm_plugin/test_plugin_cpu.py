@@ -54,6 +54,11 @@ def test_llm_kwargs_and_architectures():
     # piecewise: vLLM's compile (mode 3) on its eager backend (no Inductor between our ops), graphs for mixed steps
     pw = vllm_plugin.llm_kwargs("qwen2", piecewise=True)["compilation_config"]
     assert pw == {"mode": 3, "backend": "eager", "cudagraph_mode": "FULL_AND_PIECEWISE"}
+    big = vllm_plugin.llm_kwargs("qwen2", piecewise=True, graph_tokens=2048)["compilation_config"]
+    assert big == {**pw, "max_cudagraph_capture_size": 2048}
+    for bad in ({"graph_tokens": 2048}, {"piecewise": True, "graph_tokens": 0}):   # decode-only graphs have no size
+        with pytest.raises(ValueError, match="graph_tokens"):
+            vllm_plugin.llm_kwargs("qwen2", **bad)
     families = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
     assert {vllm_plugin.architecture_for(t) for t in families} == set(vllm_plugin.ARCHITECTURES.values())
     with pytest.raises(ValueError):
