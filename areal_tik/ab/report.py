@@ -55,6 +55,7 @@ def _verdict(r: dict, meta: dict) -> list[str]:
                       f"{'faster' if lo > 1 else 'slower'} than {ref} here."
         out = [f"**{head}/{ref} step throughput: {fmt(ratio, 2)}x, {_ci_text(ci)}** over {n} measured steps per "
                f"arm ({where}). {reading}"]
+    out += _reward_warnings(r)
     notes = [f"Machine: {meta.get('machine') or '?'}."]
     if on_cpu(meta):
         notes.append("On a CPU the tik kernels run as their torch_ref reference code and the other arms on "
@@ -67,6 +68,22 @@ def _verdict(r: dict, meta: dict) -> list[str]:
         notes.append("This machine was busy while the arms ran (mean load " + ", ".join(
             f"{a} {x:.1f}" for a, x in load.items()) + f" on {cores} cores): read the ratio as a rough one.")
     return out + ["", " ".join(notes)]
+
+
+def _reward_warnings(r: dict) -> list[str]:
+    """One bold line per arm whose reward ratio's 95% interval leaves out 1: the arms run one recipe, seed and data
+    set, so their rewards should agree; when they do not, the rollout or the update differs in more than speed."""
+    ref = r.get("reference", "baseline")
+    if (r.get("reward_mean") or {}).get(ref) in (None, 0.0):
+        return []
+    out = []
+    for a, v in (r.get("vs_reference") or {}).items():
+        lo, hi = v.get("reward_ratio_ci95", [math.nan, math.nan])
+        if math.isfinite(lo) and math.isfinite(hi) and not lo <= 1.0 <= hi:
+            out += ["", f"**Reward differs: {a}/{ref} reward ratio {fmt(v['reward_ratio'])}, 95% CI [{fmt(lo)}, "
+                        f"{fmt(hi)}] leaves out 1.** The arms share recipe, seed and data: look at how {a} samples "
+                        f"and updates before reading its speed."]
+    return out
 
 
 def _ratio_lines(r: dict) -> list[str]:

@@ -111,3 +111,22 @@ def test_step_time_figure_leaves_the_warm_up_off_its_axis_and_names_it():
     assert "4 steps" not in fig._suptitle.get_text() and "3 measured steps" in fig._suptitle.get_text()
     import matplotlib.pyplot as plt
     plt.close(fig)
+
+
+def _rewarded(n_steps: int, seed: int, reward: float) -> list[dict]:
+    rng = random.Random(seed)
+    recs = _records(n_steps, 5.0, seed)
+    for r in recs:
+        r["tik"][0]["reward_mean"] = reward + 0.004 * (rng.random() - 0.5) if reward else 0.0
+    return recs
+
+
+@pytest.mark.parametrize("tik_reward, warned", [(0.976, True), (1.0, False)])
+def test_a_reward_gap_is_called_out_in_the_verdict(tik_reward, warned):
+    """Rewards whose ratio's interval leaves out 1 (what a sampler that drew ~1% random tokens gave: 0.976 vs 1.000)
+    get a bold line in the verdict; matching rewards, or a reference that earns nothing, get none."""
+    rep = analysis.analyze({"baseline": _rewarded(8, 0, 1.0), "tik": _rewarded(8, 1, tik_reward)})
+    head = report.summary_markdown(rep, META).split("## Mean seconds")[0]
+    assert ("**Reward differs: tik/baseline reward ratio" in head) is warned
+    zero = analysis.analyze({"baseline": _rewarded(8, 0, 0.0), "tik": _rewarded(8, 1, 0.5)})
+    assert "Reward differs" not in report.summary_markdown(zero, META)
