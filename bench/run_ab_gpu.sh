@@ -13,6 +13,8 @@
 # reward ratio with its 95% CI and audit counts are in ab_grpo_async_summary.md):
 #   RECIPES=grpo_async SET=vllm,vllm_loglinear,tik,vllm_tik ARMS=vllm BUDGET_S=520 STEPS=10 WARMSTART_STEPS=300 \
 #     GEN_TOKENS=256 bash bench/run_ab_gpu.sh        (then ARMS=vllm_loglinear, ARMS=tik, ARMS=vllm_tik)
+#   (one H100, 6 steps at the recipe's 32 prompts x 8: the vllm arm ran 262 s, 185 s of it start-up; tik 131 s;
+#   vllm_loglinear 161 s; the first call, with both wheel installs and the 63 s warm start, 463 s)
 # vLLM arms on one H200: install vLLM's wheels into /tmp/vsite (../shared/vllm/README.md: fetch.sh here,
 # install.sh there) besides AReaL's in /tmp/site; disk weight updates; the server gets VLLM_MEM (0.35) of the GPU.
 # vLLM's HTTP server needs three small wheels beyond the vllm.LLM kit (bench/fetch_vllm_server_wheels.sh ->
