@@ -140,14 +140,25 @@ def _cpu_model() -> str:
         return "unknown"
 
 
-def _generator(arm: str, model_dir: str, max_model_len: int, weights_preset: str | None = None):
+def stock_dummy(arm: str, stock_weights: str) -> bool:
+    """Whether ``arm`` runs on vLLM's own dummy weights (``--stock-weights dummy``: stock vLLM arms, speed only)."""
+    name, kernels, _ = ARM_WIRING[arm]
+    return stock_weights == "dummy" and name == "vllm" and kernels == "default"
+
+
+def _generator(arm: str, model_dir: str, max_model_len: int, weights_preset: str | None = None,
+               stock_weights: str = "preset"):
     """The arm's engine (:data:`ARM_WIRING`) as an in-process generator on the checkpoint, and the seed of each
-    prompt's request (our engine seeds every request; vLLM draws its own)."""
+    prompt's request (our engine seeds every request; vLLM draws its own). With ``stock_weights="dummy"`` a stock
+    vLLM arm loads vLLM's dummy weights in place instead of building the preset (whose build beside vLLM's own
+    parameters holds two copies of the model at once: 2 x 61 GB at the 30B-A3B shape)."""
     from areal_tik.areal import engines
     name, kernels, opts = ARM_WIRING[arm]
     engine = engines.get(name)
     kw = {k: v for k, v in opts.items() if k not in ARM_ONLY}
-    if weights_preset:        # no checkpoint: the engine builds the preset's seeded weights
+    if stock_dummy(arm, stock_weights):
+        kw["load_format"] = "dummy"
+    elif weights_preset:      # no checkpoint: the engine builds the preset's seeded weights
         kw["weights_preset"] = weights_preset
     gen = engine.need("offline")(model_dir, kernels=kernels, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
                                  **kw)
@@ -175,7 +186,10 @@ def run_arm(arm: str, a) -> int:
     res = dict(arm=arm, workloads={}, env={k: os.environ.get(k) for k in ("VLLM_BATCH_INVARIANT",)})
     out_json = os.path.join(a.work, f"{arm}.json")
     t0 = time.perf_counter()
-    eng, seeds = _generator(arm, a.model_dir, meta["max_model_len"], meta.get("weights_preset"))
+    eng, seeds = _generator(arm, a.model_dir, meta["max_model_len"], meta.get("weights_preset"), a.stock_weights)
+    dummy = stock_dummy(arm, a.stock_weights)
+    if dummy:
+        res["weights"] = "vLLM dummy weights (speed only: not the trainer's, left out of the parity step)"
     gen = lambda prompts, n, arr: eng.generate(prompts, n, seeds=seeds(prompts), arrivals=arr)  # noqa: E731
     res["startup_s"] = round(time.perf_counter() - t0, 2)
     _log(arm, "started in", res["startup_s"], "s")
@@ -215,7 +229,7 @@ def run_arm(arm: str, a) -> int:
         _log(f"{arm:16s} {_wl_name(w):18s} {row['tokens_per_s']:10.1f} tok/s  ({n_gen} tokens, {dt:.2f} s)")
         keep[_wl_name(w)] = outs
         json.dump(res, open(out_json, "w"), indent=1)
-        if arm in PARITY_ARMS:
+        if arm in PARITY_ARMS and not dummy:
             torch.save(keep, os.path.join(a.work, f"{arm}_outputs.pt"))
     return 0
 
@@ -320,6 +334,10 @@ def main() -> int:
     ap.add_argument("--preset-weights", action="store_true",
                     help="write no checkpoint: every arm builds the preset's seeded weights (vLLM through the plugin's "
                          "tik_preset load format); for 7B-and-larger shapes")
+    ap.add_argument("--stock-weights", choices=("preset", "dummy"), default="preset",
+                    help="stock vLLM arms: the preset's weights (as every arm; default) or vLLM's dummy weights "
+                         "(load_format=dummy, speed only; for shapes whose preset build beside vLLM's parameters "
+                         "would not fit, e.g. the 30B-A3B one)")
     ap.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per arm process")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds for the whole run (0 = none): the 1024 -> 4096 workload is left out of arms that "
@@ -348,7 +366,8 @@ def main() -> int:
                torch=torch.__version__, quick=a.quick, workloads=[_wl_name(w) for w in _workloads(a)], arms={}, steps={},
                settings=dict(temperature=1.0, ignore_eos=True, logprobs="sampled token only", max_model_len=MAX_MODEL_LEN,
                              max_num_seqs=MAX_NUM_SEQS, vllm_tik="areal_tik.vllm_plugin.llm_kwargs('qwen2')",
-                             engine="EngineConfig(max_num_seqs=256, gpu_memory_utilization=0.5), defaults otherwise"),
+                             engine="EngineConfig(max_num_seqs=256, gpu_memory_utilization=0.5), defaults otherwise",
+                             stock_weights=a.stock_weights),
                host=dict(cpus=os.cpu_count(), cpu_model=_cpu_model()))
     try:
         import vllm
@@ -358,7 +377,7 @@ def main() -> int:
     for arm in a.arms:
         cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--out", a.out, "--work", a.work,
                "--model-dir", a.model_dir, "--repeats", str(a.repeats),
-               "--long-repeats", str(a.long_repeats)]
+               "--long-repeats", str(a.long_repeats), "--stock-weights", a.stock_weights]
         if arm == "parity":       # the generations present now (our engine's: a positive control)
             have = [x for x in PARITY_ARMS if os.path.exists(os.path.join(a.work, f"{x}_outputs.pt"))]
             if not have:

@@ -66,3 +66,24 @@ def test_work_folder_keeps_one_models_arms(tmp_path):
     br._claim_work_folder(SimpleNamespace(work=str(work), model="qwen2.5-7b", model_dir=str(tmp_path / "m7")))
     assert sorted(os.listdir(work)) == ["notes.txt", "work_model.json"]
     assert json.load(open(work / "work_model.json"))["model"] == "qwen2.5-7b"
+
+
+def test_stock_arms_on_vllm_dummy_weights(monkeypatch):
+    """--stock-weights dummy: stock vLLM arms get load_format=dummy and no preset (speed only); vLLM + tik and our
+    engine keep building the preset (the trainer's weights, for parity); the default builds the preset everywhere."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_rollout as br
+    from areal_tik.areal import engines
+    calls = []
+
+    class Fake:
+        def need(self, what):
+            return lambda model_dir, **kw: calls.append(kw) or object()
+    monkeypatch.setattr(engines, "get", lambda name: Fake())
+    for arm in ("stock", "stock_nolp", "tik", "engine_async"):
+        br._generator(arm, "/m", 128, weights_preset="qwen3-30b-a3b", stock_weights="dummy")
+    dummy = [c.get("load_format") == "dummy" and "weights_preset" not in c for c in calls]
+    assert dummy == [True, True, False, False]
+    assert all(c["weights_preset"] == "qwen3-30b-a3b" for c in calls[2:])
+    br._generator("stock", "/m", 128, weights_preset="qwen3-30b-a3b")
+    assert calls[-1]["weights_preset"] == "qwen3-30b-a3b" and "load_format" not in calls[-1]
