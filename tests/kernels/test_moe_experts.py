@@ -81,7 +81,9 @@ def test_backward_matches_reference_and_repeats(backend, seed_rng):
 
 def test_negative_control_hf_experts_differ_alone_and_crowded(seed_rng):
     """HF's Qwen3-MoE experts (eager loop: ``F.linear`` per expert on its gathered tokens, ``index_add_``): a
-    token's output alone differs from its output in a crowded batch on some input (CPU GEMMs block by M)."""
+    token's output alone differs from its output in a crowded batch on some input (CPU GEMMs block by M). Which
+    dtype shows it depends on the CPU's GEMM library: on some, bf16 GEMMs round a lone row like a batched one
+    (measured on an AMD EPYC host) while fp32 GEMMs still block by M; the first dtype that differs is used."""
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -89,23 +91,26 @@ def test_negative_control_hf_experts_differ_alone_and_crowded(seed_rng):
     cfg = AutoConfig.for_model("qwen3_moe", hidden_size=H2, moe_intermediate_size=I2, num_experts=2,
                                num_experts_per_tok=2)
     cfg._experts_implementation = "eager"
-    ex = Qwen3MoeExperts(cfg).to(torch.bfloat16)
-    with torch.no_grad():
-        ex.gate_up_proj.normal_(0, 0.05)
-        ex.down_proj.normal_(0, 0.05)
     T = 64
     ids = torch.tensor([[0, 1]] * T)                 # every token on both experts: crowded
     w = torch.full((T, 2), 0.5)
     differs = []
-    for _ in range(3):                               # fresh tokens until a row differs (typically the first try)
-        x = torch.randn(T, H2).bfloat16()
+    for dtype in (torch.bfloat16, torch.float32):
+        ex = Qwen3MoeExperts(cfg).to(dtype)
         with torch.no_grad():
-            batch = ex(x, ids, w)
-            alone = torch.cat([ex(x[t:t + 1], ids[t:t + 1], w[t:t + 1]) for t in range(T)])
-        differs.append(int((alone != batch).any(-1).sum()))
-        if differs[-1]:
+            ex.gate_up_proj.normal_(0, 0.05)
+            ex.down_proj.normal_(0, 0.05)
+        for _ in range(3):                           # fresh tokens until a row differs (typically the first try)
+            x = torch.randn(T, H2).to(dtype)
+            with torch.no_grad():
+                batch = ex(x, ids, w.to(dtype))
+                alone = torch.cat([ex(x[t:t + 1], ids[t:t + 1], w[t:t + 1].to(dtype)) for t in range(T)])
+            differs.append((str(dtype), int((alone != batch).any(-1).sum())))
+            if differs[-1][1]:
+                break
+        if differs[-1][1]:
             break
-    assert differs[-1] > 0, differs
+    assert differs[-1][1] > 0, differs
     # ours on the same weights and tokens: equal
     y = moe.experts_torch(x, ex.gate_up_proj.detach(), ex.down_proj.detach(), ids)
     assert torch.equal(torch.cat([moe.experts_torch(x[t:t + 1], ex.gate_up_proj.detach(), ex.down_proj.detach(),
