@@ -68,12 +68,12 @@ class OurEngine:
 class VLLMEngine:
     """``vllm.LLM`` on ``model_dir`` (bf16, no tokenizer); ``kernels="tik"`` adds the tik plugin's engine
     arguments (``vllm_plugin.llm_kwargs``; ``piecewise``: graphs for mixed steps too, up to ``graph_tokens``),
-    ``"default"`` is stock vLLM. ``block_size``: the KV page size (the
-    plugin's default when None); ``weights_preset``: fill the model with that preset's seeded weights (the
-    plugin's ``tik_preset`` load format; ``model_dir`` then needs only ``config.json``); ``logprobs``: False asks
-    vLLM for no log-probs (``record`` returns an empty list); ``llm_kwargs``: more ``vllm.LLM`` arguments;
-    ``overrides``: ``vllm.LLM`` arguments applied after the plugin's (a probe of another compilation config). Needs
-    vLLM 0.24 and the plugin's entry point (``pip install 'areal-tik[vllm]'``)."""
+    ``"default"`` is stock vLLM. ``block_size``: the KV page size (the plugin's default when None);
+    ``weights_preset``: fill the model with that preset's seeded weights (the plugin's ``tik_preset`` load format;
+    ``model_dir`` then needs only ``config.json``); ``logprobs``: False asks vLLM for no log-probs (``record``
+    returns an empty list); ``llm_kwargs``: more ``vllm.LLM`` arguments; ``overrides``: ``vllm.LLM`` arguments
+    applied after the plugin's (a probe of another compilation config). Needs vLLM 0.24 and the plugin's entry
+    point (``pip install 'areal-tik[vllm]'``)."""
 
     def __init__(self, model_dir: str, kernels: str = "tik", block_size: int | None = None,
                  weights_preset: str | None = None, logprobs: bool = True, piecewise: bool = False,
