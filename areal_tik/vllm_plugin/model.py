@@ -44,7 +44,8 @@ class TikForCausalLM(TikCausalLM):
         if vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE:
             ops = opaque(ops)
         sched = vllm_config.scheduler_config
-        tokens = step_token_bound(sched.max_num_batched_tokens, sched.max_num_seqs) if process_settings().precompile else 0
+        tokens = (step_token_bound(sched.max_num_batched_tokens, sched.max_num_seqs)
+                  if process_settings().precompile else 0)
         super().__init__(vllm_config.model_config.hf_config.get_text_config(), ops, precompile_tokens=tokens)
         base = _join(prefix, "model")
         for i, layer in enumerate(self.model.layers):
