@@ -187,7 +187,8 @@ def gumbel_argmax_triton(logits: torch.Tensor, keys: torch.Tensor, temperatures:
 
 
 OPS = {"gumbel_argmax": {"triton": gumbel_argmax_triton, "torch_ref": gumbel_argmax_torch}}
-META = {"gumbel_argmax.noise": "hash32(hash32(vhash(v) ^ key) ^ key*C) -> fp32 u = ((x >> 9) + 0.5) / 2**23; -log(-log u)"}
+META = {"gumbel_argmax.noise":
+        "hash32(hash32(vhash(v) ^ key) ^ key*C) -> fp32 u = ((x >> 9) + 0.5) / 2**23; -log(-log u)"}
 
 COMPILE_SPECS = [
     dict(fn=_gumbel_argmax_kernel, signature={"lg_ptr": "*bf16", "stride_l": "i32", "keys_ptr": "*i64",
