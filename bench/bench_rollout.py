@@ -61,11 +61,12 @@ MAX_NUM_SEQS = 256
 PARITY_MB_TOKENS = 16384
 # arm: (rollout engine of areal_tik.areal.engines, kernels, options): the engine's options ("backend" is
 # Settings.backend, also the parity step's trainer's), and ARM_ONLY ones: "env" (the arm process's environment
-# additions), "seeded" (every request gets a seed from its batch and index; else the engine draws them)
+# additions), "seeded" (every request gets a seed from its batch and index; else the engine draws them), "stock"
+# (a stock vLLM arm: with --stock-weights dummy it loads vLLM's dummy weights)
 ARM_WIRING = {
-    "stock": ("vllm", "default", {"seed": 0}),
-    "stock_nolp": ("vllm", "default", {"seed": 0, "logprobs": False}),
-    "batch_invariant": ("vllm", "default", {"seed": 0, "env": {"VLLM_BATCH_INVARIANT": "1"}}),
+    "stock": ("vllm", "default", {"seed": 0, "stock": True}),
+    "stock_nolp": ("vllm", "default", {"seed": 0, "logprobs": False, "stock": True}),
+    "batch_invariant": ("vllm", "default", {"seed": 0, "env": {"VLLM_BATCH_INVARIANT": "1"}, "stock": True}),
     "tik": ("vllm", "tik", {"seed": 0}),
     "tik_pw": ("vllm", "tik", {"seed": 0, "piecewise": True}),
     "tik_pw2k": ("vllm", "tik", {"seed": 0, "piecewise": True, "graph_tokens": 2048}),
@@ -74,7 +75,7 @@ ARM_WIRING = {
     "engine_fa3": ("tik", "tik", {"gpu_memory_utilization": 0.5, "async_decode": True, "seeded": True,
                                   "backend": "attention=fa3"}),
 }
-ARM_ONLY = ("env", "seeded")
+ARM_ONLY = ("env", "seeded", "stock")
 ARMS = (*ARM_WIRING, "parity")
 # arms whose generations the parity step checks (every arm that returns log-probs and runs our kernels or stock's)
 PARITY_ARMS = tuple(a for a in ARM_WIRING if a not in ("batch_invariant", "stock_nolp"))
@@ -142,8 +143,7 @@ def _cpu_model() -> str:
 
 def stock_dummy(arm: str, stock_weights: str) -> bool:
     """Whether ``arm`` runs on vLLM's own dummy weights (``--stock-weights dummy``: stock vLLM arms, speed only)."""
-    name, kernels, _ = ARM_WIRING[arm]
-    return stock_weights == "dummy" and name == "vllm" and kernels == "default"
+    return stock_weights == "dummy" and ARM_WIRING[arm][2].get("stock", False)
 
 
 def _generator(arm: str, model_dir: str, max_model_len: int, weights_preset: str | None = None,
