@@ -86,6 +86,18 @@ def _reward_warnings(r: dict) -> list[str]:
     return out
 
 
+def skip_ceiling(r: dict) -> tuple[float, float] | None:
+    """(share of the reference's measured step spent in the recompute, the step-throughput ratio that removing all
+    of it would give: ``1 / (1 - share)``), or None when the reference records no recompute."""
+    p = (r.get("phase_mean_s") or {}).get(r.get("reference"))
+    if not p:
+        return None
+    step, rec = p.get("wall_s", math.nan), p.get("recompute", math.nan)
+    if not (math.isfinite(rec) and math.isfinite(step) and rec > 0 and step > rec):
+        return None
+    return rec / step, step / (step - rec)
+
+
 def _ratio_lines(r: dict) -> list[str]:
     ref = r.get("reference", "baseline")
     ref_reward = (r.get("reward_mean") or {}).get(ref)
@@ -159,6 +171,11 @@ def summary_markdown(report: dict, meta: dict) -> str:
                      f"(max |diff| {c['max_abs_diff']:.3g})")
     lines.append("- limiting phase (the phase with the largest mean time per measured step: what to speed up first): "
                  + ", ".join(f"{a} {r['limiting_phase'][a]}" for a in arms))
+    ceiling = skip_ceiling(r)
+    if ceiling is not None:
+        share, bound = ceiling
+        lines.append(f"- what a skip can give here: {ref}'s recompute is {fmt(100 * share, 1)}% of its step, so skipping "
+                     f"all of it, and nothing else, gives at most {fmt(bound, 3)}x over {ref}")
     for a in arms:
         if a not in (r.get("skip") or {}):
             att = sorted({x["default_attention"] for x in r["rows"][a] if x.get("default_attention")})

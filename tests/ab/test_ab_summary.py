@@ -130,3 +130,17 @@ def test_a_reward_gap_is_called_out_in_the_verdict(tik_reward, warned):
     assert ("**Reward differs: tik/baseline reward ratio" in head) is warned
     zero = analysis.analyze({"baseline": _rewarded(8, 0, 0.0), "tik": _rewarded(8, 1, 0.5)})
     assert "Reward differs" not in report.summary_markdown(zero, META)
+
+
+def test_the_summary_bounds_what_a_skip_can_give():
+    """The reference's recompute share of its step bounds any skip's gain: 1 / (1 - share). The records put 20% of
+    each step in the recompute (1.25x at most); a reference without a recompute gets no such line."""
+    rep = _report(8)
+    share, bound = report.skip_ceiling(rep)
+    assert share == pytest.approx(0.2, abs=1e-9) and bound == pytest.approx(1.25, abs=1e-9)
+    assert "skipping all of it, and nothing else, gives at most 1.250x over baseline" in report.summary_markdown(rep, META)
+    recs = _records(8, 6.0, 0)
+    for x in recs:
+        x["stats"]["timeperf/recompute_logp"] = 0.0
+    none = analysis.analyze({"baseline": recs, "tik": _records(8, 5.0, 1)})
+    assert report.skip_ceiling(none) is None and "what a skip can give" not in report.summary_markdown(none, META)
