@@ -38,6 +38,7 @@ import yaml
 
 from areal_tik.ab.analysis import ARM_ENGINES, ARMS, analyze, load_steps, server_intervals
 from areal_tik.ab.arm_log import LogFollower, failure_excerpt, startup_phases
+from areal_tik.ab.describe import machine_label
 from areal_tik.ab.progress import ArmProgress
 from areal_tik.ab.report import REPORT_FILES, write_report
 from areal_tik.areal import engines
@@ -325,6 +326,17 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
         if to_run and not r["steps"]:
             raise RuntimeError(f"the {a} arm in {out} logged no step (see {out}/{a}/train.log); run it again first")
 
+    here_env = {}
+
+    def environment_here() -> dict:
+        """This machine's environment (GPU, versions), read once; recorded with each arm this call runs."""
+        if not here_env:
+            try:
+                here_env.update(environment())
+            except Exception:  # noqa: BLE001
+                here_env["gpu"] = None
+        return here_env
+
     def arm_steps(a):
         if a != ref and results.get(ref, {}).get("timed_out"):
             return max(1, len(results[ref]["steps"]))
@@ -348,7 +360,8 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
         results[a] = res
         _write_arm_record(out, a, {"cmd": res["cmd"], "wall_s": res["wall_s"], "timed_out": res["timed_out"],
                                    "teardown_killed": res.get("teardown_killed", False), "load_avg": res.get("load_avg"),
-                                   "complete": True, "steps_requested": n, "shared": here, "engine": engine})
+                                   "complete": True, "steps_requested": n, "shared": here, "engine": engine,
+                                   "environment": environment_here()})
 
     if to_run:  # a report from an earlier set no longer describes these arms
         for f in REPORT_FILES:
@@ -372,6 +385,8 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
         raise ValueError(f"the arms in {out} ran different recipes/overrides: "
                          + "; ".join(f"{a} {v}" for a, v in shared.items()))
     report = analyze({a: results[a]["steps"] for a in arm_set})
+    if not to_run and shared:   # a report rebuilt from earlier calls: what those arms ran, not this call's flags
+        overrides = shared[ref]["overrides"] if ref in shared else next(iter(shared.values()))["overrides"]
     meta = {"config": config, "steps": steps, "overrides": list(overrides), "arms": list(arm_set),
             "cmds": {a: results[a]["cmd"] for a in arm_set},
             **{f"cmd_{a}": results[a]["cmd"] for a in arm_set},
@@ -382,10 +397,13 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
             "teardown_killed": {a: bool(results[a].get("teardown_killed")) for a in arm_set},
             "arms_run_here": list(to_run),
             "server_intervals": {a: server_intervals(out, a) for a in arm_set}}
-    try:
-        meta["environment"] = environment()
-    except Exception:  # noqa: BLE001
-        pass
+    # the machine the arms ran on, as each recorded it (a report rebuilt elsewhere still names their GPU); arms
+    # recorded before this was kept, or run here, take this machine's
+    envs = {a: results[a].get("environment") or environment_here() for a in arm_set}
+    meta["environment"] = envs[ref]
+    labels = {a: machine_label({"environment": e}) for a, e in envs.items()}
+    if len(set(labels.values())) > 1:
+        meta["machine"] = "different machines: " + ", ".join(f"{a} on {m}" for a, m in labels.items())
     written = write_report(report, out, meta)
     report["summary_md"] = written["summary"]
     report["files"] = written["files"]

@@ -301,3 +301,25 @@ def test_per_sequence_skip_and_loglinear_arm_in_the_report():
     assert ab.arm_overrides("vllm_loglinear", CFG) == ["actor.kernel_backend=default", "rollout.backend=vllm:d1p1t1",
                                                       "actor.prox_logp_method=loglinear",
                                                       "++actor.tik.rollout_engine=vllm"]
+
+
+def test_rebuilt_report_names_the_arms_machine_and_overrides(tmp_path, monkeypatch):
+    """A report rebuilt with --arms none (on a CPU, after the arms ran on a GPU machine) names the machine the arms
+    recorded and the overrides they ran, not the rebuilding machine or the rebuilding call's flags."""
+    fake, _ = _fake_run_arm({"baseline": 3, "tik": 3})
+    monkeypatch.setattr(ab, "run_arm", fake)
+    gpu = {"gpu": {"name": "NVIDIA H100 80GB HBM3", "arch": "sm_90"}}
+    monkeypatch.setattr(ab, "environment", lambda: gpu)
+    ab.run_ab(CFG, 3, str(tmp_path), ["gconfig.max_new_tokens=7"], progress=False, arms=("baseline", "tik"))
+    monkeypatch.setattr(ab, "environment", lambda: {"gpu": None})              # the rebuild runs on a CPU
+    again = ab.run_ab(CFG, 3, str(tmp_path), progress=False, arms=())
+    meta = json.load(open(tmp_path / "report.json"))["meta"]
+    assert meta["environment"] == gpu and meta["overrides"] == ["gconfig.max_new_tokens=7"]
+    assert "Machine: NVIDIA H100 80GB HBM3 (sm_90)." in again["summary_md"] and "On a CPU" not in again["summary_md"]
+    # arms recorded on different machines say so
+    rec = json.load(open(tmp_path / "tik" / "arm.json"))
+    rec["environment"] = {"gpu": {"name": "NVIDIA H200", "arch": "sm_90"}}
+    json.dump(rec, open(tmp_path / "tik" / "arm.json", "w"))
+    mixed = ab.run_ab(CFG, 3, str(tmp_path), progress=False, arms=())
+    assert "different machines: baseline on NVIDIA H100 80GB HBM3 (sm_90), tik on NVIDIA H200 (sm_90)" \
+        in mixed["summary_md"]
