@@ -21,25 +21,17 @@ def read_rate_bytes_per_s() -> float:
     return (4 << 30) / sorted(times[1:])[2]
 
 
-def _moe_layer(cfg, i: int) -> bool:
-    """HF's rule for whether decoder layer ``i`` of an MoE config has experts (``decoder_sparse_step``,
-    ``mlp_only_layers``)."""
-    step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    return i not in (getattr(cfg, "mlp_only_layers", None) or []) and (i + 1) % step == 0
-
-
 def step_weight_bytes(cfg, batch: int) -> float:
     """Bytes of weights one decode step at ``batch`` sequences reads: every dense weight once (the embedding table
     only as the lm_head); in an MoE layer the router, the shared expert if any, and the experts the batch routes to,
     expected under uniform routing: ``E * (1 - (1 - k/E) ** batch)`` of the ``E`` experts (k per token)."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    H, L = cfg.hidden_size, cfg.num_hidden_layers
+    from areal_tik.layers.family import head_dim_of, moe_layer
+    head_dim, H = head_dim_of(cfg), cfg.hidden_size
     attn = H * (cfg.num_attention_heads * head_dim) * 2 + 2 * H * cfg.num_key_value_heads * head_dim + 2 * H
-    E = getattr(cfg, "num_experts", None) or 0
     total = 0.0
-    for i in range(L):
-        if E and _moe_layer(cfg, i):
-            k, I = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        if moe_layer(cfg, i):          # the layers with experts, by the family table's rule
+            E, k, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
             mlp = E * (1 - (1 - k / E) ** batch) * 3 * H * I + E * H
             shared = getattr(cfg, "shared_expert_intermediate_size", None)
             if shared:
@@ -55,10 +47,10 @@ def roofline(model: str, workloads, arms: dict) -> dict:
     Each arm's tokens/s over the read floor of its workload: every decode step reads the weights it must
     (:func:`step_weight_bytes`) and the K/V of every active sequence, at this GPU's streaming read rate; prefill is
     left out, so the floor is a little optimistic. ``weight_gb``: all the model's weights (every expert)."""
+    from areal_tik.layers.family import head_dim_of
     from areal_tik.layers.models import preset_config
     cfg = preset_config(model)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim_of(cfg) * 2
     rate = read_rate_bytes_per_s()
     all_experts = 1 << 30      # a batch this large routes to every expert
     out = dict(read_rate_tb_s=round(rate / 1e12, 3), weight_gb=round(step_weight_bytes(cfg, all_experts) / 1e9, 2),
