@@ -24,6 +24,7 @@ The arms run here or in separate calls (each arm's record and step log stay in `
 """
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.metadata as md
 import json
@@ -234,6 +235,14 @@ def _write_arm_record(out: str, arm: str, rec: dict) -> None:
         json.dump(rec, f, indent=2)
 
 
+def _environment_here() -> dict:
+    """This machine's environment (GPU, versions), recorded with each arm run here; no GPU when it cannot be read."""
+    try:
+        return environment()
+    except Exception:  # noqa: BLE001
+        return {"gpu": None}
+
+
 def _shared(config: str, overrides) -> dict:
     """What both arms of one A/B must share: the recipe and the overrides given to both."""
     return {"config": os.path.abspath(config), "overrides": list(overrides)}
@@ -326,16 +335,7 @@ def run_ab(config: str, steps: int, out: str, overrides: list[str] = (), progres
         if to_run and not r["steps"]:
             raise RuntimeError(f"the {a} arm in {out} logged no step (see {out}/{a}/train.log); run it again first")
 
-    here_env = {}
-
-    def environment_here() -> dict:
-        """This machine's environment (GPU, versions), read once; recorded with each arm this call runs."""
-        if not here_env:
-            try:
-                here_env.update(environment())
-            except Exception:  # noqa: BLE001
-                here_env["gpu"] = None
-        return here_env
+    environment_here = functools.cache(_environment_here)   # read once per call, only when an arm needs it
 
     def arm_steps(a):
         if a != ref and results.get(ref, {}).get("timed_out"):
