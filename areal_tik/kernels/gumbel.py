@@ -32,8 +32,8 @@ import triton.language as tl
 from areal_tik.kernels import _torch_math as tm
 from areal_tik.kernels._dense_common import check_triton_device
 
-__all__ = ["gumbel_argmax_triton", "gumbel_argmax_torch", "uniform_noise", "vocab_hash", "unit_uniform", "hash32",
-           "mix32", "row_key", "kept_mask"]
+__all__ = ["gumbel_argmax_triton", "gumbel_argmax_torch", "uniform_noise", "vocab_hash", "noise_bits", "unit_uniform",
+           "hash32", "mix32", "row_key", "kept_mask"]
 
 M32 = 0xFFFFFFFF
 C_MIX = 0x45D9F3B      # < 2**31: products of 32-bit values stay below 2**63 (no int64 overflow)
@@ -99,9 +99,13 @@ def vocab_hash(vocab_size: int, device) -> torch.Tensor:
 
 def uniform_noise(keys: torch.Tensor, vhash: torch.Tensor) -> torch.Tensor:
     """fp32 uniforms in (0, 1), ``[B, V]``: row b depends only on ``keys[b]``."""
+    return unit_uniform(noise_bits(keys, vhash))
+
+
+def noise_bits(keys: torch.Tensor, vhash: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash values (int64) ``[B, V]`` the uniforms are drawn from."""
     x = hash32(vhash[None, :] ^ keys[:, None])
-    x = hash32(x ^ (keys[:, None] * C_KEY & M32))
-    return unit_uniform(x)
+    return hash32(x ^ (keys[:, None] * C_KEY & M32))
 
 
 def unit_uniform(x: torch.Tensor) -> torch.Tensor:

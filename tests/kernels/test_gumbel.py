@@ -3,7 +3,7 @@ the reference's token, and a row's token depends on nothing but that row."""
 import pytest
 import torch
 
-from areal_tik.kernels.gumbel import gumbel_argmax_torch, gumbel_argmax_triton, uniform_noise, vocab_hash
+from areal_tik.kernels.gumbel import gumbel_argmax_torch, gumbel_argmax_triton, noise_bits, uniform_noise, vocab_hash
 
 HAS_GPU = torch.cuda.is_available()
 DEV = "cuda" if HAS_GPU else "cpu"
@@ -115,12 +115,6 @@ def test_every_uniform_is_inside_the_open_interval():
     assert float(_old_unit(top)) == 1.0 and torch.isinf(-torch.log(-torch.log(_old_unit(top)))).all()
 
 
-def _row_hashes(keys, vhash):
-    from areal_tik.kernels.gumbel import C_KEY, M32, hash32
-    x = hash32(vhash[None, :] ^ keys[:, None])
-    return hash32(x ^ (keys[:, None] * C_KEY & M32))
-
-
 def test_row_with_the_top_hash_still_samples_its_argmax():
     """A full-vocab row whose hash takes the largest value at some entry v (found by search): with token 0 at
     +30 and every other logit 0, token 0 must win on both backends (other entries' noise is at most ~16.6,
@@ -131,7 +125,7 @@ def test_row_with_the_top_hash_still_samples_its_argmax():
     key = v = None
     for start in range(0, 1 << 14, 64):
         keys = torch.arange(start, start + 64, dtype=torch.int64) * 2654435761 % (1 << 32)
-        hit = (_row_hashes(keys, vh) >> 8) == (1 << 24) - 1
+        hit = (noise_bits(keys, vh) >> 8) == (1 << 24) - 1
         rows = hit.any(-1).nonzero()
         if len(rows):
             r = int(rows[0])
@@ -144,5 +138,5 @@ def test_row_with_the_top_hash_still_samples_its_argmax():
     keys, ones = torch.tensor([key], device=DEV), torch.ones(1, device=DEV)
     assert gumbel_argmax_torch(logits, keys, ones).tolist() == [0]
     assert gumbel_argmax_triton(logits, keys, ones).tolist() == [0]
-    old = logits.float().cpu() - torch.log(-torch.log(_old_unit(_row_hashes(torch.tensor([key]), vh))))
+    old = logits.float().cpu() - torch.log(-torch.log(_old_unit(noise_bits(torch.tensor([key]), vh))))
     assert int(old.argmax(-1)) == v
