@@ -10,7 +10,8 @@ later step compiles. Which configs are reachable is the bound implementation's o
 (``ImplInfo.tile_configs``); an implementation without tile configs (``torch_ref``) has nothing
 to compile, and nothing runs.
 
-What it covers: every ``TikLinear`` shape of the model and the router GEMM of its MoE blocks, for M in
+What it covers: every ``TikLinear`` shape of the model, the stacked q/k/v and gate/up GEMMs of an inference model
+(``layers/stacking.py``) and the router GEMM of its MoE blocks, for M in
 ``[1, max_tokens]``; and the MoE blocks themselves: each distinct block shape runs once (router, experts,
 combine) at one token count per grouped-GEMM tile the bound experts op lists (``ImplInfo.tile_configs``; the
 torch_ref one lists none), on zero hidden states with the block's own weights when they are plain CUDA tensors
@@ -28,6 +29,7 @@ import torch
 from areal_tik.kernels import jit_watch
 from areal_tik.layers.modules import TikLinear
 from areal_tik.layers.moe import TikMoE
+from areal_tik.layers.stacking import stacks_of
 
 __all__ = ["linear_shapes", "precompile_plan", "moe_plan", "precompile_linears"]
 
@@ -35,7 +37,10 @@ logger = logging.getLogger("areal_tik.precompile")
 
 
 def _shapes_by_ops(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tuple[object, list[tuple]]]:
-    """[(bound ops, their distinct ``(N, K, dtype, has_bias)``)] over the model's ``TikLinear`` modules."""
+    """[(bound ops, their distinct ``(N, K, dtype, has_bias)``)] over the model's ``TikLinear`` modules, the router
+    GEMMs of its MoE blocks, and the stacked q/k/v and gate/up GEMMs an inference model runs instead of the separate
+    projections (``layers/stacking.py``: their N is the sum of the stacked linears', a shape of its own with tile
+    configs of its own)."""
     groups: dict[int, tuple[object, list]] = {}
 
     def add(ops, n: int, k: int, dt: torch.dtype, has_bias: bool) -> None:
@@ -50,6 +55,9 @@ def _shapes_by_ops(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tu
             add(ops, n, k, dtype or m.weight.dtype, m.bias is not None)
         elif isinstance(m, TikMoE) and ops is not None:
             add(ops, *(int(s) for s in m.gate.weight.shape), dtype or m.gate.weight.dtype, False)   # the router
+        if ops is not None:
+            for st in stacks_of(m):
+                add(ops, *(int(s) for s in st.weight.shape), dtype or st.weight.dtype, st.bias is not None)
     return list(groups.values())
 
 

@@ -121,6 +121,27 @@ def test_after_precompile_no_m_compiles():
     assert d["compiles"] == 0, d
 
 
+def test_shapes_of_a_stacked_model_include_the_stacked_gemms(monkeypatch):
+    """An inference model with stacked projections runs q/k/v and gate/up as one GEMM each, of N = the sum of the
+    stacked linears' N: those shapes (and their tile configs) are in the plan beside the model's own linears."""
+    from areal_tik.layers.stacking import stack_projections
+    monkeypatch.setattr(selection, "interpreting", lambda: False)     # plan as on a GPU
+    m = patch_model(build_model("tiny-qwen2", device="cpu", seed=0), backend="linear=triton")
+    plain = set(linear_shapes(m))
+    assert stack_projections(m) > 0
+    attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
+    qkv = (sum(p.out_features for p in (attn.q_proj, attn.k_proj, attn.v_proj)), attn.q_proj.in_features,
+           attn.q_proj.weight.dtype, attn.q_proj.bias is not None)
+    gate_up = (mlp.gate_proj.out_features + mlp.up_proj.out_features, mlp.gate_proj.in_features,
+               mlp.gate_proj.weight.dtype, False)
+    assert qkv not in plain           # a shape of its own (tiny's gate/up N happens to equal its vocab size)
+    assert set(linear_shapes(m)) == plain | {qkv, gate_up}
+    plan = {tuple(p[1:]) for p in precompile_plan(m, max_tokens=4096, min_tokens=1, device="cuda")}
+    for n, k, dt, hb in (qkv, gate_up):
+        names = config_names(n, k, dt, "sm_90", 1, 4096)
+        assert names and {(n, k, dt, hb, c) for c in names} <= plan
+
+
 def test_shapes_in_the_compute_dtype():
     """FSDP2 keeps fp32 master weights and runs the forward in bf16: the configs to compile are
     the bf16 ones (an fp32 model with dtype=bf16 lists bf16 shapes, and their configs are not
@@ -151,6 +172,34 @@ def test_moe_plan_runs_each_block_shape_once_per_grouped_tile(monkeypatch):
     assert len(plan) == 1 and plan[0][1] == grouped_linear.token_counts_per_tile(8, 2, 1, 4096)
     ref = patch_model(build_model("tiny-qwen3-moe", device="cpu", seed=0), backend="moe_experts=torch_ref")
     assert moe_plan(ref, max_tokens=4096, min_tokens=1) == []
+
+
+@pytest.mark.gpu
+def test_after_precompile_stacked_gemms_compile_nothing():
+    """A stacked 1.5B-shaped layer (q/k/v with biases, gate/up) on the GPU: after precompile_linears, the stacked
+    GEMMs the inference forward launches compile nothing at any M in range."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from areal_tik.kernels.linear import linear_fwd
+    from areal_tik.layers.stacking import stack_projections, stacks_of
+    assert jit_watch.install()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    m = patch_model(build_model("qwen2.5-1.5b", device=dev, seed=0, num_hidden_layers=1))
+    assert stack_projections(m) == 2
+    res = precompile_linears(m, max_tokens=8192, min_tokens=1)
+    assert res["configs"] > 0
+    stacks = [st for mod in m.modules() for st in stacks_of(mod)]
+    assert sorted(int(st.weight.shape[0]) for st in stacks) == [2048, 17920]
+    before = jit_watch.snapshot()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for st in stacks:
+            for mm in (1, 7, 64, 129, 255, 511, 1000, 2047, 2049, 4096, 8191, 8192):
+                x = torch.randn(mm, st.weight.shape[1], generator=g).to(dev, torch.bfloat16)
+                linear_fwd(x, st.weight, st.bias)
+    torch.cuda.synchronize()
+    d = jit_watch.delta(before)
+    assert d["compiles"] == 0, d
 
 
 @pytest.mark.gpu
