@@ -147,15 +147,19 @@ def stock_dummy(arm: str, stock_weights: str) -> bool:
 
 
 def _generator(arm: str, model_dir: str, max_model_len: int, weights_preset: str | None = None,
-               stock_weights: str = "preset"):
+               stock_weights: str = "preset", engine_memory: float | None = None):
     """The arm's engine (:data:`ARM_WIRING`) as an in-process generator on the checkpoint, and the seed of each
     prompt's request (our engine seeds every request; vLLM draws its own). With ``stock_weights="dummy"`` a stock
     vLLM arm loads vLLM's dummy weights in place instead of building the preset (whose build beside vLLM's own
-    parameters holds two copies of the model at once: 2 x 61 GB at the 30B-A3B shape)."""
+    parameters holds two copies of the model at once: 2 x 61 GB at the 30B-A3B shape). ``engine_memory``: our
+    engine's KV-cache share of the GPU memory left free by its weights, in place of the wiring's (the 30B-A3B shape
+    leaves ~80 GB of an H200, whose default half holds too few pages for 256 x 2,048 tokens)."""
     from areal_tik.areal import engines
     name, kernels, opts = ARM_WIRING[arm]
     engine = engines.get(name)
     kw = {k: v for k, v in opts.items() if k not in ARM_ONLY}
+    if engine_memory is not None and "gpu_memory_utilization" in kw:
+        kw["gpu_memory_utilization"] = engine_memory
     if stock_dummy(arm, stock_weights):
         kw["load_format"] = "dummy"
     elif weights_preset:      # no checkpoint: the engine builds the preset's seeded weights
@@ -186,7 +190,8 @@ def run_arm(arm: str, a) -> int:
     res = dict(arm=arm, workloads={}, env={k: os.environ.get(k) for k in ("VLLM_BATCH_INVARIANT",)})
     out_json = os.path.join(a.work, f"{arm}.json")
     t0 = time.perf_counter()
-    eng, seeds = _generator(arm, a.model_dir, meta["max_model_len"], meta.get("weights_preset"), a.stock_weights)
+    eng, seeds = _generator(arm, a.model_dir, meta["max_model_len"], meta.get("weights_preset"), a.stock_weights,
+                            a.engine_memory)
     dummy = stock_dummy(arm, a.stock_weights)
     if dummy:
         res["weights"] = "vLLM dummy weights (speed only: not the trainer's, left out of the parity step)"
@@ -338,6 +343,9 @@ def main() -> int:
                     help="stock vLLM arms: the preset's weights (as every arm; default) or vLLM's dummy weights "
                          "(load_format=dummy, speed only; for shapes whose preset build beside vLLM's parameters "
                          "would not fit, e.g. the 30B-A3B one)")
+    ap.add_argument("--engine-memory", type=float,
+                    help="our engine's arms: the KV cache's share of the GPU memory its weights leave free (default: "
+                         "the arm's wiring, 0.5)")
     ap.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per arm process")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds for the whole run (0 = none): the 1024 -> 4096 workload is left out of arms that "
@@ -367,7 +375,7 @@ def main() -> int:
                settings=dict(temperature=1.0, ignore_eos=True, logprobs="sampled token only", max_model_len=MAX_MODEL_LEN,
                              max_num_seqs=MAX_NUM_SEQS, vllm_tik="areal_tik.vllm_plugin.llm_kwargs('qwen2')",
                              engine="EngineConfig(max_num_seqs=256, gpu_memory_utilization=0.5), defaults otherwise",
-                             stock_weights=a.stock_weights),
+                             stock_weights=a.stock_weights, engine_memory=a.engine_memory),
                host=dict(cpus=os.cpu_count(), cpu_model=_cpu_model()))
     try:
         import vllm
@@ -378,6 +386,8 @@ def main() -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--out", a.out, "--work", a.work,
                "--model-dir", a.model_dir, "--repeats", str(a.repeats),
                "--long-repeats", str(a.long_repeats), "--stock-weights", a.stock_weights]
+        if a.engine_memory is not None:
+            cmd += ["--engine-memory", str(a.engine_memory)]
         if arm == "parity":       # the generations present now (our engine's: a positive control)
             have = [x for x in PARITY_ARMS if os.path.exists(os.path.join(a.work, f"{x}_outputs.pt"))]
             if not have:

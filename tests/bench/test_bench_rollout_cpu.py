@@ -87,3 +87,21 @@ def test_stock_arms_on_vllm_dummy_weights(monkeypatch):
     assert all(c["weights_preset"] == "qwen3-30b-a3b" for c in calls[2:])
     br._generator("stock", "/m", 128, weights_preset="qwen3-30b-a3b")
     assert calls[-1]["weights_preset"] == "qwen3-30b-a3b" and "load_format" not in calls[-1]
+
+
+def test_engine_memory_reaches_our_engine_arms_only(monkeypatch):
+    """--engine-memory replaces our engine arms' KV share (the wiring's 0.5); vLLM arms keep their own settings."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_rollout as br
+    from areal_tik.areal import engines
+    calls = []
+
+    class Fake:
+        def need(self, what):
+            return lambda model_dir, **kw: calls.append(kw) or object()
+    monkeypatch.setattr(engines, "get", lambda name: Fake())
+    for arm in ("engine", "engine_async", "stock", "tik"):
+        br._generator(arm, "/m", 128, weights_preset="qwen3-30b-a3b", engine_memory=0.8)
+    assert [c.get("gpu_memory_utilization") for c in calls] == [0.8, 0.8, None, None]
+    br._generator("engine_async", "/m", 128, weights_preset="qwen3-30b-a3b")
+    assert calls[-1]["gpu_memory_utilization"] == br.ARM_WIRING["engine_async"][2]["gpu_memory_utilization"]
