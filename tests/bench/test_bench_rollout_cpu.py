@@ -68,9 +68,9 @@ def test_work_folder_keeps_one_models_arms(tmp_path):
     assert json.load(open(work / "work_model.json"))["model"] == "qwen2.5-7b"
 
 
-def test_stock_arms_on_vllm_dummy_weights(monkeypatch):
-    """--stock-weights dummy: stock vLLM arms get load_format=dummy and no preset (speed only); vLLM + tik and our
-    engine keep building the preset (the trainer's weights, for parity); the default builds the preset everywhere."""
+@pytest.fixture
+def generator_calls(monkeypatch):
+    """bench_rollout with every engine replaced by a recorder: the list of keyword sets ``_generator`` built."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import bench_rollout as br
     from areal_tik.areal import engines
@@ -80,6 +80,13 @@ def test_stock_arms_on_vllm_dummy_weights(monkeypatch):
         def need(self, what):
             return lambda model_dir, **kw: calls.append(kw) or object()
     monkeypatch.setattr(engines, "get", lambda name: Fake())
+    return br, calls
+
+
+def test_stock_arms_on_vllm_dummy_weights(generator_calls):
+    """--stock-weights dummy: stock vLLM arms get load_format=dummy and no preset (speed only); vLLM + tik and our
+    engine keep building the preset (the trainer's weights, for parity); the default builds the preset everywhere."""
+    br, calls = generator_calls
     for arm in ("stock", "stock_nolp", "tik", "engine_async"):
         br._generator(arm, "/m", 128, weights_preset="qwen3-30b-a3b", stock_weights="dummy")
     dummy = [c.get("load_format") == "dummy" and "weights_preset" not in c for c in calls]
@@ -89,17 +96,9 @@ def test_stock_arms_on_vllm_dummy_weights(monkeypatch):
     assert calls[-1]["weights_preset"] == "qwen3-30b-a3b" and "load_format" not in calls[-1]
 
 
-def test_engine_memory_reaches_our_engine_arms_only(monkeypatch):
+def test_engine_memory_reaches_our_engine_arms_only(generator_calls):
     """--engine-memory replaces our engine arms' KV share (the wiring's 0.5); vLLM arms keep their own settings."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import bench_rollout as br
-    from areal_tik.areal import engines
-    calls = []
-
-    class Fake:
-        def need(self, what):
-            return lambda model_dir, **kw: calls.append(kw) or object()
-    monkeypatch.setattr(engines, "get", lambda name: Fake())
+    br, calls = generator_calls
     for arm in ("engine", "engine_async", "stock", "tik"):
         br._generator(arm, "/m", 128, weights_preset="qwen3-30b-a3b", engine_memory=0.8)
     assert [c.get("gpu_memory_utilization") for c in calls] == [0.8, 0.8, None, None]
