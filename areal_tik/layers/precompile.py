@@ -10,8 +10,9 @@ later step compiles. Which configs are reachable is the bound implementation's o
 (``ImplInfo.tile_configs``); an implementation without tile configs (``torch_ref``) has nothing
 to compile, and nothing runs.
 
-What it covers: every ``TikLinear`` shape of the model, the stacked q/k/v and gate/up GEMMs of an inference model
-(``layers/stacking.py``) and the router GEMM of its MoE blocks, for M in
+What it covers: every ``TikLinear`` shape of the model (on a stacked inference model, ``layers/stacking.py``, the
+stacked q/k/v and gate/up GEMMs in place of the linears they stack, which run only without their stack) and the
+router GEMM of its MoE blocks, for M in
 ``[1, max_tokens]``; and the MoE blocks themselves: each distinct block shape runs once (router, experts,
 combine) at one token count per grouped-GEMM tile the bound experts op lists (``ImplInfo.tile_configs``; the
 torch_ref one lists none), on zero hidden states with the block's own weights when they are plain CUDA tensors
@@ -48,9 +49,12 @@ def _shapes_by_ops(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tu
         if (n, k, dt, has_bias) not in seen:
             seen.append((n, k, dt, has_bias))
 
+    # a stacked inference model runs its stacks in place of the stacked linears (those run only without the stack:
+    # autograd on, or a parameter replaced), so the separate shapes are left out: compiles at start-up cost seconds
+    stacked = {id(lin) for m in model.modules() for st in stacks_of(m) for lin in st.linears}
     for m in model.modules():
         ops = getattr(m, "_tik_ops", None)
-        if isinstance(m, TikLinear):
+        if isinstance(m, TikLinear) and id(m) not in stacked:
             n, k = (int(s) for s in m.weight.shape)
             add(ops, n, k, dtype or m.weight.dtype, m.bias is not None)
         elif isinstance(m, TikMoE) and ops is not None:

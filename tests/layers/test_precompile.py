@@ -123,7 +123,7 @@ def test_after_precompile_no_m_compiles():
 
 def test_shapes_of_a_stacked_model_include_the_stacked_gemms(monkeypatch):
     """An inference model with stacked projections runs q/k/v and gate/up as one GEMM each, of N = the sum of the
-    stacked linears' N: those shapes (and their tile configs) are in the plan beside the model's own linears."""
+    stacked linears' N: those shapes (and their tile configs) are in the plan in place of the stacked linears'."""
     from areal_tik.layers.stacking import stack_projections
     monkeypatch.setattr(selection, "interpreting", lambda: False)     # plan as on a GPU
     m = patch_model(build_model("tiny-qwen2", device="cpu", seed=0), backend="linear=triton")
@@ -135,7 +135,14 @@ def test_shapes_of_a_stacked_model_include_the_stacked_gemms(monkeypatch):
     gate_up = (mlp.gate_proj.out_features + mlp.up_proj.out_features, mlp.gate_proj.in_features,
                mlp.gate_proj.weight.dtype, False)
     assert qkv not in plain           # a shape of its own (tiny's gate/up N happens to equal its vocab size)
-    assert set(linear_shapes(m)) == plain | {qkv, gate_up}
+    # the stacked linears themselves no longer run (only without their stack), so their shapes leave the plan
+    in_stacks = {id(getattr(layer.self_attn, a)) for layer in m.model.layers for a in ("q_proj", "k_proj", "v_proj")}
+    in_stacks |= {id(getattr(layer.mlp, a)) for layer in m.model.layers for a in ("gate_proj", "up_proj")}
+    rest = {(int(mod.weight.shape[0]), int(mod.weight.shape[1]), mod.weight.dtype, mod.bias is not None)
+            for mod in m.modules() if isinstance(mod, torch.nn.Linear) and id(mod) not in in_stacks}
+    assert set(linear_shapes(m)) == rest | {qkv, gate_up}
+    k_shape = (attn.k_proj.out_features, attn.k_proj.in_features, attn.k_proj.weight.dtype, True)
+    assert k_shape in plain and k_shape not in set(linear_shapes(m))
     plan = {tuple(p[1:]) for p in precompile_plan(m, max_tokens=4096, min_tokens=1, device="cuda")}
     for n, k, dt, hb in (qkv, gate_up):
         names = config_names(n, k, dt, "sm_90", 1, 4096)
