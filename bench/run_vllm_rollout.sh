@@ -10,8 +10,9 @@
 #   ROLLOUT_ARGS: more bench_rollout.py flags (STAGE=A), e.g. "--repeats 3". The full Qwen3-30B-A3B shape (61 GB of
 #            weights; one H200): ARMS="stock engine_async" ROLLOUT_ARGS="--model qwen3-30b-a3b --preset-weights
 #            --stock-weights dummy --model-dir /tmp/brw/model30b --workloads 64x136x256 256x136x256 64x1024x2048
-#            256x1024x1024 --repeats 2" (stock vLLM on its dummy weights: building the preset beside vLLM's own
-#            parameters would hold two copies).
+#            256x1024x1024 --repeats 2 --engine-memory 0.8" (stock vLLM on its dummy weights: building the preset beside
+#            vLLM's own parameters would hold two copies; our engine's KV cache gets 0.8 of the ~80 GB its weights leave
+#            free, which holds the 256 x 2,048-token row).
 #   STAGE=P: bench/bench_prefix.py (our engine, prefix sharing off vs on), then bench/probes/probe_vllm_server.py
 #            (AReaL's vLLM server, stock and tik; AReaL's wheels installed in /tmp/site).
 #   STAGE=T: (first, right after the wheel copies) install as in A, then the GPU tests of the rollout-side
