@@ -35,7 +35,7 @@ def _kernel():
     @triton.jit
     def gemm(x_ptr, w_ptr, y_ptr, K, stride_x, stride_y,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             PDL: tl.constexpr, PREFETCH: tl.constexpr):
+             PDL: tl.constexpr, PREFETCH: tl.constexpr, LATE: tl.constexpr):
         """y[m, n] = sum_k x[m, k] w[n, k], K ascending in BLOCK_K steps (shapes divide the blocks)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -49,15 +49,19 @@ def _kernel():
         if PDL:
             if PREFETCH:
                 w0 = tl.load(w_ptrs)            # weights: written by no earlier kernel
-                gdc_launch_dependents()
+                if not LATE:
+                    gdc_launch_dependents()
                 gdc_wait()
                 acc = tl.dot(tl.load(x_ptrs), tl.trans(w0), acc)
                 start = BLOCK_K
             else:
-                gdc_launch_dependents()
+                if not LATE:
+                    gdc_launch_dependents()
                 gdc_wait()
         for k in range(start, K, BLOCK_K):
             acc = tl.dot(tl.load(x_ptrs + k), tl.trans(tl.load(w_ptrs + k)), acc)
+        if PDL and LATE:
+            gdc_launch_dependents()             # the next kernel's programs start as this one's finish
         y_ptrs = y_ptr + offs_m[:, None] * stride_y + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty))
 
@@ -70,6 +74,7 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--stages", type=int, default=4, help="num_stages of every form (the prefetch form holds one tile more)")
     a = ap.parse_args()
     import torch
 
@@ -92,14 +97,15 @@ def main() -> int:
                 else:
                     pdl = form != "plain"
                     gemm[(n // bn, M // 64)](x, w, y, k, x.stride(0), y.stride(0), BLOCK_M=64, BLOCK_N=bn,
-                                             BLOCK_K=128, PDL=pdl, PREFETCH=form == "pdl_prefetch",
-                                             num_warps=4, num_stages=4, launch_pdl=pdl)
+                                             BLOCK_K=128, PDL=pdl, PREFETCH="prefetch" in form,
+                                             LATE="late" in form,
+                                             num_warps=4, num_stages=a.stages, launch_pdl=pdl)
                 x = y
         return x
 
-    res = {"device": torch.cuda.get_device_name(), "m": M, "layers": a.layers, "forms": {}}
+    res = {"device": torch.cuda.get_device_name(), "m": M, "layers": a.layers, "num_stages": a.stages, "forms": {}}
     ref = None
-    for form in ("plain", "pdl", "pdl_prefetch", "cublas"):
+    for form in ("plain", "pdl", "pdl_prefetch", "pdl_late", "pdl_late_prefetch", "cublas"):
         try:
             chain(form)                                   # compile / warm outside the capture
             torch.cuda.synchronize()
