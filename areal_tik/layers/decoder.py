@@ -46,7 +46,7 @@ from areal_tik.layers.family import family_of, head_dim_of, moe_layer
 from areal_tik.layers.model_config import validate_config
 from areal_tik.layers.modules import RopeCache, TikLinear, TikMLP, TikRMSNorm
 from areal_tik.layers.moe import build_moe_block
-from areal_tik.layers.stacking import stacked_projection
+from areal_tik.layers.stacking import QKV_ATTR, stacked_projection
 
 __all__ = ["DecoderAttention", "DecoderLayer", "DecoderModel", "decoder_layer_forward", "decoder_forward", "embed",
            "configure_attention", "build_decoder", "add_norm"]
@@ -62,7 +62,7 @@ class DecoderAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, step) -> torch.Tensor:
         T = hidden_states.shape[0]
         hq, hkv, D = self._tik_heads, self._tik_kv_heads, self.head_dim
-        qkv = stacked_projection(self, "_tik_qkv", hidden_states)     # stacking.py: same bits, one GEMM
+        qkv = stacked_projection(self, QKV_ATTR, hidden_states)     # stacking.py: same bits, one GEMM
         if qkv is None:
             qkv = [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)]
         q, k, v = qkv[0].reshape(T, hq, D), qkv[1].reshape(T, hkv, D), qkv[2].reshape(T, hkv, D)

@@ -21,7 +21,7 @@ from torch import nn
 
 from areal_tik.layers.family import head_dim_of
 from areal_tik.layers.model_config import rope_spec
-from areal_tik.layers.stacking import stacked_output
+from areal_tik.layers.stacking import GATE_UP_ATTR, stacked_output
 
 __all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "RopeCache", "fuses_add_norm"]
 
@@ -63,7 +63,7 @@ class TikMLP(nn.Module):
     """HF gated MLP (``gate_proj``/``up_proj``/``down_proj``) with ``ops.silu_mul``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = stacked_output(self, "_tik_gate_up", x)      # stacking.py: same bits, one GEMM
+        gu = stacked_output(self, GATE_UP_ATTR, x)      # stacking.py: same bits, one GEMM
         if gu is not None:
             return self.down_proj(self._tik_ops.silu_mul_packed(gu))
         return self.down_proj(self._tik_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))

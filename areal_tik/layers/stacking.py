@@ -28,10 +28,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["stack_projections", "stacked_output", "stacked_projection", "stacks_of", "StackedWeights", "STACK_ATTRS"]
+__all__ = ["stack_projections", "stacked_output", "stacked_projection", "stacks_of", "StackedWeights", "QKV_ATTR",
+           "GATE_UP_ATTR", "STACK_ATTRS"]
 
 #: the attributes :func:`stack_projections` sets on a tik attention (q/k/v) and a tik MLP (gate/up)
-STACK_ATTRS = ("_tik_qkv", "_tik_gate_up")
+QKV_ATTR, GATE_UP_ATTR = "_tik_qkv", "_tik_gate_up"
+STACK_ATTRS = (QKV_ATTR, GATE_UP_ATTR)
 
 
 class StackedWeights:
@@ -98,17 +100,16 @@ def stack_projections(model: nn.Module) -> int:
     for m in model.modules():
         if getattr(m, "_tik_ops", None) is None:
             continue
-        qkv, gate_up = STACK_ATTRS
-        if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj")) and getattr(m, qkv, None) is None:
-            setattr(m, qkv, StackedWeights([m.q_proj, m.k_proj, m.v_proj]))
+        if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj")) and getattr(m, QKV_ATTR, None) is None:
+            setattr(m, QKV_ATTR, StackedWeights([m.q_proj, m.k_proj, m.v_proj]))
             n += 1
-        elif all(hasattr(m, a) for a in ("gate_proj", "up_proj")) and getattr(m, gate_up, None) is None:
-            setattr(m, gate_up, StackedWeights([m.gate_proj, m.up_proj]))
+        elif all(hasattr(m, a) for a in ("gate_proj", "up_proj")) and getattr(m, GATE_UP_ATTR, None) is None:
+            setattr(m, GATE_UP_ATTR, StackedWeights([m.gate_proj, m.up_proj]))
             n += 1
     return n
 
 
 def stacks_of(module: nn.Module) -> list[StackedWeights]:
     """The stacked weights :func:`stack_projections` attached to ``module`` (none when it was not stacked): the
-    GEMM shapes an inference forward runs besides the model's own linears."""
+    GEMMs an inference forward runs in place of the linears they stack."""
     return [st for st in (getattr(module, a, None) for a in STACK_ATTRS) if isinstance(st, StackedWeights)]
