@@ -40,8 +40,8 @@ logger = logging.getLogger("areal_tik.precompile")
 def _shapes_by_ops(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tuple[object, list[tuple]]]:
     """[(bound ops, their distinct ``(N, K, dtype, has_bias)``)] over the model's ``TikLinear`` modules, the router
     GEMMs of its MoE blocks, and the stacked q/k/v and gate/up GEMMs an inference model runs in place of the separate
-    projections, which leave the list (``layers/stacking.py``: their N is the sum of the stacked linears', a shape of its own with tile
-    configs of its own)."""
+    projections, which leave the list (``layers/stacking.py``: their N is the sum of the stacked linears', a shape of
+    its own with tile configs of its own)."""
     groups: dict[int, tuple[object, list]] = {}
 
     def add(ops, n: int, k: int, dt: torch.dtype, has_bias: bool) -> None:

@@ -11,8 +11,9 @@ The chain here is the real data flow (each GEMM reads the previous one's output)
 distinct weights (not L2-resident), in one CUDA graph, timed per replay, with a probe-local Triton GEMM in five
 forms: ``plain``; ``pdl`` (launched with PDL, dependents released at the start, wait first); ``pdl_prefetch`` (the
 first weight tile loaded before the wait); ``pdl_late`` and ``pdl_late_prefetch`` (dependents released after the K
-loop, so the next kernel's programs start as this one's finish). cuBLAS (``torch.mm`` into the same buffers) is the reference. Every form's final output is compared
-bit for bit with ``plain`` (a race would show), the buffers poisoned with NaN before each form's first replay.
+loop, so the next kernel's programs start as this one's finish). cuBLAS (``torch.mm`` into the same buffers) is
+the reference. Every Triton form's final output is compared bit for bit with ``plain`` (a race would show), the
+buffers poisoned with NaN before each form's first replay.
 
     python bench/probes/probe_pdl.py --out $OUT [--m 64] [--layers 28] [--replays 20] [--stages 3]
 
@@ -24,7 +25,7 @@ import argparse
 import json
 import os
 
-# (name, N, K, BLOCK_N, input column count taken from the previous output): the stacked 7B layer at decode M
+# (name, N, K, BLOCK_N): the stacked 7B layer at decode M; each GEMM reads the first K columns of the previous output
 LAYER = (("qkv", 4608, 3584, 32), ("o", 3584, 3584, 32), ("gate_up", 37888, 3584, 128), ("down", 3584, 18944, 32))
 
 
@@ -75,8 +76,11 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--stages", type=int, default=4, help="num_stages of every form (the prefetch form holds one tile more)")
+    ap.add_argument("--stages", type=int, default=4,
+                    help="num_stages of every form (the prefetch form holds one tile more)")
     a = ap.parse_args()
+    if a.m < 64 or a.m % 64:
+        ap.error(f"--m must be a positive multiple of 64 (the probe's row tile), got {a.m}")
     import torch
 
     gemm = _kernel()
