@@ -44,15 +44,43 @@ Writes ``rollout.json`` (tok/s per arm and workload, parity counts, settings) an
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+
+FAIL_TAIL = 15               # lines of a failed arm's output kept in rollout.json
+
+
+def _run_teed(cmd: list, env: dict, timeout: float, log_path: str) -> tuple:
+    """Run one arm's process, its output (stdout and stderr) to this console and to ``log_path`` as it comes:
+    ``(returncode or "timeout", its last FAIL_TAIL lines)``."""
+    tail = collections.deque(maxlen=FAIL_TAIL)
+    with open(log_path, "w") as log, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                       text=True, errors="replace") as proc:
+        def pump():
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+                tail.append(line.rstrip())
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        reader.join(10)   # a grandchild still holding the pipe (vLLM's engine process) must not hang the driver
+    sys.stdout.flush()
+    return rc, list(tail)
+
 
 SHORT = [(64, 136, 256, 0), (128, 136, 256, 0), (256, 136, 256, 0)]   # (batch, prompt, new, arrivals per step)
 LONG = [(64, 1024, 4096, 0)]
@@ -405,11 +433,10 @@ def main() -> int:
         timeout = a.arm_timeout if left is None else max(10.0, min(a.arm_timeout, left - 5))
         _log("arm", arm, "timeout", round(timeout), "s", "(long workload skipped)" if "--skip-long" in cmd else "")
         t0 = time.perf_counter()
-        try:
-            rc = subprocess.run(cmd, env=env, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc, tail = _run_teed(cmd, env, timeout, os.path.join(a.work, f"{arm}.log"))
         res["steps"][arm] = dict(rc=rc, seconds=round(time.perf_counter() - t0, 1))
+        if rc != 0:       # why the arm failed, kept beside its rc (the whole output: the work folder's <arm>.log)
+            res["steps"][arm]["output_tail"] = tail
         _log("arm", arm, "rc", rc, "in", res["steps"][arm]["seconds"], "s")
         path = os.path.join(a.work, "parity.json" if arm == "parity" else f"{arm}.json")
         if os.path.exists(path):

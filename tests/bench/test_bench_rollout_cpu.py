@@ -104,3 +104,21 @@ def test_engine_memory_reaches_our_engine_arms_only(generator_calls):
     assert [c.get("gpu_memory_utilization") for c in calls] == [0.8, 0.8, None, None]
     br._generator("engine_async", "/m", 128, weights_preset="qwen3-30b-a3b")
     assert calls[-1]["gpu_memory_utilization"] == br.ARM_WIRING["engine_async"][2]["gpu_memory_utilization"]
+
+
+def test_failed_arm_keeps_its_reason(tmp_path):
+    """An arm whose process fails leaves why in rollout.json (its last lines beside its rc) and its whole output in
+    the work folder's <arm>.log. Here: a vLLM arm where vLLM is not installed."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: this failure needs a machine without it")
+    out, work = tmp_path / "out", tmp_path / "work"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_rollout.py"), "--out", str(out),
+                        "--work", str(work), "--model", "tiny-qwen2", "--arms", "stock", "--workloads", "2x8x4",
+                        "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    step = json.load(open(out / "rollout.json"))["steps"]["stock"]
+    assert step["rc"] == 1 and "stock" not in json.load(open(out / "rollout.json"))["arms"]
+    assert "No module named 'vllm'" in step["output_tail"][-1]
+    assert "No module named 'vllm'" in (work / "stock.log").read_text()
+    assert "No module named 'vllm'" in r.stdout          # still shown on the console as it happens
