@@ -47,6 +47,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,23 +62,31 @@ FAIL_TAIL = 15               # lines of a failed arm's output kept in rollout.js
 
 def _run_teed(cmd: list, env: dict, timeout: float, log_path: str) -> tuple:
     """Run one arm's process, its output (stdout and stderr) to this console and to ``log_path`` as it comes:
-    ``(returncode or "timeout", its last FAIL_TAIL lines)``."""
+    ``(returncode or "timeout", its last FAIL_TAIL lines)``. The arm runs in a session of its own; on a timeout the
+    whole session is killed (vLLM's engine-core process too, which would otherwise keep its GPU memory)."""
     tail = collections.deque(maxlen=FAIL_TAIL)
     with open(log_path, "w") as log, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                       text=True, errors="replace") as proc:
+                                                       text=True, errors="replace", start_new_session=True) as proc:
         def pump():
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                log.write(line)
-                tail.append(line.rstrip())
+            try:
+                for line in proc.stdout:
+                    sys.stdout.write(line)
+                    log.write(line)
+                    tail.append(line.rstrip())
+            except (ValueError, OSError):     # the pipe or the log closed under a reader that outlived the arm
+                pass
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
             rc = "timeout"
-        reader.join(10)   # a grandchild still holding the pipe (vLLM's engine process) must not hang the driver
+        reader.join(10)   # a process left holding the pipe must not hang the driver
     sys.stdout.flush()
     return rc, list(tail)
 

@@ -122,3 +122,18 @@ def test_failed_arm_keeps_its_reason(tmp_path):
     assert "No module named 'vllm'" in step["output_tail"][-1]
     assert "No module named 'vllm'" in (work / "stock.log").read_text()
     assert "No module named 'vllm'" in r.stdout          # still shown on the console as it happens
+
+
+def test_timed_out_arm_is_killed_with_its_children(tmp_path):
+    """An arm past its timeout is killed (its process group) and reported as "timeout" with its last lines; the
+    driver goes on and writes rollout.json (here an engine arm given one second)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_rollout.py"), "--out", str(out),
+                        "--work", str(work), "--model", "tiny-qwen2", "--arms", "engine", "--workloads", "2x8x4",
+                        "--repeats", "1", "--arm-timeout", "1"], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.load(open(out / "rollout.json"))
+    assert res["steps"]["engine"]["rc"] == "timeout" and "engine" not in res["arms"]
+    assert isinstance(res["steps"]["engine"]["output_tail"], list)
+    assert "arm engine rc timeout" in r.stdout
