@@ -20,6 +20,14 @@
 #            `verify --engine vllm` (VERIFY_ARGS; default 32 prompts of 8-3,072 tokens, 1,024 new) and
 #            `--engine vllm --kernels default` (stock vLLM, the negative control; its files keep the name
 #            verify_vllm-stock.*), VERIFY_S seconds each.
+#   STAGE=M: install as in A, then the MoE checks: stock vLLM's batch-invariant mode alone vs in a crowded batch on the
+#            4-layer Qwen3-30B-A3B shape (bench/probes/probe_vllm_batch_invariance.py, MOE_PROBE_S seconds per mode;
+#            MOE_PROBE=0 skips it), then the full 30B-A3B shape's speed table, ARMS (default "stock engine_async"),
+#            stock vLLM on its dummy weights. Rows by GPU memory: on a GPU of 100 GB or more the four rows of the
+#            30B-A3B command above; below that the rows whose KV cache fits beside 61 GB of weights
+#            (64 x 136 -> 256, 256 x 136 -> 256, 64 x 512 -> 1,024; our engine's KV share 0.7 there, 0.8 on the larger
+#            GPU). MOE_WL replaces the rows. Probe and two arms exceed one call: MOE_PROBE=1 ARMS=stock, then
+#            MOE_PROBE=0 ARMS=engine_async (the work folder gathers both).
 #   STAGE=F: install as in A, then the fa3 backend (the attention pair on vLLM's FA3, one walk): its GPU tests,
 #            `verify` at the 1.5B shape with AREAL_TIK_BACKEND=attention=fa3, and our engine on the split pair vs on
 #            fa3 over the table's workloads with the parity step (ROLLOUT_ARGS, default "--repeats 3 --long-repeats 2").
@@ -29,7 +37,7 @@ export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PYTHONPATH=$PWD:/tmp/vsite
 W=/tmp/brw
 mkdir -p $W
-if [ "${STAGE:-A}" = A ] || [ "${STAGE:-A}" = T ] || [ "${STAGE:-A}" = F ]; then
+if [ "${STAGE:-A}" = A ] || [ "${STAGE:-A}" = T ] || [ "${STAGE:-A}" = F ] || [ "${STAGE:-A}" = M ]; then
   # vLLM into /tmp/vsite and the plugin's entry point, as `pip install areal-tik[vllm]` declares it (setup.py)
   timeout 300 bash bench/install_vllm_wheels.sh /tmp/vw /tmp/vsite || { echo "vLLM install failed"; exit 1; }
   # the csrc extension is built before any arm runs: nvcc on every core beside a timed arm would slow that arm's
@@ -52,6 +60,20 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
     timeout ${BENCH_S:-330} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model \
       --arms engine_async engine_fa3 parity --budget ${BENCH_S:-330} --arm-timeout 150 --long-reserve 100 \
       ${ROLLOUT_ARGS:---repeats 3 --long-repeats 2}
+    exit 0
+  fi
+  if [ "$STAGE" = M ]; then
+    if [ "${MOE_PROBE:-1}" = 1 ]; then
+      timeout $(( 2 * ${MOE_PROBE_S:-200} + 30 )) python bench/probes/probe_vllm_batch_invariance.py \
+        --model qwen3-30b-a3b-4l --timeout ${MOE_PROBE_S:-200} --out $OUT/vllm_batch_invariance_moe.json 2>&1 | tail -3
+    fi
+    gb=$(python -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+    if [ "$gb" -ge 100 ]; then WL=${MOE_WL:-"64x136x256 256x136x256 64x1024x2048 256x1024x1024"}; EM=0.8
+    else WL=${MOE_WL:-"64x136x256 256x136x256 64x512x1024"}; EM=0.7; fi
+    echo "GPU ${gb} GiB: rows $WL"
+    timeout ${BENCH_S:-470} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model30b \
+      --model qwen3-30b-a3b --preset-weights --stock-weights dummy --engine-memory $EM --arms ${ARMS:-stock engine_async} \
+      --workloads $WL --budget ${BENCH_S:-470} --arm-timeout ${ARM_S:-300} --long-reserve 120 ${ROLLOUT_ARGS:---repeats 2}
     exit 0
   fi
   if [ "$STAGE" = T ]; then
