@@ -19,6 +19,7 @@ import torch
 from areal_tik.kernels import moe
 from areal_tik.kernels.linear import linear_fwd
 from areal_tik.kernels.moe import grouped_linear as gl
+from areal_tik.kernels.moe import routing as rt
 from areal_tik.kernels.swiglu import silu_mul_packed_triton
 from moe_helpers import expert_weights, poisoned_empty  # noqa: F401  (fixture)
 
@@ -56,7 +57,7 @@ def test_experts_equal_per_group_path_and_rows_alone(T, seed_rng, poisoned_empty
     y = moe.experts_triton(x, wgu, wd, ids)
     assert not torch.isnan(y).any()
     assert torch.equal(y, per_group_experts(x, wgu, wd, ids))
-    plan = gl.routing_plan(ids, E)
+    plan = rt.routing_plan(ids, E)
     gu = gl.grouped_linear(x, wgu, plan, row_div=2)
     for a in sorted({0, T, 2 * T - 1}):
         t, r = divmod(a, 2)
@@ -67,7 +68,7 @@ def test_every_row_written_into_a_poisoned_buffer(seed_rng):
     wgu, _ = expert_weights(E, H, I)
     x = torch.randn(20, H).bfloat16()
     ids = crowded_ids(20, 3, E)
-    plan = gl.routing_plan(ids, E)
+    plan = rt.routing_plan(ids, E)
     out = torch.full((60, 2 * I), float("nan"), dtype=torch.bfloat16)
     gl.grouped_linear(x, wgu, plan, row_div=3, out=out)
     assert not torch.isnan(out).any()
@@ -79,8 +80,8 @@ def test_block_table_covers_every_assignment_once(seed_rng):
     for T, k in ((1, 2), (33, 2), (40, 6)):
         ids = crowded_ids(T, k, E, empty=(0,))
         assert ids.shape == (T, k)
-        plan = gl.routing_plan(ids, E, block_m=16)
-        assert plan.blocks.shape == (gl.max_blocks(T * k, E, 16), 3)
+        plan = rt.routing_plan(ids, E, block_m=16)
+        assert plan.blocks.shape == (rt.max_blocks(T * k, E, 16), 3)
         seen = []
         for e, start, rows in plan.blocks.tolist():
             part = plan.order[start:start + rows]
@@ -142,7 +143,7 @@ def test_negative_control_another_k_split_differs(seed_rng):
     wgu, _ = expert_weights(E, 128, I, torch.float32)
     x = torch.randn(24, 128)
     ids = crowded_ids(24, 2, E)
-    plan = gl.routing_plan(ids, E)
+    plan = rt.routing_plan(ids, E)
     one, two = (gl.grouped_linear(x, wgu, plan, row_div=2, splits=s) for s in (1, 2))
     assert not torch.equal(one, two)
     a = int(plan.order[0])
@@ -166,7 +167,7 @@ def _qwen3_30b(T, seed):
 def test_gpu_grouped_rows_equal_linear_fwd_rows(T, seed_rng):
     x, wgu, wd, ids = _qwen3_30b(T, seed_rng)
     k = ids.shape[1]
-    plan = gl.routing_plan(ids, wgu.shape[0])
+    plan = rt.routing_plan(ids, wgu.shape[0])
     gu = gl.grouped_linear(x, wgu, plan, row_div=k)
     h = silu_mul_packed_triton(gu)
     y = gl.grouped_linear(h, wd, plan, row_div=1)

@@ -27,6 +27,7 @@ from areal_tik.kernels.moe.experts import (
     HOST_SYNC_FREE, expert_groups, experts_reference, experts_torch, experts_triton, experts_triton_fwd,
 )
 from areal_tik.kernels.moe.grouped_linear import compile_specs as grouped_compile_specs, token_counts_per_tile
+from areal_tik.kernels.moe.routing import compile_specs as routing_compile_specs
 from areal_tik.kernels.moe.router import _route_kernel, route_reference, route_torch, route_triton
 from areal_tik.kernels.moe.combine import _combine_kernel, _shared_add_kernel   # noqa: F401  (compile specs)
 
@@ -62,4 +63,4 @@ COMPILE_SPECS = [
     dict(fn=_shared_add_kernel, signature={"r_ptr": "*bf16", "s_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16",
                                            "H": "i32"},
          constexprs={"BLOCK_H": BLOCK_H}, num_warps=4),
-] + grouped_compile_specs()
+] + grouped_compile_specs() + routing_compile_specs()

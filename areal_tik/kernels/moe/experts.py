@@ -41,7 +41,8 @@ import torch
 
 from areal_tik.kernels.linear.torch_ref import matmul_invariant_torch
 from areal_tik.kernels.moe.checks import validate_experts
-from areal_tik.kernels.moe.grouped_linear import grouped_linear, routing_plan
+from areal_tik.kernels.moe.grouped_linear import grouped_linear
+from areal_tik.kernels.moe.routing import routing_plan
 from areal_tik.kernels.swiglu import silu_mul_packed_torch, silu_mul_packed_triton
 
 __all__ = ["experts_triton", "experts_torch", "experts_reference", "expert_groups", "experts_triton_fwd",

@@ -12,12 +12,12 @@ rounding to the source's dtype; it is the linear op's own chain (:func:`~areal_t
 ptr_split_sum`), fed rows gathered by index instead of consecutive rows. ``input_precision`` as the linear op:
 ``ieee`` for fp32, the tensor cores' bf16/fp16 products otherwise.
 
-How it runs: :func:`routing_plan` sorts the assignments by expert (stable: within an expert in ascending ``a``)
-and cuts each expert's run into blocks of ``BLOCK_M`` rows, writing a block table ``(expert, first position in
-the sorted order, rows)`` of the static length :func:`max_blocks` ``(T*k, E, BLOCK_M)``; the table's unused
-entries have 0 rows. All of it is device torch ops (``argsort(stable=True)``, ``searchsorted``, ``cumsum``,
-``index_select``, ``clamp``, ``where``): nothing reads a value back to the host, so the forward can be captured in
-a CUDA graph. :func:`grouped_linear` launches ``(max_blocks, cdiv(N, BLOCK_N))`` programs, a grid (and launch
+How it runs: :func:`~areal_tik.kernels.moe.routing.routing_plan` (:mod:`.routing`) sorts the assignments by
+expert (stable: within an expert in ascending ``a``) and cuts each expert's run into blocks of ``BLOCK_M`` rows,
+writing a block table ``(expert, first position in the sorted order, rows)`` of the static length
+:func:`~areal_tik.kernels.moe.routing.max_blocks` ``(T*k, E, BLOCK_M)``; the table's unused entries have 0 rows.
+Nothing reads a value back to the host, so the forward can be captured in a CUDA graph.
+:func:`grouped_linear` launches ``(max_blocks, cdiv(N, BLOCK_N))`` programs, a grid (and launch
 arguments) that depends on ``T*k``, ``E``, ``N`` and ``K`` only; a program whose block has no rows exits at once.
 Every assignment row lies in exactly one block, so every row of ``out`` is written once. (An id outside
 ``[0, E)``, which the router never emits, would get no block: its row left unwritten, no weight read past E.)
@@ -35,8 +35,6 @@ arguments (``moe.checks.validate_experts``).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -45,9 +43,9 @@ from areal_tik.kernels import interpreting
 from areal_tik.kernels.linear.configs import BLOCK_K
 from areal_tik.kernels.linear.splits import k_split
 from areal_tik.kernels.linear.triton_kernels import ptr_split_sum
+from areal_tik.kernels.moe.routing import RoutingPlan, block_m_for
 
-__all__ = ["grouped_linear_kernel", "RoutingPlan", "routing_plan", "grouped_linear", "max_blocks", "block_m_for",
-           "tile_config", "GPU_TILES", "compile_specs", "token_counts_per_tile"]
+__all__ = ["grouped_linear_kernel", "grouped_linear", "tile_config", "GPU_TILES", "compile_specs", "token_counts_per_tile"]
 
 
 @triton.jit
@@ -75,33 +73,6 @@ def grouped_linear_kernel(src_ptr, w_ptr, y_ptr, order_ptr, blocks_ptr,
                             BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, PRECISION, SPLITS)
         y_ptrs = y_ptr + a[:, None] * stride_y + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@dataclasses.dataclass(frozen=True)
-class RoutingPlan:
-    """``order`` int64 ``[T*k]``: the assignments sorted by expert (stable). ``blocks`` int32
-    ``[max_blocks, 3]``: per block (expert, first position in ``order``, rows); 0 rows = no block."""
-
-    order: torch.Tensor
-    blocks: torch.Tensor
-    block_m: int
-    num_experts: int
-
-
-def max_blocks(assignments: int, num_experts: int, block_m: int) -> int:
-    """The static block-table length: an expert with c rows takes ``cdiv(c, block_m)`` blocks, so the blocks of
-    T*k rows over E experts number at most ``cdiv(T*k, block_m) + E - 1`` (and at most one per row)."""
-    if assignments == 0:
-        return 0
-    return min(assignments, triton.cdiv(assignments, block_m) + num_experts - 1)
-
-
-def block_m_for(assignments: int, num_experts: int) -> int:
-    """Rows per block (speed only, never bits): the mean rows per expert, rounded up to a power of two in
-    16..64; 16 under the CPU interpreter."""
-    if interpreting():
-        return 16
-    return min(64, max(16, triton.next_power_of_2(triton.cdiv(assignments, max(num_experts, 1)))))
 
 
 #: BLOCK_M -> the launch's other tile constants on a GPU (speed only; BLOCK_K is the linear op's)
@@ -139,29 +110,6 @@ def compile_specs() -> list[dict]:
         specs.append(dict(fn=grouped_linear_kernel, signature=sig, num_warps=nw, num_stages=ns,
                           constexprs=dict(t, BLOCK_M=bm, BLOCK_K=BLOCK_K, PRECISION="tf32", SPLITS=1)))
     return specs
-
-
-def routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> RoutingPlan:
-    """The expert-sorted order and the block table of ``topk_ids [T, k]`` (device ops only, no host sync)."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    n = flat.numel()
-    bm = block_m or block_m_for(n, num_experts)
-    dev = flat.device
-    order = torch.argsort(flat, stable=True)
-    sorted_e = flat.index_select(0, order)
-    experts = torch.arange(num_experts, device=dev, dtype=torch.int64)
-    lo = torch.searchsorted(sorted_e, experts)                  # an expert's first position in order
-    hi = torch.searchsorted(sorted_e, experts, right=True)      # ... one past its last
-    nblk = (hi - lo + (bm - 1)) // bm
-    blk_end = torch.cumsum(nblk, 0)                            # blocks of experts 0..e
-    b = torch.arange(max_blocks(n, num_experts, bm), device=dev, dtype=torch.int64)
-    owner = torch.searchsorted(blk_end, b, right=True)          # block b's expert (E: past the last block)
-    e = owner.clamp(max=num_experts - 1)
-    first = blk_end.index_select(0, e) - nblk.index_select(0, e)
-    start = lo.index_select(0, e) + (b - first) * bm
-    rows = torch.where(owner < num_experts, (hi.index_select(0, e) - start).clamp(0, bm), 0)
-    blocks = torch.stack([e, start.clamp(0, max(n - 1, 0)), rows], 1).to(torch.int32).contiguous()
-    return RoutingPlan(order, blocks, bm, num_experts)
 
 
 def grouped_linear(src: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, row_div: int,
