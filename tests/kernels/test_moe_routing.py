@@ -115,3 +115,12 @@ def test_gpu_kernel_plan_equals_torch_at_decode_sizes_and_in_a_graph():
     graph.replay()
     want = rt.routing_plan_torch(other, 128, 16)
     assert torch.equal(plan.order, want.order) and torch.equal(plan.blocks, want.blocks)
+
+
+@pytest.mark.parametrize("num_warps,tile_elems", [(8, 16384), (4, 2048)])
+def test_launch_shape_changes_no_plan(num_warps, tile_elems):
+    g = torch.Generator().manual_seed(5)
+    ids = _ids(90, 8, 128, "skewed", g).to(DEV)
+    want = rt.routing_plan_torch(ids, 128, 32)
+    got = rt.routing_plan_triton(ids, 128, 32, num_warps, tile_elems)
+    assert torch.equal(got.order, want.order) and torch.equal(got.blocks, want.blocks)

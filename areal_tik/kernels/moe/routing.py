@@ -118,23 +118,26 @@ def _routing_plan_kernel(ids_ptr, order_ptr, blocks_ptr, n, E, NB, BM,
         tl.store(blocks_ptr + b * 3 + 2, rows, mask=m)
 
 
-def _tiles(num_experts: int) -> dict:
-    """The kernel's constexprs for E experts: BLOCK_E lanes; CHUNK rows per placement step so that a
-    ``[CHUNK, BLOCK_E]`` tile stays at 8K elements."""
+def _tiles(num_experts: int, tile_elems: int = 8192) -> dict:
+    """The kernel's constexprs for E experts: BLOCK_E lanes; CHUNK rows per placement step (and BLOCK_B table
+    entries per step) so that a ``[CHUNK, BLOCK_E]`` tile holds at most ``tile_elems`` elements (speed only)."""
     be = triton.next_power_of_2(max(num_experts, 1))
-    return dict(BLOCK_E=be, CHUNK=max(16, min(64, 8192 // be)), BLOCK_B=max(16, min(64, 8192 // be)))
+    rows = max(16, min(128, tile_elems // be))
+    return dict(BLOCK_E=be, CHUNK=rows, BLOCK_B=rows)
 
 
-def routing_plan_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutingPlan:
-    """The plan from one launch of ``_routing_plan_kernel`` (ids int32 or int64, contiguous)."""
+def routing_plan_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, num_warps: int = 4,
+                        tile_elems: int = 8192) -> RoutingPlan:
+    """The plan from one launch of ``_routing_plan_kernel`` (ids int32 or int64, contiguous). ``num_warps`` and
+    ``tile_elems`` (:func:`_tiles`) change the speed only (probes)."""
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     nb = max_blocks(n, num_experts, block_m)
     order = torch.empty((n,), dtype=torch.int64, device=flat.device)
     blocks = torch.empty((nb, 3), dtype=torch.int32, device=flat.device)
     if n:
-        _routing_plan_kernel[(1,)](flat, order, blocks, n, num_experts, nb, block_m, num_warps=4,
-                                   **_tiles(num_experts))
+        _routing_plan_kernel[(1,)](flat, order, blocks, n, num_experts, nb, block_m, num_warps=num_warps,
+                                   **_tiles(num_experts, tile_elems))
     return RoutingPlan(order, blocks, block_m, num_experts)
 
 
