@@ -162,18 +162,24 @@ def test_shapes_in_the_compute_dtype():
 
 
 def test_moe_plan_runs_each_block_shape_once_per_grouped_tile(monkeypatch):
-    """The triton experts list one token count per grouped-GEMM tile reachable in the range (each count's
-    block size is that tile), and the plan holds one block per distinct shape; the torch_ref experts list none."""
+    """The triton experts list one token count per (grouped-GEMM tile, routing-plan implementation) reachable in
+    the range, and the plan holds one block per distinct shape; the torch_ref experts list none."""
     from areal_tik.kernels.moe import grouped_linear, routing
     from areal_tik.layers.precompile import moe_plan
     monkeypatch.setattr(routing, "interpreting", lambda: False)     # block sizes as on a GPU
-    for E, k, lo, hi, want in [(128, 8, 1, 8192, {16, 32, 64}), (128, 8, 1, 300, {16, 32}), (8, 2, 256, 256, {64}),
-                               (128, 8, 1, 1, {16})]:
+
+    def kinds(t, E, k):
+        return routing.block_m_for(t * k, E), t * k <= routing.TRITON_MAX_ASSIGNMENTS
+    # (E, k, T range, the tiles reached, how many (tile, plan) kinds)
+    for E, k, lo, hi, want, n_kinds in [(128, 8, 1, 8192, {16, 32, 64}, 4), (128, 8, 1, 300, {16, 32}, 3),
+                                        (8, 2, 256, 256, {64}, 1), (128, 8, 1, 1, {16}, 1),
+                                        (128, 8, 100, 200, {16}, 1)]:
         counts = grouped_linear.token_counts_per_tile(E, k, lo, hi)
         assert all(lo <= t <= hi for t in counts), (E, k, lo, hi, counts)
-        got = {routing.block_m_for(t * k, E) for t in counts}
-        every = {routing.block_m_for(t * k, E) for t in range(lo, hi + 1)}
-        assert got == every == want and len(counts) == len(want), (E, k, lo, hi, counts)
+        got = {kinds(t, E, k) for t in counts}
+        every = {kinds(t, E, k) for t in range(lo, hi + 1)}
+        assert got == every and {bm for bm, _ in got} == want and len(counts) == len(got) == n_kinds, \
+            (E, k, lo, hi, counts)
     m = patch_model(build_model("tiny-qwen3-moe", device="cpu", seed=0), backend="moe_experts=triton")
     plan = moe_plan(m, max_tokens=4096, min_tokens=1)
     assert len(plan) == 1 and plan[0][1] == grouped_linear.token_counts_per_tile(8, 2, 1, 4096)

@@ -43,7 +43,7 @@ from areal_tik.kernels import interpreting
 from areal_tik.kernels.linear.configs import BLOCK_K
 from areal_tik.kernels.linear.splits import k_split
 from areal_tik.kernels.linear.triton_kernels import ptr_split_sum
-from areal_tik.kernels.moe.routing import RoutingPlan, block_m_for
+from areal_tik.kernels.moe.routing import TRITON_MAX_ASSIGNMENTS, RoutingPlan, block_m_for
 
 __all__ = ["grouped_linear_kernel", "grouped_linear", "tile_config", "GPU_TILES", "compile_specs", "token_counts_per_tile"]
 
@@ -84,13 +84,16 @@ INTERPRETER_TILE = dict(BLOCK_N=32, K_UNROLL=1, num_warps=4, num_stages=1)
 
 def token_counts_per_tile(num_experts: int, top_k: int, min_tokens: int, max_tokens: int) -> list[int]:
     """One token count T in ``[min_tokens, max_tokens]`` per tile (BLOCK_M) the grouped GEMMs pick for some T in
-    that range (:func:`block_m_for` of ``T * top_k`` assignments over ``num_experts``): what precompilation runs
-    the experts at, so that no later step compiles a tile."""
-    counts: dict[int, int] = {}
-    for bm in sorted(GPU_TILES):
-        t = max(min_tokens, min(max_tokens, triton.cdiv(bm * num_experts, top_k)))
-        counts.setdefault(block_m_for(t * top_k, num_experts), t)
-    return sorted(counts.values())
+    that range (:func:`block_m_for` of ``T * top_k`` assignments over ``num_experts``), and per routing-plan
+    implementation reached in it (:func:`~areal_tik.kernels.moe.routing.routing_plan`: its kernel up to
+    ``TRITON_MAX_ASSIGNMENTS`` assignments): what precompilation runs the experts at, so that no later step
+    compiles a kernel."""
+    counts: dict[tuple[int, bool], int] = {}
+    for t in (min_tokens, *(triton.cdiv(bm * num_experts, top_k) for bm in sorted(GPU_TILES))):
+        t = max(min_tokens, min(max_tokens, t))
+        n = t * top_k
+        counts.setdefault((block_m_for(n, num_experts), n <= TRITON_MAX_ASSIGNMENTS), t)
+    return sorted(set(counts.values()))
 
 
 def tile_config(block_m: int) -> dict:
