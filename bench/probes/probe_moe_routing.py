@@ -4,11 +4,11 @@ a whole routed-experts forward (Qwen3-30B-A3B widths: 128 experts, top-8, hidden
     python bench/probes/probe_moe_routing.py --out $OUT [--tokens 1,64,256,512] [--layers 16]
 
 Per token count T: the plan alone (``routing_plan_torch`` vs ``routing_plan_triton``, each a CUDA graph of
-``--launches`` launches; the kernel also at other warp counts and tile sizes), and the experts forward (``experts_triton_fwd``: plan, two grouped GEMMs, SiLU-mul) with
-either plan, each a CUDA graph over ``--layers`` per-layer weight sets (rotating, so the weights are read from
-memory as in a decode step, not from L2). The two plans are compared element for element first, and the two
-forwards' outputs bit for bit (the plan decides which rows a launch gathers, never a row's bits). Writes
-``moe_routing.json``; prints one line per T.
+``--launches`` launches; the kernel also at other warp counts and tile sizes), and the experts forward
+(``experts_triton_fwd``: plan, two grouped GEMMs, SiLU-mul) with either plan, each a CUDA graph over ``--layers``
+per-layer weight sets (rotating, so the weights are read from memory as in a decode step, not from L2). The two
+plans are compared element for element first, and the two forwards' outputs bit for bit (the plan decides which
+rows a launch gathers, never a row's bits). Writes ``moe_routing.json``; prints one line per T.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def main() -> int:
             run, how = graphed(lambda fn=fn: [fn(ids, E, bm) for _ in range(a.launches)])
             cell[f"plan_{name}_us"] = round(time_ms(run).ms * 1000 / a.launches, 2)
             cell[f"plan_{name}_timed"] = how
-        for nw, te in ((8, 8192), (8, 16384), (4, 4096)):     # the kernel's other launch shapes (speed only)
+        for nw, te in ((4, 8192), (8, 16384), (4, 4096)):     # the kernel's other launch shapes (speed only)
             run, how = graphed(lambda nw=nw, te=te: [rt.routing_plan_triton(ids, E, bm, nw, te)
                                                      for _ in range(a.launches)])
             cell[f"plan_triton_w{nw}_t{te}_us"] = round(time_ms(run).ms * 1000 / a.launches, 2)

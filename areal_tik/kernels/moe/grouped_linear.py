@@ -45,7 +45,8 @@ from areal_tik.kernels.linear.splits import k_split
 from areal_tik.kernels.linear.triton_kernels import ptr_split_sum
 from areal_tik.kernels.moe.routing import TRITON_MAX_ASSIGNMENTS, RoutingPlan, block_m_for
 
-__all__ = ["grouped_linear_kernel", "grouped_linear", "tile_config", "GPU_TILES", "compile_specs", "token_counts_per_tile"]
+__all__ = ["grouped_linear_kernel", "grouped_linear", "tile_config", "GPU_TILES", "compile_specs",
+           "token_counts_per_tile"]
 
 
 @triton.jit
