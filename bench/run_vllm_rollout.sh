@@ -28,7 +28,7 @@
 #            30B-A3B command above; below that the rows whose KV cache fits beside 61 GB of weights
 #            (64 x 136 -> 256, 256 x 136 -> 256, 64 x 512 -> 1,024; our engine's KV share 0.7 there, 0.8 on the larger
 #            GPU). MOE_WL replaces the rows. Probe and two arms exceed one call: MOE_PROBE=1 ARMS=stock, then
-#            MOE_PROBE=0 ARMS=engine_async (the work folder gathers both).
+#            MOE_PROBE=0 ARMS=engine_async (the work folder gathers both); MOE_BENCH=0 runs the probes only.
 #   STAGE=F: install as in A, then the fa3 backend (the attention pair on vLLM's FA3, one walk): its GPU tests,
 #            `verify` at the 1.5B shape with AREAL_TIK_BACKEND=attention=fa3, and our engine on the split pair vs on
 #            fa3 over the table's workloads with the parity step (ROLLOUT_ARGS, default "--repeats 3 --long-repeats 2").
@@ -73,7 +73,7 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
     if [ "$gb" -ge 100 ]; then WL=${MOE_WL:-"64x136x256 256x136x256 64x1024x2048 256x1024x1024"}; EM=0.8
     else WL=${MOE_WL:-"64x136x256 256x136x256 64x512x1024"}; EM=0.7; fi
     echo "GPU ${gb} GiB: rows $WL"
-    timeout ${BENCH_S:-470} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model30b \
+    [ "${MOE_BENCH:-1}" = 1 ] && timeout ${BENCH_S:-470} python bench/bench_rollout.py --out $OUT --work $W --model-dir $W/model30b \
       --model qwen3-30b-a3b --preset-weights --stock-weights dummy --engine-memory $EM --arms ${ARMS:-stock engine_async} \
       --workloads $WL --budget ${BENCH_S:-470} --arm-timeout ${ARM_S:-300} --long-reserve 120 ${ROLLOUT_ARGS:---repeats 2}
     exit 0
