@@ -22,7 +22,7 @@
 #            verify_vllm-stock.*), VERIFY_S seconds each.
 #   STAGE=M: install as in A, then the MoE checks: stock vLLM's batch-invariant mode alone vs in a crowded batch on the
 #            4-layer Qwen3-30B-A3B shape (bench/probes/probe_vllm_batch_invariance.py, MOE_PROBE_S seconds per mode;
-#            MOE_PROBE=0 skips it), the routing plan's kernel vs torch ops (bench/probes/probe_moe_routing.py;
+#            MOE_PROBE=0 skips it), the routing plan's GPU tests and its kernels vs torch ops (bench/probes/probe_moe_routing.py;
 #            MOE_ROUTING=0 skips it), then the full 30B-A3B shape's speed table, ARMS (default "stock engine_async"),
 #            stock vLLM on its dummy weights. Rows by GPU memory: on a GPU of 100 GB or more the four rows of the
 #            30B-A3B command above; below that the rows whose KV cache fits beside 61 GB of weights
@@ -68,7 +68,10 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
       timeout $(( 2 * ${MOE_PROBE_S:-200} + 30 )) python bench/probes/probe_vllm_batch_invariance.py \
         --model qwen3-30b-a3b-4l --timeout ${MOE_PROBE_S:-200} --out $OUT/vllm_batch_invariance_moe.json 2>&1 | tail -3
     fi
-    [ "${MOE_ROUTING:-1}" = 1 ] && timeout 150 python bench/probes/probe_moe_routing.py --out $OUT/moe_routing 2>&1 | tail -5
+    if [ "${MOE_ROUTING:-1}" = 1 ]; then
+      timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_routing.py 2>&1 | tail -3
+      timeout 150 python bench/probes/probe_moe_routing.py --out $OUT/moe_routing 2>&1 | tail -7
+    fi
     gb=$(python -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
     if [ "$gb" -ge 100 ]; then WL=${MOE_WL:-"64x136x256 256x136x256 64x1024x2048 256x1024x1024"}; EM=0.8
     else WL=${MOE_WL:-"64x136x256 256x136x256 64x512x1024"}; EM=0.7; fi

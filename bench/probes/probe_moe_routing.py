@@ -1,14 +1,15 @@
-"""The MoE routing plan at decode sizes: the one-program kernel against the device torch ops, and what it changes in
-a whole routed-experts forward (Qwen3-30B-A3B widths: 128 experts, top-8, hidden 2,048, expert width 768).
+"""The MoE routing plan: the one-program kernel and the three-launch kernel against the device torch ops, and what
+each changes in a whole routed-experts forward (Qwen3-30B-A3B widths: 128 experts, top-8, hidden 2,048, expert width 768).
 
-    python bench/probes/probe_moe_routing.py --out $OUT [--tokens 1,64,256,512] [--layers 16]
+    python bench/probes/probe_moe_routing.py --out $OUT [--tokens 1,64,256,512] [--plan-tokens 2048,8192]
 
-Per token count T: the plan alone (``routing_plan_torch`` vs ``routing_plan_triton``, each a CUDA graph of
-``--launches`` launches; the kernel also at other warp counts and tile sizes), and the experts forward
-(``experts_triton_fwd``: plan, two grouped GEMMs, SiLU-mul) with either plan, each a CUDA graph over ``--layers``
-per-layer weight sets (rotating, so the weights are read from memory as in a decode step, not from L2). The two
-plans are compared element for element first, and the two forwards' outputs bit for bit (the plan decides which
-rows a launch gathers, never a row's bits). Writes ``moe_routing.json``; prints one line per T.
+Per token count T of ``--tokens``: the plan alone (``routing_plan_torch``, ``routing_plan_triton``,
+``routing_plan_chunked``, each a CUDA graph of ``--launches`` launches; the kernels also at other warp counts and
+tile sizes), and the experts forward (``experts_triton_fwd``: plan, two grouped GEMMs, SiLU-mul) with each plan, a
+CUDA graph over ``--layers`` per-layer weight sets (rotating, so the weights are read from memory as in a decode
+step, not from L2). Per T of ``--plan-tokens`` (prefill sizes): the plan alone. Every plan is compared with the
+torch plan element for element, and the forwards' outputs bit for bit (the plan decides which rows a launch
+gathers, never a row's bits). Writes ``moe_routing.json``; prints one line per T.
 """
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,64,256,512")
     ap.add_argument("--layers", type=int, default=16, help="weight sets the experts forward rotates over")
     ap.add_argument("--launches", type=int, default=48, help="plans per CUDA graph replay")
+    ap.add_argument("--plan-tokens", default="2048,8192", help="token counts timed for the plan alone (prefill)")
     a = ap.parse_args()
     tokens = [int(t) for t in a.tokens.split(",")]
-    if any(t < 1 for t in tokens) or a.layers < 1 or a.launches < 1:
+    plan_tokens = [int(t) for t in a.plan_tokens.split(",") if t]
+    if any(t < 1 for t in tokens + plan_tokens) or a.layers < 1 or a.launches < 1:
         raise SystemExit("probe_moe_routing: --tokens, --layers and --launches must be >= 1")
 
     import torch
@@ -46,25 +49,33 @@ def main() -> int:
     warm_up_clocks(2.0)
     res = {"gpu": torch.cuda.get_device_name(), "experts": E, "top_k": K_TOP, "hidden": H, "inter": I,
            "layers": a.layers, "cells": []}
-    plans = {"torch": rt.routing_plan_torch, "triton": rt.routing_plan_triton}
+    plans = {"torch": rt.routing_plan_torch, "triton": rt.routing_plan_triton, "chunked": rt.routing_plan_chunked}
     real_plan = ex.routing_plan
-    for T in tokens:
+
+    def plan_cell(T):
+        """The plans alone at T tokens: each implementation timed, all compared with the torch plan."""
         ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K_TOP] for _ in range(T)]).contiguous()
-        x = torch.randn(T, H, device=dev, generator=g).bfloat16()
         bm = rt.block_m_for(T * K_TOP, E)
-        p_t, p_k = rt.routing_plan_torch(ids, E, bm), rt.routing_plan_triton(ids, E, bm)
-        cell = {"tokens": T, "assignments": T * K_TOP, "block_m": bm,
-                "plans_equal": bool(torch.equal(p_t.order, p_k.order) and torch.equal(p_t.blocks, p_k.blocks))}
-        for name, fn in plans.items():
+        want = rt.routing_plan_torch(ids, E, bm)
+        cell = {"tokens": T, "assignments": T * K_TOP, "block_m": bm, "plans_equal": True}
+        variants = [(name, fn) for name, fn in plans.items()]
+        variants += [(f"triton_w{nw}_t{te}", lambda i, e, m, nw=nw, te=te: rt.routing_plan_triton(i, e, m, nw, te))
+                     for nw, te in ((4, 8192), (8, 16384), (4, 4096))]       # other launch shapes (speed only)
+        variants += [(f"chunked_w{nw}_t{te}", lambda i, e, m, nw=nw, te=te: rt.routing_plan_chunked(i, e, m, nw, te))
+                     for nw, te in ((8, 8192), (4, 4096), (4, 16384))]
+        for name, fn in variants:
+            if (name == "triton" or name.startswith("triton_")) and T * K_TOP > 4096:
+                continue                           # one SM walks every row: prefill sizes not timed
+            got = fn(ids, E, bm)
+            cell["plans_equal"] &= bool(torch.equal(got.order, want.order) and torch.equal(got.blocks, want.blocks))
             run, how = graphed(lambda fn=fn: [fn(ids, E, bm) for _ in range(a.launches)])
             cell[f"plan_{name}_us"] = round(time_ms(run).ms * 1000 / a.launches, 2)
             cell[f"plan_{name}_timed"] = how
-        for nw, te in ((4, 8192), (8, 16384), (4, 4096)):     # the kernel's other launch shapes (speed only)
-            run, how = graphed(lambda nw=nw, te=te: [rt.routing_plan_triton(ids, E, bm, nw, te)
-                                                     for _ in range(a.launches)])
-            cell[f"plan_triton_w{nw}_t{te}_us"] = round(time_ms(run).ms * 1000 / a.launches, 2)
-            p_v = rt.routing_plan_triton(ids, E, bm, nw, te)
-            cell["plans_equal"] &= bool(torch.equal(p_v.order, p_t.order) and torch.equal(p_v.blocks, p_t.blocks))
+        return ids, bm, cell
+
+    for T in tokens:
+        ids, bm, cell = plan_cell(T)
+        x = torch.randn(T, H, device=dev, generator=g).bfloat16()
         outs = {}
         for name, fn in plans.items():
             ex.routing_plan = lambda i, e, block_m=None, fn=fn: fn(i, e, block_m or rt.block_m_for(i.numel(), e))
@@ -81,15 +92,19 @@ def main() -> int:
                 torch.cuda.synchronize()
             finally:
                 ex.routing_plan = real_plan
-        cell["outputs_equal"] = all(torch.equal(u, v) for u, v in zip(outs["torch"], outs["triton"]))
-        cell["plan_speedup"] = round(cell["plan_torch_us"] / cell["plan_triton_us"], 2)
-        cell["experts_speedup"] = round(cell["experts_torch_us_per_layer"] / cell["experts_triton_us_per_layer"], 3)
+        cell["outputs_equal"] = all(torch.equal(u, v) for name in plans for u, v in zip(outs["torch"], outs[name]))
         res["cells"].append(cell)
-        print(f"T {T:4d}: plan torch {cell['plan_torch_us']:7.2f} us, kernel {cell['plan_triton_us']:7.2f} us "
-              f"({cell['plan_speedup']}x, equal {cell['plans_equal']}); experts per layer "
-              f"{cell['experts_torch_us_per_layer']:.1f} -> {cell['experts_triton_us_per_layer']:.1f} us "
-              f"({cell['experts_speedup']}x, bits equal {cell['outputs_equal']})", flush=True)
+        print(f"T {T:4d}: plan us " + ", ".join(f"{n} {cell[f'plan_{n}_us']:.2f}" for n in plans)
+              + f" (equal {cell['plans_equal']}); experts us per layer "
+              + ", ".join(f"{n} {cell[f'experts_{n}_us_per_layer']:.1f}" for n in plans)
+              + f" (bits equal {cell['outputs_equal']})", flush=True)
         del outs
+    for T in plan_tokens:
+        _, _, cell = plan_cell(T)
+        res["cells"].append(cell)
+        print(f"T {T:4d}: plan us " + ", ".join(f"{k[5:-3]} {v:.2f}" for k, v in cell.items()
+                                                   if k.startswith("plan_") and k.endswith("_us"))
+              + f" (equal {cell['plans_equal']})", flush=True)
     os.makedirs(a.out, exist_ok=True)
     json.dump(res, open(os.path.join(a.out, "moe_routing.json"), "w"), indent=1)
     return 0

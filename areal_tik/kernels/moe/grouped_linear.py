@@ -43,7 +43,8 @@ from areal_tik.kernels import interpreting
 from areal_tik.kernels.linear.configs import BLOCK_K
 from areal_tik.kernels.linear.splits import k_split
 from areal_tik.kernels.linear.triton_kernels import ptr_split_sum
-from areal_tik.kernels.moe.routing import TRITON_MAX_ASSIGNMENTS, RoutingPlan, block_m_for
+from areal_tik.kernels.moe.routing import (CHUNKED_MAX_ASSIGNMENTS, ONE_PROGRAM_MAX_ASSIGNMENTS, RoutingPlan,
+                                          block_m_for, plan_implementation)
 
 __all__ = ["grouped_linear_kernel", "grouped_linear", "tile_config", "GPU_TILES", "compile_specs",
            "token_counts_per_tile"]
@@ -84,16 +85,18 @@ INTERPRETER_TILE = dict(BLOCK_N=32, K_UNROLL=1, num_warps=4, num_stages=1)
 
 
 def token_counts_per_tile(num_experts: int, top_k: int, min_tokens: int, max_tokens: int) -> list[int]:
-    """One token count T in ``[min_tokens, max_tokens]`` per tile (BLOCK_M) the grouped GEMMs pick for some T in
-    that range (:func:`block_m_for` of ``T * top_k`` assignments over ``num_experts``), and per routing-plan
-    implementation reached in it (:func:`~areal_tik.kernels.moe.routing.routing_plan`: its kernel up to
-    ``TRITON_MAX_ASSIGNMENTS`` assignments): what precompilation runs the experts at, so that no later step
-    compiles a kernel."""
-    counts: dict[tuple[int, bool], int] = {}
-    for t in (min_tokens, *(triton.cdiv(bm * num_experts, top_k) for bm in sorted(GPU_TILES))):
+    """One token count T in ``[min_tokens, max_tokens]`` per (tile, routing-plan implementation) that some T in
+    that range reaches (:func:`block_m_for` of ``T * top_k`` assignments over ``num_experts``, and
+    :func:`~areal_tik.kernels.moe.routing.plan_implementation`): what precompilation runs the experts at, so that no
+    later step compiles a kernel. Both grow with T, so the last T of each tile's and each implementation's range,
+    and the range's ends, reach every pair."""
+    ends = [bm * num_experts // top_k for bm in sorted(GPU_TILES)]
+    ends += [ONE_PROGRAM_MAX_ASSIGNMENTS // top_k, CHUNKED_MAX_ASSIGNMENTS // top_k]
+    counts: dict[tuple[int, str], int] = {}
+    for t in (min_tokens, *sorted(ends), max_tokens):
         t = max(min_tokens, min(max_tokens, t))
         n = t * top_k
-        counts.setdefault((block_m_for(n, num_experts), n <= TRITON_MAX_ASSIGNMENTS), t)
+        counts.setdefault((block_m_for(n, num_experts), plan_implementation(n, True)), t)
     return sorted(set(counts.values()))
 
 
