@@ -22,11 +22,16 @@ LOAD_FORMAT = "tik_preset"
 
 
 def config_dir(preset: str, path: str) -> str:
-    """A folder holding only the preset's ``config.json`` (what vLLM reads with ``load_format=tik_preset``)."""
+    """A folder holding only the preset's ``config.json`` (what vLLM reads with ``load_format=tik_preset``), naming
+    the family's HF causal-LM class as its architecture, as a checkpoint's config does (without it vLLM resolves
+    some families to their base model and runs them as a pooling model)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     if not os.path.exists(os.path.join(path, "config.json")):
         os.makedirs(path, exist_ok=True)
         cfg = preset_config(preset)
         cfg.torch_dtype = "bfloat16"
+        cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg.model_type]]
         cfg.save_pretrained(path)
     return path
 

@@ -105,15 +105,19 @@ def test_vllm_generator_preset_weights_and_no_logprobs(fake_vllm, ckpt):
     assert len(out[0][1]) == 3 and out[0][2] == []
 
 
-def test_preset_config_dir_holds_the_preset_config(tmp_path):
+@pytest.mark.parametrize("preset,arch", [("qwen2.5-7b", "Qwen2ForCausalLM"), ("qwen3-30b-a3b", "Qwen3MoeForCausalLM")])
+def test_preset_config_dir_holds_the_preset_config(tmp_path, preset, arch):
+    """Only the config, with the causal-LM architecture a checkpoint names (without it vLLM 0.24 resolved
+    qwen3_moe to its base model and ran it as a pooling model)."""
     from areal_tik.layers.models import preset_config
     from areal_tik.vllm_plugin import preset_loader
-    d = preset_loader.config_dir("qwen2.5-7b", str(tmp_path / "cfg"))
+    d = preset_loader.config_dir(preset, str(tmp_path / "cfg"))
     cfg = json.load(open(os.path.join(d, "config.json")))
-    ref = preset_config("qwen2.5-7b")
+    ref = preset_config(preset)
     assert os.listdir(d) == ["config.json"]
     assert (cfg["model_type"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == \
         (ref.model_type, ref.hidden_size, ref.num_hidden_layers, ref.vocab_size)
+    assert cfg["architectures"] == [arch]
 
 
 def test_our_engine_staggered_equals_all_at_once():
