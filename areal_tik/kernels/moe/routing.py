@@ -19,7 +19,8 @@ Three implementations give the same plan, element for element (tests compare the
 - :func:`routing_plan_triton`: one program (``_routing_plan_kernel``): the per-expert counts, then the stable
   placement chunk by chunk (a row's place = its expert's next free slot + the earlier rows of its chunk with the
   same expert), then the block table. One launch instead of ~25 small torch ops; no host sync. Used up to
-  :data:`ONE_PROGRAM_MAX_ASSIGNMENTS` assignments (small decode batches: its work grows with ``T*k``, one SM does it).
+  :data:`ONE_PROGRAM_MAX_ASSIGNMENTS` assignments (decode batches of a few tokens: its work grows with ``T*k``, one SM
+  does it).
 - :func:`routing_plan_chunked`: the same steps in three launches: every chunk's counts in parallel, one program for
   the prefix sums over the chunks (each chunk's first slot per expert), then every chunk's placement and the table's
   entries in parallel. Used past the one program's range up to :data:`CHUNKED_MAX_ASSIGNMENTS`.
@@ -45,11 +46,13 @@ __all__ = ["RoutingPlan", "routing_plan", "routing_plan_torch", "routing_plan_tr
            "compile_specs"]
 
 #: the most assignments (T*k) :func:`routing_plan` gives the one-program kernel. Measured on an H100 (CUDA graphs,
-#: 128 experts; bench/probes/probe_moe_routing.py): kernel 8.8 / 41.9 / 134 / 252 us at 8 / 512 / 2,048 / 4,096
-#: assignments, the torch ops 59 / 76 / 81 / 86 us: the kernel's work grows with the assignments, the crossover lies
-#: between 512 and 2,048 (B 64 x top-8 decode)
-ONE_PROGRAM_MAX_ASSIGNMENTS = 512
-#: the most assignments :func:`routing_plan` gives the three-launch kernel (past the one program's range)
+#: 128 experts; bench/probes/probe_moe_routing.py), us per plan at 8 / 512 / 2,048 / 4,096 assignments: one program
+#: 8.8 / 41.8 / 133.9 / 251.1 (its work grows with the assignments: one SM walks them), three launches 12.2 / 12.9 /
+#: 13.2 / 13.7, the torch ops 58.5 / 74.7 / 80.8 / 86.3. The one program's time is ~linear between the two measured
+#: small sizes, which puts the crossover near 60 assignments (B 8 at top-8)
+ONE_PROGRAM_MAX_ASSIGNMENTS = 64
+#: the most assignments :func:`routing_plan` gives the three-launch kernel (measured to 65,536, 8,192 tokens at
+#: top-8: 77.2 us against the torch ops' 137.3; 25.6 vs 133.3 at 16,384)
 CHUNKED_MAX_ASSIGNMENTS = 65536
 
 
