@@ -20,15 +20,16 @@
 #            `verify --engine vllm` (VERIFY_ARGS; default 32 prompts of 8-3,072 tokens, 1,024 new) and
 #            `--engine vllm --kernels default` (stock vLLM, the negative control; its files keep the name
 #            verify_vllm-stock.*), VERIFY_S seconds each.
-#   STAGE=M: install as in A, then the MoE checks: stock vLLM's batch-invariant mode alone vs in a crowded batch on the
-#            4-layer Qwen3-30B-A3B shape (bench/probes/probe_vllm_batch_invariance.py, MOE_PROBE_S seconds per mode;
-#            MOE_PROBE=0 skips it), the routing plan's GPU tests and its kernels vs torch ops (bench/probes/probe_moe_routing.py;
-#            MOE_ROUTING=0 skips it), then the full 30B-A3B shape's speed table, ARMS (default "stock engine_async"),
-#            stock vLLM on its dummy weights. Rows by GPU memory: on a GPU of 100 GB or more the four rows of the
-#            30B-A3B command above; below that the rows whose KV cache fits beside 61 GB of weights
-#            (64 x 136 -> 256, 256 x 136 -> 256, 64 x 512 -> 1,024; our engine's KV share 0.7 there, 0.8 on the larger
-#            GPU). MOE_WL replaces the rows. Probe and two arms exceed one call: MOE_PROBE=1 ARMS=stock, then
-#            MOE_PROBE=0 ARMS=engine_async (the work folder gathers both); MOE_BENCH=0 runs the probes only.
+#   STAGE=M: install as in A, then the MoE checks: stock vLLM's batch-invariant mode alone vs in a crowded batch on
+#            the 4-layer Qwen3-30B-A3B shape (bench/probes/probe_vllm_batch_invariance.py, MOE_PROBE_S seconds per
+#            mode; MOE_PROBE=0 skips it), the routing plan's GPU tests and its kernels vs torch ops
+#            (bench/probes/probe_moe_routing.py; MOE_ROUTING=0 skips it), with MOE_TILES=1 the grouped GEMMs' tile
+#            probe (bench/probes/probe_moe_grouped_tiles.py, beside vLLM's fused_experts), then the full 30B-A3B
+#            shape's speed table, ARMS (default "stock engine_async"), stock vLLM on its dummy weights. Rows by GPU
+#            memory: on a GPU of 100 GB or more the four rows of the 30B-A3B command above; below that the rows whose
+#            KV cache fits beside 61 GB of weights (64 x 136 -> 256, 256 x 136 -> 256, 64 x 512 -> 1,024; our
+#            engine's KV share 0.7 there, 0.8 on the larger GPU). MOE_WL replaces the rows. The two arms alone fit
+#            one call (~300 s on an H100); the probes with them do not: MOE_BENCH=0 runs the probes only.
 #   STAGE=F: install as in A, then the fa3 backend (the attention pair on vLLM's FA3, one walk): its GPU tests,
 #            `verify` at the 1.5B shape with AREAL_TIK_BACKEND=attention=fa3, and our engine on the split pair vs on
 #            fa3 over the table's workloads with the parity step (ROLLOUT_ARGS, default "--repeats 3 --long-repeats 2").
@@ -72,6 +73,9 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
       timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_routing.py 2>&1 | tail -3
       timeout 150 python bench/probes/probe_moe_routing.py --out $OUT/moe_routing 2>&1 | tail -7
     fi
+    # the grouped GEMMs' tile candidates against the shipped table and vLLM's fused_experts (off unless MOE_TILES=1)
+    [ "${MOE_TILES:-0}" = 1 ] && timeout ${MOE_TILES_S:-300} python bench/probes/probe_moe_grouped_tiles.py \
+      --out $OUT/moe_tiles 2>&1 | grep "^T " | tail -12
     gb=$(python -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
     if [ "$gb" -ge 100 ]; then WL=${MOE_WL:-"64x136x256 256x136x256 64x1024x2048 256x1024x1024"}; EM=0.8
     else WL=${MOE_WL:-"64x136x256 256x136x256 64x512x1024"}; EM=0.7; fi
