@@ -30,3 +30,25 @@ def test_probe_refuses_bad_counts(tmp_path):
         p.main(["--out", str(tmp_path), "--tokens", "0"])
     with pytest.raises(SystemExit, match="--top-k at most"):
         p.main(["--out", str(tmp_path), "--experts", "4", "--top-k", "8"])
+
+
+def test_probe_catches_a_tile_that_leaves_rows_unwritten(tmp_path, monkeypatch):
+    """Negative control: a candidate tile whose launch writes nothing (its buffer keeps the poison) is reported
+    unequal and never picked as the best tile."""
+    import probe_moe_grouped_tiles as p
+    from areal_tik.kernels.moe import grouped_linear as gl
+    real = gl.grouped_linear
+    broken = p.CANDIDATES[0]
+
+    def grouped_linear(src, w, plan, row_div, out=None, splits=None):
+        if gl.GPU_TILES[plan.block_m] == broken and out is not None:
+            return out                                   # nothing written
+        return real(src, w, plan, row_div, out=out, splits=splits)
+    monkeypatch.setattr(gl, "grouped_linear", grouped_linear)
+    assert p.main(["--out", str(tmp_path), "--tokens", "3", "--layers", "1", "--max-candidates", "2",
+                   "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32"]) == 0
+    cell = json.load(open(tmp_path / "moe_grouped_tiles.json"))["cells"][0]
+    for gemm in cell["gemms"].values():
+        flags = [r["bits_equal_shipped"] for r in gemm["rows"]]
+        assert flags == [True, False, True] and not gemm["all_bits_equal"]
+        assert gemm["best"]["tile"] != broken
