@@ -10,9 +10,10 @@ BLOCK_M and the plan are the shipped ones for T) timed in a CUDA graph over ``--
 with the shipped tile's (a tile changes which rows and columns a program takes, never a row's reduction). Then the
 whole routed-experts forward plus the combine (plan, two grouped GEMMs, SiLU-mul, weighted sum) with the shipped
 tiles and with the best tile of each GEMM, beside vLLM's ``fused_experts`` (its tuned Triton fused MoE, same
-weights and routing) when vLLM is importable. On a machine without a GPU it runs under the Triton interpreter as a
-smoke run (the interpreter's tile is fixed). Writes ``moe_grouped_tiles.json``; prints one line per (T, GEMM) and
-per T.
+weights and routing) when vLLM is importable, and a probe-local gate/up kernel with the SiLU-mul in its
+epilogue (bits and time against the GEMM + ``silu_mul_packed`` pair). On a machine without a GPU it runs under the
+Triton interpreter as a smoke run (the interpreter's tile is fixed). Writes ``moe_grouped_tiles.json``; prints one
+line per (T, GEMM) and per T.
 """
 from __future__ import annotations
 
@@ -26,10 +27,66 @@ import time
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from areal_tik.kernels.linear.configs import BLOCK_K  # noqa: E402
+from areal_tik.kernels.linear.splits import k_split  # noqa: E402
+from areal_tik.kernels.linear.triton_kernels import ptr_split_sum  # noqa: E402
+
 #: candidate tiles (speed only): BLOCK_N x num_warps x num_stages, K_UNROLL 1
 CANDIDATES = [dict(BLOCK_N=bn, num_warps=nw, num_stages=ns, K_UNROLL=1)
               for bn, nw, ns in itertools.product((32, 64, 128, 256), (4, 8), (3, 4, 6))
               if not (bn == 256 and nw == 4) and not (bn == 32 and nw == 8)]
+
+
+@triton.jit
+def _gate_up_silu_kernel(src_ptr, w_ptr, h_ptr, order_ptr, blocks_ptr, I, K, K_CHUNK, ROW_DIV, stride_src,
+                         stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         K_UNROLL: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+    """Probe-local: the gate/up grouped GEMM with the SiLU-mul in its epilogue. Program (block, column tile j): the
+    gate columns j and the up columns I + j of its rows, each by the linear op's own chain (``ptr_split_sum``), each
+    rounded to the output dtype, then ``silu_mul_packed``'s element maths (same ops, same rounding points), stored
+    as ``h [T*k, I]``: no ``[T*k, 2I]`` buffer, one launch fewer. A speed question only: the probe compares its
+    output with the shipped pair's bit for bit."""
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    count = tl.load(blocks_ptr + b * 3 + 2)
+    if count > 0:
+        e = tl.load(blocks_ptr + b * 3).to(tl.int64)
+        start = tl.load(blocks_ptr + b * 3 + 1).to(tl.int64)
+        rows = tl.arange(0, BLOCK_M)
+        m_mask = rows < count
+        a = tl.load(order_ptr + start + rows, mask=m_mask, other=0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = src_ptr + (a // ROW_DIV)[:, None] * stride_src + offs_k[None, :]
+        w_g = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        w_u = w_g + I * stride_wn
+        dt = h_ptr.dtype.element_ty
+        g = ptr_split_sum(x_ptrs, w_g, m_mask, n_mask, offs_k, K, K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL,
+                          PRECISION, SPLITS).to(dt).to(tl.float32)
+        u = ptr_split_sum(x_ptrs, w_u, m_mask, n_mask, offs_k, K, K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL,
+                          PRECISION, SPLITS).to(dt).to(tl.float32)
+        sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(h_ptr + a[:, None] * I + offs_n[None, :], (sg * u).to(dt), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fused_gate_up_silu(x, w_gate_up, plan, row_div, tile):
+    """``silu_mul_packed(grouped_linear(x, w_gate_up, plan, row_div))`` in one launch of the probe-local kernel."""
+    _, n2, k = w_gate_up.shape
+    inter = n2 // 2
+    h = torch.empty((plan.order.numel(), inter), dtype=x.dtype, device=x.device)
+    n_chunks, chunk = k_split(k)
+    t = dict(tile)
+    nw, ns = t.pop("num_warps"), t.pop("num_stages")
+    _gate_up_silu_kernel[(plan.blocks.shape[0], triton.cdiv(inter, t["BLOCK_N"]))](
+        x, w_gate_up, h, plan.order, plan.blocks, inter, k, chunk, row_div, x.stride(0), w_gate_up.stride(0),
+        w_gate_up.stride(1), BLOCK_M=plan.block_m, BLOCK_K=BLOCK_K, PRECISION="tf32", SPLITS=n_chunks,
+        num_warps=nw, num_stages=ns, **t)
+    return h
 
 
 def main(argv=None) -> int:
@@ -48,7 +105,6 @@ def main(argv=None) -> int:
         raise SystemExit("probe_moe_grouped_tiles: every count must be >= 1 and --top-k at most --experts")
     E, K_TOP, H, I = a.experts, a.top_k, a.hidden, a.inter
 
-    import torch
     from harness import graphed, time_ms, warm_up_clocks
     from areal_tik.kernels.moe import combine as cb
     from areal_tik.kernels.moe import grouped_linear as gl
@@ -140,6 +196,25 @@ def main(argv=None) -> int:
                     y = gemm(silu_mul_packed_triton(gu), wd[li], p, 1, dict(tiles["down"]), None)
                     cb.combine_triton(y.view(T, K_TOP, H), wts)
             return fwd
+        # the gate/up GEMM with the SiLU-mul fused in, at the shipped tile and the best gate/up tile: bits vs the
+        # shipped pair (GEMM, then silu_mul_packed), time vs that pair
+        fused = fused_gate_up_silu
+        pair_outs = [silu_mul_packed_triton(gemm(x, wgu[li], plan, K_TOP, dict(shipped), None))
+                     for li in range(a.layers)]
+        cell["fused_gate_up_silu"] = {}
+        for label, tile in (("shipped", shipped), ("best", best["gate_up"])):
+            try:
+                outs = [fused(x, wgu[li], plan, K_TOP, tile) for li in range(a.layers)]
+                equal = all(torch.equal(o, r) for o, r in zip(outs, pair_outs))
+                us, _ = timed(lambda tile=tile: [fused(x, wgu[li], plan, K_TOP, tile) for li in range(a.layers)],
+                              a.layers)
+                pair_us, _ = timed(lambda tile=tile: [silu_mul_packed_triton(gemm(x, wgu[li], plan, K_TOP,
+                                                                                  dict(tile), None))
+                                                      for li in range(a.layers)], a.layers)
+                cell["fused_gate_up_silu"][label] = dict(tile=tile, us=us, pair_us=pair_us, bits_equal=equal)
+            except Exception as e:  # noqa: BLE001  (recorded, the probe goes on)
+                cell["fused_gate_up_silu"][label] = dict(tile=tile, error=f"{type(e).__name__}: {str(e)[:160]}")
+        del pair_outs
         cell["layer_shipped_us"], _ = timed(ours({"gate_up": shipped, "down": shipped}), a.layers)
         cell["layer_best_us"], _ = timed(ours(best), a.layers)
         if vllm_fused_experts is not None and on_gpu:
@@ -150,6 +225,10 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 cell["vllm_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         res["cells"].append(cell)
+        fz = cell["fused_gate_up_silu"]
+        print(f"T {T:4d}: gate/up + SiLU-mul fused: " + "; ".join(
+            f"{k} tile {v['us']} us vs pair {v['pair_us']} us (bits equal {v['bits_equal']})" if "us" in v
+            else f"{k} tile: {v['error']}" for k, v in fz.items()), flush=True)
         print(f"T {T:4d}: routed experts + combine per layer: shipped {cell['layer_shipped_us']} us, best tiles "
               f"{cell['layer_best_us']} us, vLLM fused_experts "
               f"{cell.get('layer_vllm_us', cell.get('vllm_error', peer))}",

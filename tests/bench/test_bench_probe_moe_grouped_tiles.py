@@ -1,6 +1,7 @@
 """bench/probes/probe_moe_grouped_tiles.py runs end to end at tiny widths on the CPU interpreter (a smoke run, so a
 device call is not spent on a typo): every cell has both GEMMs, every timed tile's output equals the shipped tile's
-bit for bit, and the routed-experts layer is timed with the shipped and the best tiles; bad counts are refused."""
+bit for bit, the probe-local fused gate/up + SiLU-mul equals the GEMM + silu_mul_packed pair bit for bit, and the
+routed-experts layer is timed with the shipped and the best tiles; bad counts are refused."""
 import json
 import os
 import sys
@@ -22,6 +23,8 @@ def test_probe_runs_at_tiny_widths(tmp_path):
         for gemm in c["gemms"].values():
             assert len(gemm["rows"]) == 3 and gemm["all_bits_equal"] and gemm["shipped_us"] > 0
         assert c["layer_shipped_us"] > 0 and c["layer_best_us"] > 0
+        fused = c["fused_gate_up_silu"]
+        assert set(fused) == {"shipped", "best"} and all(v["bits_equal"] and v["us"] > 0 for v in fused.values())
 
 
 def test_probe_refuses_bad_counts(tmp_path):
