@@ -34,6 +34,7 @@ import triton.language as tl  # noqa: E402
 from areal_tik.kernels.linear.configs import BLOCK_K  # noqa: E402
 from areal_tik.kernels.linear.splits import k_split  # noqa: E402
 from areal_tik.kernels.linear.triton_kernels import ptr_split_sum  # noqa: E402
+from areal_tik.kernels.moe.grouped_linear import grouped_tile  # noqa: E402
 
 #: candidate tiles (speed only): BLOCK_N x num_warps x num_stages, K_UNROLL 1
 CANDIDATES = [dict(BLOCK_N=bn, num_warps=nw, num_stages=ns, K_UNROLL=1)
@@ -50,20 +51,10 @@ def _gate_up_silu_kernel(src_ptr, w_ptr, h_ptr, order_ptr, blocks_ptr, I, K, K_C
     rounded to the output dtype, then ``silu_mul_packed``'s element maths (same ops, same rounding points), stored
     as ``h [T*k, I]``: no ``[T*k, 2I]`` buffer, one launch fewer. A speed question only: the probe compares its
     output with the shipped pair's bit for bit."""
-    b = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    count = tl.load(blocks_ptr + b * 3 + 2)
+    count, a, m_mask, offs_n, n_mask, offs_k, x_ptrs, w_g = grouped_tile(
+        src_ptr, w_ptr, order_ptr, blocks_ptr, tl.program_id(0), tl.program_id(1), I, ROW_DIV, stride_src, stride_we,
+        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     if count > 0:
-        e = tl.load(blocks_ptr + b * 3).to(tl.int64)
-        start = tl.load(blocks_ptr + b * 3 + 1).to(tl.int64)
-        rows = tl.arange(0, BLOCK_M)
-        m_mask = rows < count
-        a = tl.load(order_ptr + start + rows, mask=m_mask, other=0).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < I
-        offs_k = tl.arange(0, BLOCK_K)
-        x_ptrs = src_ptr + (a // ROW_DIV)[:, None] * stride_src + offs_k[None, :]
-        w_g = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
         w_u = w_g + I * stride_wn
         dt = h_ptr.dtype.element_ty
         g = ptr_split_sum(x_ptrs, w_g, m_mask, n_mask, offs_k, K, K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL,

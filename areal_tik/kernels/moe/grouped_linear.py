@@ -46,8 +46,28 @@ from areal_tik.kernels.linear.triton_kernels import ptr_split_sum
 from areal_tik.kernels.moe.routing import (CHUNKED_MAX_ASSIGNMENTS, ONE_PROGRAM_MAX_ASSIGNMENTS, RoutingPlan,
                                           block_m_for, plan_implementation)
 
-__all__ = ["grouped_linear_kernel", "grouped_linear", "tile_config", "GPU_TILES", "compile_specs",
+__all__ = ["grouped_linear_kernel", "grouped_tile", "grouped_linear", "tile_config", "GPU_TILES", "compile_specs",
            "token_counts_per_tile"]
+
+
+@triton.jit
+def grouped_tile(src_ptr, w_ptr, order_ptr, blocks_ptr, b, pid_n, N, ROW_DIV, stride_src, stride_we, stride_wn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Block b's rows x output columns ``pid_n * BLOCK_N ..``: ``(count, a, m_mask, offs_n, n_mask, offs_k, x_ptrs,
+    w_ptrs)``, the assignments ``a`` of the block's rows (through the sorted order), the source rows' and its
+    expert's weight rows' first K tile. ``count`` 0: the table entry holds no block (nothing else is meaningful)."""
+    count = tl.load(blocks_ptr + b * 3 + 2)
+    e = tl.load(blocks_ptr + b * 3).to(tl.int64)
+    start = tl.load(blocks_ptr + b * 3 + 1).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    m_mask = rows < count
+    a = tl.load(order_ptr + start + rows, mask=m_mask, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = src_ptr + (a // ROW_DIV)[:, None] * stride_src + offs_k[None, :]
+    w_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    return count, a, m_mask, offs_n, n_mask, offs_k, x_ptrs, w_ptrs
 
 
 @triton.jit
@@ -57,20 +77,10 @@ def grouped_linear_kernel(src_ptr, w_ptr, y_ptr, order_ptr, blocks_ptr,
                           K_UNROLL: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
     """One block of one expert's assignment rows x one BLOCK_N slice of its outputs: rows gathered through the
     sorted order, reduced by the linear op's chain (:func:`ptr_split_sum`), stored at their assignments."""
-    b = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    count = tl.load(blocks_ptr + b * 3 + 2)
+    count, a, m_mask, offs_n, n_mask, offs_k, x_ptrs, w_ptrs = grouped_tile(
+        src_ptr, w_ptr, order_ptr, blocks_ptr, tl.program_id(0), tl.program_id(1), N, ROW_DIV, stride_src, stride_we,
+        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     if count > 0:
-        e = tl.load(blocks_ptr + b * 3).to(tl.int64)
-        start = tl.load(blocks_ptr + b * 3 + 1).to(tl.int64)
-        rows = tl.arange(0, BLOCK_M)
-        m_mask = rows < count
-        a = tl.load(order_ptr + start + rows, mask=m_mask, other=0).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        x_ptrs = src_ptr + (a // ROW_DIV)[:, None] * stride_src + offs_k[None, :]
-        w_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
         acc = ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
                             BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, PRECISION, SPLITS)
         y_ptrs = y_ptr + a[:, None] * stride_y + offs_n[None, :]
