@@ -1,5 +1,6 @@
 """The MoE routing plan: the one-program kernel and the three-launch kernel against the device torch ops, and what
-each changes in a whole routed-experts forward (Qwen3-30B-A3B widths: 128 experts, top-8, hidden 2,048, expert width 768).
+each changes in a whole routed-experts forward (Qwen3-30B-A3B widths: 128 experts, top-8, hidden 2,048, expert
+width 768).
 
     python bench/probes/probe_moe_routing.py --out $OUT [--tokens 1,64,256,512] [--plan-tokens 2048,8192]
 

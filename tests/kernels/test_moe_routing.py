@@ -1,9 +1,10 @@
 """The routing plan (``kernels/moe/routing.py``): the one-program and the three-launch kernels give the torch
-reference's plan element for element (``torch.equal`` on ``order`` and the whole block table, unused entries included), on random and crowded
-routings, ties everywhere (every assignment on one expert), experts with no rows, several block sizes and expert
-counts (a power of two and not), into poisoned buffers; the plan's own properties checked from scratch (each
-assignment in exactly one block, sorted by expert then assignment). Negative control: a plan built from other ids
-differs. ``routing_plan`` takes the one program, the three launches and the torch ops by the assignment count."""
+reference's plan element for element (``torch.equal`` on ``order`` and the whole block table, unused entries
+included), on random and crowded routings, ties everywhere (every assignment on one expert), experts with no rows,
+several block sizes and expert counts (a power of two and not), into poisoned buffers; the plan's own properties
+checked from scratch (each assignment in exactly one block, sorted by expert then assignment). Negative control: a
+plan built from other ids differs. ``routing_plan`` takes the one program, the three launches and the torch ops by
+the assignment count."""
 import pytest
 import torch
 
