@@ -24,7 +24,9 @@
 #            the 4-layer Qwen3-30B-A3B shape (bench/probes/probe_vllm_batch_invariance.py, MOE_PROBE_S seconds per
 #            mode; MOE_PROBE=0 skips it), the routing plan's GPU tests and its kernels vs torch ops
 #            (bench/probes/probe_moe_routing.py; MOE_ROUTING=0 skips it), with MOE_TILES=1 the grouped GEMMs' tile
-#            probe (bench/probes/probe_moe_grouped_tiles.py, beside vLLM's fused_experts), then the full 30B-A3B
+#            probe (bench/probes/probe_moe_grouped_tiles.py, beside vLLM's fused_experts), with MOE_PROFILE=1 our
+#            engine's decode and prefill profile on the full shape at B 64 (bench/probes/profile_engine.py, prompts of
+#            MOE_PROFILE_PROMPT tokens, default 1,024), then the full 30B-A3B
 #            shape's speed table, ARMS (default "stock engine_async"), stock vLLM on its dummy weights. Rows by GPU
 #            memory: on a GPU of 100 GB or more the four rows of the 30B-A3B command above; below that the rows whose
 #            KV cache fits beside 61 GB of weights (64 x 136 -> 256, 256 x 136 -> 256, 64 x 512 -> 1,024; our
@@ -76,6 +78,10 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
     # the grouped GEMMs' tile candidates against the shipped table and vLLM's fused_experts (off unless MOE_TILES=1)
     [ "${MOE_TILES:-0}" = 1 ] && timeout ${MOE_TILES_S:-300} python bench/probes/probe_moe_grouped_tiles.py \
       --out $OUT/moe_tiles 2>&1 | grep "^T " | tail -12
+    # where our engine's decode step goes on the full shape with a long context (off unless MOE_PROFILE=1)
+    [ "${MOE_PROFILE:-0}" = 1 ] && timeout ${MOE_PROFILE_S:-200} python bench/probes/profile_engine.py \
+      --out $OUT/moe_profile --model qwen3-30b-a3b --kernels tik --async-decode --batches 64 \
+      --prompt-len ${MOE_PROFILE_PROMPT:-1024} --steps 16 --memory 0.6 --prefill 2>&1 | grep -v "^ *cpu" | tail -24
     gb=$(python -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
     if [ "$gb" -ge 100 ]; then WL=${MOE_WL:-"64x136x256 256x136x256 64x1024x2048 256x1024x1024"}; EM=0.8
     else WL=${MOE_WL:-"64x136x256 256x136x256 64x512x1024"}; EM=0.7; fi

@@ -137,7 +137,7 @@ def profile_arm(kernels: str, label: str, a, dev: str, backend: str | None = Non
     model = patch_model(build_model(a.model, device=dev), kernels=kernels, backend=backend)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=max(a.batches), max_model_len=a.prompt_len + 4 * a.steps + 64,
                                         max_num_batched_tokens=max(a.batches) * a.prompt_len,
-                                        chunked_prefill=False, gpu_memory_utilization=0.3,
+                                        chunked_prefill=False, gpu_memory_utilization=a.memory,
                                         page_size=a.page_size,
                                         enable_prefix_sharing=False,    # passes repeat their prompts
                                         async_decode=a.async_decode))
@@ -180,6 +180,8 @@ def main() -> int:
     ap.add_argument("--async-decode", action="store_true",
                     help="EngineConfig(async_decode=True), the engine's default: the plain ms/step is then the pipelined one "
                          "(without the flag the profile runs unpipelined, so its phases add up to the step)")
+    ap.add_argument("--memory", type=float, default=0.3,
+                    help="the engine's gpu_memory_utilization (share of the free memory for KV after the weights)")
     ap.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="KV page size of every arm's engine")
     ap.add_argument("--prefill", action="store_true",
                     help="also profile a prefill of B fresh prompts per batch size (prefill graphs where the engine uses them)")
