@@ -1,11 +1,12 @@
 """Tile configs of the grouped expert GEMMs at decode sizes, against the shipped table and vLLM's fused MoE.
 
-    python bench/probes/probe_moe_grouped_tiles.py --out $OUT [--tokens 1,64,256] [--layers 16]
+    python bench/probes/probe_moe_grouped_tiles.py --out $OUT [--tokens 1,64,256,4096] [--layers 16]
 
 Qwen3-30B-A3B widths by default (128 experts, top-8, hidden 2,048, expert width 768). Per token count T (random
 routings, k distinct experts per token) and per GEMM of the routed experts (gate/up: ``[T*k] x 2,048 -> 1,536``,
 rows gathered from x; down: ``[T*k] x 768 -> 2,048``): every candidate tile (BLOCK_N x num_warps x num_stages;
-BLOCK_M and the plan are the shipped ones for T) timed in a CUDA graph over ``--layers`` per-layer weight sets
+BLOCK_M and the plan the shipped ones for T; from ``--extra-from-tokens`` tokens on, also at ``--extra-block-m``
+rows per block with that block size's own plan) timed in a CUDA graph over ``--layers`` per-layer weight sets
 (rotating: weights read from memory as in a decode step), its output (into poisoned buffers) compared bit for bit
 with the shipped tile's (a tile changes which rows and columns a program takes, never a row's reduction). Then the
 whole routed-experts forward plus the combine (plan, two grouped GEMMs, SiLU-mul, weighted sum) with the shipped
@@ -85,16 +86,20 @@ def fused_gate_up_silu(x, w_gate_up, plan, row_div, tile, out=None):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--tokens", default="1,64,256")
+    ap.add_argument("--tokens", default="1,64,256,4096", help="token counts (decode batches, a prefill chunk)")
     ap.add_argument("--layers", type=int, default=16, help="weight sets each timing rotates over")
     ap.add_argument("--max-candidates", type=int, default=len(CANDIDATES), help="the first N candidate tiles only")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768, help="an expert's width")
+    ap.add_argument("--extra-block-m", type=int, default=128,
+                    help="a larger BLOCK_M also tried (its own plan) at token counts of --extra-from-tokens or more")
+    ap.add_argument("--extra-from-tokens", type=int, default=1024)
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
-    if min(tokens + [a.layers, a.max_candidates, a.experts, a.top_k, a.hidden, a.inter]) < 1 or a.top_k > a.experts:
+    if (min(tokens + [a.layers, a.max_candidates, a.experts, a.top_k, a.hidden, a.inter, a.extra_block_m,
+                      a.extra_from_tokens]) < 1 or a.top_k > a.experts):
         raise SystemExit("probe_moe_grouped_tiles: every count must be >= 1 and --top-k at most --experts")
     E, K_TOP, H, I = a.experts, a.top_k, a.hidden, a.inter
 
@@ -122,13 +127,17 @@ def main(argv=None) -> int:
     cands = CANDIDATES[:a.max_candidates]
 
     def gemm(src, w, plan, row_div, tile, out):
-        """One grouped GEMM with ``tile`` in place of the shipped one (speed only)."""
-        saved = gl.GPU_TILES[plan.block_m]
+        """One grouped GEMM with ``tile`` in place of the shipped one at the plan's BLOCK_M (speed only; a BLOCK_M
+        the table lacks is added for the call)."""
+        saved = gl.GPU_TILES.get(plan.block_m)
         gl.GPU_TILES[plan.block_m] = tile
         try:
             return gl.grouped_linear(src, w, plan, row_div, out=out)
         finally:
-            gl.GPU_TILES[plan.block_m] = saved
+            if saved is None:
+                del gl.GPU_TILES[plan.block_m]
+            else:
+                gl.GPU_TILES[plan.block_m] = saved
 
     def timed(fn, per):
         if not on_gpu:
@@ -143,6 +152,9 @@ def main(argv=None) -> int:
         wts = torch.softmax(torch.randn(T, K_TOP, device=dev, generator=g), -1)
         x = torch.randn(T, H, device=dev, generator=g).bfloat16()
         plan = rt.routing_plan(ids, E)
+        plans = {plan.block_m: plan}
+        if T >= a.extra_from_tokens and a.extra_block_m != plan.block_m:
+            plans[a.extra_block_m] = rt.routing_plan(ids, E, a.extra_block_m)
         shipped = gl.tile_config(plan.block_m)
         h = silu_mul_packed_triton(gl.grouped_linear(x, wgu[0], plan, K_TOP))
         cell = {"tokens": T, "block_m": plan.block_m, "plan": rt.plan_implementation(T * K_TOP, True), "gemms": {}}
@@ -152,14 +164,15 @@ def main(argv=None) -> int:
                     for _ in range(a.layers)]
             ref = None
             rows = []
-            for tile in [shipped] + cands:
-                def fwd(tile=tile):
+            trials = [(plan.block_m, shipped)] + [(bm, c) for bm in plans for c in cands]
+            for bm, tile in trials:
+                def fwd(tile=tile, p=plans[bm]):
                     for li in range(a.layers):
-                        gemm(src, ws[li], plan, row_div, dict(tile), outs[li])
+                        gemm(src, ws[li], p, row_div, dict(tile), outs[li])
                 try:
                     us, how = timed(fwd, a.layers)
                 except Exception as e:  # noqa: BLE001  (a tile that does not compile or launch: recorded)
-                    rows.append(dict(tile=tile, error=f"{type(e).__name__}: {str(e)[:120]}"))
+                    rows.append(dict(block_m=bm, tile=tile, error=f"{type(e).__name__}: {str(e)[:120]}"))
                     continue
                 for o in outs:                 # poisoned again: a row this tile leaves unwritten reads NaN
                     o.fill_(float("nan"))
@@ -169,24 +182,28 @@ def main(argv=None) -> int:
                 if ref is None:
                     ref = [o.clone() for o in outs]
                 equal = all(torch.equal(o, r) for o, r in zip(outs, ref))
-                rows.append(dict(tile=tile, us=us, timed=how, bits_equal_shipped=equal))
+                rows.append(dict(block_m=bm, tile=tile, us=us, timed=how, bits_equal_shipped=equal))
             ok = [r for r in rows if "us" in r and r["bits_equal_shipped"]]
             top = min(ok, key=lambda r: r["us"])
-            best[name] = top["tile"]
+            best[name] = (top["block_m"], top["tile"])
             timed_rows = [r for r in rows if "us" in r]
             cell["gemms"][name] = dict(shipped_us=rows[0].get("us"), best=top, rows=rows,
                                        all_bits_equal=all(r["bits_equal_shipped"] for r in timed_rows),
                                        weights_gb_per_layer=round(ws[0].numel() * 2 / 1e9, 4))
-            print(f"T {T:4d} {name:8s}: shipped {rows[0].get('us')} us, best {top['us']} us {top['tile']} "
+            print(f"T {T:4d} {name:8s}: shipped {rows[0].get('us')} us, best {top['us']} us BLOCK_M {top['block_m']} "
+                  f"{top['tile']} "
                   f"(bits equal in every tile: {cell['gemms'][name]['all_bits_equal']})", flush=True)
             del outs, ref
 
         def ours(tiles):
+            (bm_gu, t_gu), (bm_d, t_d) = tiles["gate_up"], tiles["down"]
+
             def fwd():
                 for li in range(a.layers):
-                    p = rt.routing_plan(ids, E)
-                    gu = gemm(x, wgu[li], p, K_TOP, dict(tiles["gate_up"]), None)
-                    y = gemm(silu_mul_packed_triton(gu), wd[li], p, 1, dict(tiles["down"]), None)
+                    p = rt.routing_plan(ids, E, bm_gu)
+                    pd = p if bm_d == bm_gu else rt.routing_plan(ids, E, bm_d)
+                    gu = gemm(x, wgu[li], p, K_TOP, dict(t_gu), None)
+                    y = gemm(silu_mul_packed_triton(gu), wd[li], pd, 1, dict(t_d), None)
                     cb.combine_triton(y.view(T, K_TOP, H), wts)
             return fwd
         # the gate/up GEMM with the SiLU-mul fused in, at the shipped tile and the best gate/up tile: bits vs the
@@ -194,21 +211,24 @@ def main(argv=None) -> int:
         pair_outs = [silu_mul_packed_triton(gemm(x, wgu[li], plan, K_TOP, dict(shipped), None))
                      for li in range(a.layers)]
         cell["fused_gate_up_silu"] = {}
-        for label, tile in (("shipped", shipped), ("best", best["gate_up"])):
+        for label, (bm, tile) in (("shipped", (plan.block_m, shipped)), ("best", best["gate_up"])):
+            p = plans[bm]
             try:
-                outs = [fused_gate_up_silu(x, wgu[li], plan, K_TOP, tile,   # into poisoned buffers
+                outs = [fused_gate_up_silu(x, wgu[li], p, K_TOP, tile,   # into poisoned buffers
                                            out=torch.full_like(r, float("nan"))) for li, r in enumerate(pair_outs)]
                 equal = all(torch.equal(o, r) for o, r in zip(outs, pair_outs))
-                us, _ = timed(lambda tile=tile: [fused_gate_up_silu(x, wgu[li], plan, K_TOP, tile)
-                                                 for li in range(a.layers)], a.layers)
-                pair_us, _ = timed(lambda tile=tile: [silu_mul_packed_triton(gemm(x, wgu[li], plan, K_TOP,
-                                                                                  dict(tile), None))
+                us, _ = timed(lambda tile=tile, p=p: [fused_gate_up_silu(x, wgu[li], p, K_TOP, tile)
                                                       for li in range(a.layers)], a.layers)
-                cell["fused_gate_up_silu"][label] = dict(tile=tile, us=us, pair_us=pair_us, bits_equal=equal)
+                pair_us, _ = timed(lambda tile=tile, p=p: [silu_mul_packed_triton(gemm(x, wgu[li], p, K_TOP,
+                                                                                       dict(tile), None))
+                                                           for li in range(a.layers)], a.layers)
+                cell["fused_gate_up_silu"][label] = dict(block_m=bm, tile=tile, us=us, pair_us=pair_us,
+                                                         bits_equal=equal)
             except Exception as e:  # noqa: BLE001  (recorded, the probe goes on)
-                cell["fused_gate_up_silu"][label] = dict(tile=tile, error=f"{type(e).__name__}: {str(e)[:160]}")
+                cell["fused_gate_up_silu"][label] = dict(block_m=bm, tile=tile, error=f"{type(e).__name__}: {str(e)[:160]}")
         del pair_outs
-        cell["layer_shipped_us"], _ = timed(ours({"gate_up": shipped, "down": shipped}), a.layers)
+        cell["layer_shipped_us"], _ = timed(ours({"gate_up": (plan.block_m, shipped),
+                                                  "down": (plan.block_m, shipped)}), a.layers)
         cell["layer_best_us"], _ = timed(ours(best), a.layers)
         if vllm_fused_experts is not None and on_gpu:
             ids32 = ids.to(torch.int32)

@@ -15,13 +15,16 @@ sys.path[:0] = [os.path.join(ROOT, "bench", "probes"), os.path.join(ROOT, "bench
 def test_probe_runs_at_tiny_widths(tmp_path):
     import probe_moe_grouped_tiles as p
     assert p.main(["--out", str(tmp_path), "--tokens", "1,5", "--layers", "2", "--max-candidates", "2",
-                   "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32"]) == 0
+                   "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32",
+                   "--extra-block-m", "32", "--extra-from-tokens", "5"]) == 0
     res = json.load(open(tmp_path / "moe_grouped_tiles.json"))
     assert [c["tokens"] for c in res["cells"]] == [1, 5]
     for c in res["cells"]:
         assert set(c["gemms"]) == {"gate_up", "down"}
         for gemm in c["gemms"].values():
-            assert len(gemm["rows"]) == 3 and gemm["all_bits_equal"] and gemm["shipped_us"] > 0
+            extra = c["tokens"] >= 5       # the larger block size's own plan, its tiles beside the shipped one's
+            assert [r["block_m"] for r in gemm["rows"]] == [16] * 3 + [32] * 2 * extra
+            assert gemm["all_bits_equal"] and gemm["shipped_us"] > 0
         assert c["layer_shipped_us"] > 0 and c["layer_best_us"] > 0
         fused = c["fused_gate_up_silu"]
         assert set(fused) == {"shipped", "best"} and all(v["bits_equal"] and v["us"] > 0 for v in fused.values())
