@@ -1,6 +1,6 @@
 """Tile configs of the grouped expert GEMMs at decode sizes, against the shipped table and vLLM's fused MoE.
 
-    python bench/probes/probe_moe_grouped_tiles.py --out $OUT [--tokens 1,64,256,4096] [--layers 16]
+    python bench/probes/probe_moe_grouped_tiles.py --out $OUT [--tokens 1,64,256,8192] [--layers 16]
 
 Qwen3-30B-A3B widths by default (128 experts, top-8, hidden 2,048, expert width 768). Per token count T (random
 routings, k distinct experts per token) and per GEMM of the routed experts (gate/up: ``[T*k] x 2,048 -> 1,536``,
@@ -86,7 +86,7 @@ def fused_gate_up_silu(x, w_gate_up, plan, row_div, tile, out=None):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--tokens", default="1,64,256,4096", help="token counts (decode batches, a prefill chunk)")
+    ap.add_argument("--tokens", default="1,64,256,8192", help="token counts (decode batches, a prefill chunk of the engine)")
     ap.add_argument("--layers", type=int, default=16, help="weight sets each timing rotates over")
     ap.add_argument("--max-candidates", type=int, default=len(CANDIDATES), help="the first N candidate tiles only")
     ap.add_argument("--experts", type=int, default=128)
