@@ -86,7 +86,8 @@ def fused_gate_up_silu(x, w_gate_up, plan, row_div, tile, out=None):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--tokens", default="1,64,256,8192", help="token counts (decode batches, a prefill chunk of the engine)")
+    ap.add_argument("--tokens", default="1,64,256,8192",
+                    help="token counts (decode batches, a prefill chunk of the engine)")
     ap.add_argument("--layers", type=int, default=16, help="weight sets each timing rotates over")
     ap.add_argument("--max-candidates", type=int, default=len(CANDIDATES), help="the first N candidate tiles only")
     ap.add_argument("--experts", type=int, default=128)
