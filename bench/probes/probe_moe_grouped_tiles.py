@@ -226,7 +226,8 @@ def main(argv=None) -> int:
                 cell["fused_gate_up_silu"][label] = dict(block_m=bm, tile=tile, us=us, pair_us=pair_us,
                                                          bits_equal=equal)
             except Exception as e:  # noqa: BLE001  (recorded, the probe goes on)
-                cell["fused_gate_up_silu"][label] = dict(block_m=bm, tile=tile, error=f"{type(e).__name__}: {str(e)[:160]}")
+                cell["fused_gate_up_silu"][label] = dict(block_m=bm, tile=tile,
+                                                         error=f"{type(e).__name__}: {str(e)[:160]}")
         del pair_outs
         cell["layer_shipped_us"], _ = timed(ours({"gate_up": (plan.block_m, shipped),
                                                   "down": (plan.block_m, shipped)}), a.layers)
