@@ -81,7 +81,7 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
     # where our engine's decode step goes on the full shape with a long context (off unless MOE_PROFILE=1)
     [ "${MOE_PROFILE:-0}" = 1 ] && timeout ${MOE_PROFILE_S:-200} python bench/probes/profile_engine.py \
       --out $OUT/moe_profile --model qwen3-30b-a3b --kernels tik --async-decode --batches 64 \
-      --prompt-len ${MOE_PROFILE_PROMPT:-1024} --steps 16 --memory 0.6 --prefill 2>&1 | grep -v "^ *cpu" | tail -24
+      --prompt-len ${MOE_PROFILE_PROMPT:-1024} --steps 16 --memory 0.5 --prefill 2>&1 | grep -v "^ *cpu" | tail -24
     gb=$(python -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
     if [ "$gb" -ge 100 ]; then WL=${MOE_WL:-"64x136x256 256x136x256 64x1024x2048 256x1024x1024"}; EM=0.8
     else WL=${MOE_WL:-"64x136x256 256x136x256 64x512x1024"}; EM=0.7; fi
