@@ -37,10 +37,13 @@ from areal_tik.kernels.linear.splits import k_split  # noqa: E402
 from areal_tik.kernels.linear.triton_kernels import ptr_split_sum  # noqa: E402
 from areal_tik.kernels.moe.grouped_linear import grouped_tile  # noqa: E402
 
-#: candidate tiles (speed only): BLOCK_N x num_warps x num_stages, K_UNROLL 1
+#: candidate tiles (speed only): BLOCK_N x num_warps x num_stages with K_UNROLL 1, then a few with two K tiles
+#: loaded per loop trip (K_UNROLL 2: more bytes in flight, the same dot sequence)
 CANDIDATES = [dict(BLOCK_N=bn, num_warps=nw, num_stages=ns, K_UNROLL=1)
               for bn, nw, ns in itertools.product((32, 64, 128, 256), (4, 8), (3, 4, 6))
               if not (bn == 256 and nw == 4) and not (bn == 32 and nw == 8)]
+CANDIDATES += [dict(BLOCK_N=bn, num_warps=4, num_stages=ns, K_UNROLL=2)
+               for bn, ns in itertools.product((64, 128), (3, 4))]
 
 
 @triton.jit
