@@ -243,6 +243,8 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 cell["vllm_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         res["cells"].append(cell)
+        os.makedirs(a.out, exist_ok=True)       # after every cell: a run stopped at its time limit keeps its cells
+        json.dump(res, open(os.path.join(a.out, "moe_grouped_tiles.json"), "w"), indent=1)
         fz = cell["fused_gate_up_silu"]
         print(f"T {T:4d}: gate/up + SiLU-mul fused: " + "; ".join(
             f"{k} tile {v['us']} us vs pair {v['pair_us']} us (bits equal {v['bits_equal']})" if "us" in v
@@ -251,8 +253,6 @@ def main(argv=None) -> int:
               f"{cell['layer_best_us']} us, vLLM fused_experts "
               f"{cell.get('layer_vllm_us', cell.get('vllm_error', peer))}",
               flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    json.dump(res, open(os.path.join(a.out, "moe_grouped_tiles.json"), "w"), indent=1)
     return 0
 
 
