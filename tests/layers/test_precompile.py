@@ -171,10 +171,11 @@ def test_moe_plan_runs_each_block_shape_once_per_grouped_tile(monkeypatch):
     def kinds(t, E, k):
         return routing.block_m_for(t * k, E), routing.plan_implementation(t * k, True)
     # (E, k, T range, the tiles reached, how many (tile, plan) kinds)
-    for E, k, lo, hi, want, n_kinds in [(128, 8, 1, 8192, {16, 32, 64}, 4), (128, 8, 1, 300, {16, 32}, 3),
+    for E, k, lo, hi, want, n_kinds in [(128, 8, 1, 8192, {16, 32, 64, 128}, 5), (128, 8, 1, 300, {16, 32}, 3),
                                         (8, 2, 256, 256, {64}, 1), (128, 8, 1, 1, {16}, 1),
-                                        (128, 8, 100, 200, {16}, 1), (128, 8, 8000, 8200, {64}, 2),
-                                        (60, 4, 1, 20000, {16, 32, 64}, 5)]:
+                                        (128, 8, 100, 200, {16}, 1), (128, 8, 8000, 8200, {128}, 2),
+                                        (128, 8, 1000, 2100, {64, 128}, 2), (128, 8, 2030, 2040, {64, 128}, 2),
+                                        (60, 4, 1, 20000, {16, 32, 64, 128}, 6)]:
         counts = grouped_linear.token_counts_per_tile(E, k, lo, hi)
         assert all(lo <= t <= hi for t in counts), (E, k, lo, hi, counts)
         got = {kinds(t, E, k) for t in counts}

@@ -87,10 +87,13 @@ def grouped_linear_kernel(src_ptr, w_ptr, y_ptr, order_ptr, blocks_ptr,
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-#: BLOCK_M -> the launch's other tile constants on a GPU (speed only; BLOCK_K is the linear op's)
-GPU_TILES = {16: dict(BLOCK_N=64, K_UNROLL=1, num_warps=4, num_stages=4),
+#: BLOCK_M -> the launch's other tile constants on a GPU (speed only; BLOCK_K is the linear op's). 16 and 128:
+#: the fastest tile of ``bench/probes/probe_moe_grouped_tiles.py`` for both GEMMs of the Qwen3-30B-A3B experts on
+#: an H200 (decode B 64 and 256; an 8,192-token prefill chunk), bits equal to every other tile's
+GPU_TILES = {16: dict(BLOCK_N=128, K_UNROLL=2, num_warps=4, num_stages=3),
              32: dict(BLOCK_N=64, K_UNROLL=1, num_warps=4, num_stages=4),
-             64: dict(BLOCK_N=128, K_UNROLL=1, num_warps=4, num_stages=4)}
+             64: dict(BLOCK_N=128, K_UNROLL=1, num_warps=4, num_stages=4),
+             128: dict(BLOCK_N=256, K_UNROLL=1, num_warps=8, num_stages=3)}
 INTERPRETER_TILE = dict(BLOCK_N=32, K_UNROLL=1, num_warps=4, num_stages=1)
 
 
@@ -98,8 +101,9 @@ def token_counts_per_tile(num_experts: int, top_k: int, min_tokens: int, max_tok
     """One token count T in ``[min_tokens, max_tokens]`` per (tile, routing-plan implementation) that some T in
     that range reaches (:func:`block_m_for` of ``T * top_k`` assignments over ``num_experts``, and
     :func:`~areal_tik.kernels.moe.routing.plan_implementation`): what precompilation runs the experts at, so that no
-    later step compiles a kernel. Both grow with T, so the last T of each tile's and each implementation's range,
-    and the range's ends, reach every pair."""
+    later step compiles a kernel. Both grow with T, so the T at which the mean rows per expert equal a tile's
+    BLOCK_M (the last T of that tile's range, the first of the large tile's), the last T of each implementation's
+    range, and the range's ends, reach every pair."""
     ends = [bm * num_experts // top_k for bm in sorted(GPU_TILES)]
     ends += [ONE_PROGRAM_MAX_ASSIGNMENTS // top_k, CHUNKED_MAX_ASSIGNMENTS // top_k]
     counts: dict[tuple[int, str], int] = {}

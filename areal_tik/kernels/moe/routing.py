@@ -84,12 +84,19 @@ def max_blocks(assignments: int, num_experts: int, block_m: int) -> int:
     return min(assignments, triton.cdiv(assignments, block_m) + num_experts - 1)
 
 
+#: rows per block once the mean rows per expert reach it (prefill chunks; below it, decode sizes)
+LARGE_BLOCK_M = 128
+
+
 def block_m_for(assignments: int, num_experts: int) -> int:
-    """Rows per block (speed only, never bits): the mean rows per expert, rounded up to a power of two in
-    16..64; 16 under the CPU interpreter."""
+    """Rows per block (speed only, never bits): the mean rows per expert rounded up to a power of two in 16..64,
+    or :data:`LARGE_BLOCK_M` once that mean reaches it; 16 under the CPU interpreter."""
     if interpreting():
         return 16
-    return min(64, max(16, triton.next_power_of_2(triton.cdiv(assignments, max(num_experts, 1)))))
+    mean = triton.cdiv(assignments, max(num_experts, 1))
+    if mean >= LARGE_BLOCK_M:
+        return LARGE_BLOCK_M
+    return min(64, max(16, triton.next_power_of_2(mean)))
 
 
 @triton.jit
