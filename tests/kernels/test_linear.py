@@ -123,14 +123,40 @@ def test_tuned_table_parsing_and_selection(tmp_path):
     bad["archs"]["sm_90"]["rules"][0]["buckets"] = [[256, "dec16_n16"], [8, "dec16_n16"]]
     with pytest.raises(ValueError, match="ascend"):
         selection.parse_tuned_table(json.dumps(bad))
-    # pre-Hopper never gets a TMA config, and the built-in defaults are pointer kernels
+    # pre-Hopper never gets a TMA config: its built-in defaults are pointer kernels; on sm_90 so are they outside
+    # decode-sized M (8 < M <= 256), where a 64-row TMA tile runs
     assert not configs.arch_has_tma("sm_80") and configs.arch_has_tma("sm_90")
-    for M in (1, 8, 64, 256, 2048, 16384):
-        for N, K in ((2048, 1536), (151936, 1536), (3584, 18944)):
-            assert L.CONFIGS[configs.default_config_name(M, N, K)]["kernel"] == "ptr"
+    for M in (1, 8, 9, 64, 256, 257, 2048, 16384):
+        for N, K in ((2048, 1536), (151936, 1536), (3584, 18944), (5120, 2048)):
+            assert L.CONFIGS[configs.default_config_name(M, N, K, "sm_80")]["kernel"] == "ptr"
             assert L.pick_config(M, N, K, "sm_80") in L.CONFIGS
+            kind = L.CONFIGS[configs.default_config_name(M, N, K, "sm_90")]["kernel"]
+            assert kind == ("tma" if 8 < M <= 256 else "ptr"), (M, N, K, kind)
     # the committed table (if any) parses and names only configs the GPU test covers
     selection.parse_tuned_table(selection._load_table_text())
+
+
+def test_default_decode_tile_leaves_enough_programs():
+    """The sm_90 default at decode-sized M takes the widest N tile that keeps DECODE_MIN_PROGRAMS programs: it
+    reproduces the tuned table's measured winners on the 1.5B shapes (H200, M 64 and 128), and the Qwen3-30B-A3B
+    projections (no rule of their own) get narrow tiles on their narrow outputs, wide ones on the lm_head."""
+    measured = {(64, 2048, 1536): "tma64_n16_s8", (64, 1536, 1536): "tma64_n16_s8",
+                (64, 17920, 1536): "tma64_n128", (64, 1536, 8960): "tma64_n16_s8",
+                (128, 2048, 1536): "tma64_n32_s8", (128, 1536, 1536): "tma64_n32_s8",
+                (128, 1536, 8960): "tma64_n32_s8", (256, 4608, 3584): "tma64_n128"}
+    for (M, N, K), name in measured.items():
+        assert configs.default_config_name(M, N, K, "sm_90") == name, (M, N, K)
+    assert configs.default_config_name(64, 2048, 4096, "sm_90") == "tma64_n16_s8"     # o: 128 programs, not 32
+    assert configs.default_config_name(64, 5120, 2048, "sm_90") == "tma64_n32_s8"     # q/k/v: 160
+    assert configs.default_config_name(64, 151936, 2048, "sm_90") == "tma64_n128"    # lm_head
+    assert configs.default_config_name(64, 128, 2048, "sm_90") == "tma64_n16_s8"      # router: as many as there are
+    for M, N in ((9, 1), (64, 100), (256, 10 ** 6), (200, 3000)):
+        name = configs.default_config_name(M, N, 1024, "sm_90")
+        bn = L.CONFIGS[name]["BLOCK_N"]
+        programs = -(-M // 64) * -(-N // bn)
+        assert bn == 16 or programs >= configs.DECODE_MIN_PROGRAMS, (M, N, name)
+        if bn < 128:    # the next wider tile would leave too few
+            assert -(-M // 64) * -(-N // (2 * bn)) < configs.DECODE_MIN_PROGRAMS, (M, N, name)
 
 
 def test_packing_invariance_cpu(seed_rng):

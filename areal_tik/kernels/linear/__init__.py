@@ -28,7 +28,8 @@ descriptors (sm_90+; a pointer twin runs when a row stride is not 16-byte aligne
 persistent TMA kernel — the same dot chain per output tile in each. Which config runs for
 (arch, N, K, M) comes from ``linear_tuned.json`` in this package when it has a rule
 (written by ``bench/tune_linear.py``, every entry bit-checked there and by the GPU test;
-its hash is in META), else from :func:`default_config_name` (pointer kernels). Under the
+its hash is in META), else from :func:`default_config_name` (at decode-sized M on sm_90+ a TMA tile sized for
+enough programs, otherwise pointer kernels). Under the
 CPU interpreter one fixed config is used (the interpreter's numpy matmul is *not*
 tile-shape invariant).
 
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import hashlib
 
-from areal_tik.kernels.linear.configs import BLOCK_K, CONFIGS
+from areal_tik.kernels.linear.configs import BLOCK_K, CONFIGS, DECODE_MIN_PROGRAMS, DECODE_TMA_TILES
 from areal_tik.kernels.linear.launcher import linear_fwd, linear_triton
 from areal_tik.kernels.linear.selection import (
     TABLE_TEXT, config_name_for, config_names, pick_config, row_grid, tile_configs,
@@ -63,7 +64,10 @@ META = {"linear.BLOCK_K": BLOCK_K,
         "linear.form": "acc=tl.dot(a,b^T,acc) ascending K per fixed K chunk, fp32 acc, chunk sums ascending",
         "linear.k_splits": ",".join(f"{k}:{s}" for k, s in sorted(K_SPLITS.items())) or "none",
         "linear.torch_ref": "ascending-k fp32 mul+add",
-        # the tuned tile table picks among configs proven bit-identical, but it is fingerprinted anyway
-        "linear.tuned_table": hashlib.sha256(TABLE_TEXT.encode()).hexdigest()[:16] if TABLE_TEXT else "none"}
+        # the tuned tile table and the built-in rule pick among configs proven bit-identical, but they are
+        # fingerprinted anyway
+        "linear.tuned_table": hashlib.sha256(TABLE_TEXT.encode()).hexdigest()[:16] if TABLE_TEXT else "none",
+        "linear.default_rule": f"8<M<=256 on sm_90+: {'/'.join(DECODE_TMA_TILES.values())}, "
+                               f">= {DECODE_MIN_PROGRAMS} programs"}
 
 COMPILE_SPECS = compile_specs()

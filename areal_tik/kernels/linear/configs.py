@@ -110,8 +110,21 @@ def _dec_bn(N: int, bm: int) -> int:
     return 16
 
 
+#: decode-sized M on TMA GPUs without a tuned rule: one 64-row TMA tile and the widest N tile that still makes at
+#: least this many programs (the tuned table's measured winners on an H200, 1.5B shapes at M 64 and 128, and most
+#: 7B cells follow it; bench/results/2026-12-02T0255_H200_b46d7e5_decode-linear-deeper-tiles: there the pointer
+#: default dec64_n64 ran 1.4-1.7x the winner's time)
+DECODE_MIN_PROGRAMS = 96
+DECODE_TMA_TILES = {128: "tma64_n128", 64: "tma64_n64_s6", 32: "tma64_n32_s8", 16: "tma64_n16_s8"}
+
+
 def default_config_name(M: int, N: int, K: int, arch: str = "sm_90") -> str:
-    """Built-in choice (pointer kernels only: valid on every arch) when no tuned rule applies."""
+    """Built-in choice when no tuned rule applies: at 8 < M <= 256 on a TMA arch (sm_90+) a 64-row TMA tile whose
+    N tile leaves at least :data:`DECODE_MIN_PROGRAMS` programs; otherwise pointer kernels (valid on every arch)."""
+    if 8 < M <= 256 and arch_has_tma(arch):
+        tiles_m = triton.cdiv(M, 64)
+        bn = next((bn for bn in (128, 64, 32) if tiles_m * triton.cdiv(N, bn) >= DECODE_MIN_PROGRAMS), 16)
+        return DECODE_TMA_TILES[bn]
     if M <= 16:
         return f"dec16_n{_dec_bn(N, 16)}"
     if M <= 32:
