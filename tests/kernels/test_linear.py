@@ -131,7 +131,9 @@ def test_tuned_table_parsing_and_selection(tmp_path):
             assert L.CONFIGS[configs.default_config_name(M, N, K, "sm_80")]["kernel"] == "ptr"
             assert L.pick_config(M, N, K, "sm_80") in L.CONFIGS
             kind = L.CONFIGS[configs.default_config_name(M, N, K, "sm_90")]["kernel"]
-            assert kind == ("tma" if 8 < M <= 256 else "ptr"), (M, N, K, kind)
+            tiles = -(-M // 128) * -(-N // 256)
+            want = "tma" if 8 < M <= 256 else "tma_p" if M > 256 and tiles >= configs.PERSISTENT_MIN_TILES else "ptr"
+            assert kind == want, (M, N, K, kind)
     # the committed table (if any) parses and names only configs the GPU test covers
     selection.parse_tuned_table(selection._load_table_text())
 
@@ -150,6 +152,13 @@ def test_default_decode_tile_leaves_enough_programs():
     assert configs.default_config_name(64, 5120, 2048, "sm_90") == "tma64_n32_s8"     # q/k/v: 160
     assert configs.default_config_name(64, 151936, 2048, "sm_90") == "tma64_n128"    # lm_head
     assert configs.default_config_name(64, 128, 2048, "sm_90") == "tma64_n16_s8"      # router: as many as there are
+    # large M: the persistent kernel where it won (1.5B gate, M 2,048 and more), big tiles where it lost or has
+    # too few tiles (the same at M 512; the k/v projection's 256 columns)
+    assert configs.default_config_name(2048, 8960, 1536, "sm_90") == "tmap128_n256_flat"
+    assert configs.default_config_name(16384, 8960, 1536, "sm_90") == "tmap128_n256_flat"
+    assert configs.default_config_name(512, 8960, 1536, "sm_90") == "big128_n256"
+    assert configs.default_config_name(8192, 256, 1536, "sm_90") == "big128_n128"
+    assert configs.default_config_name(8192, 5120, 2048, "sm_90") == "tmap128_n256_flat"   # 30B-A3B q/k/v prefill
     for M, N in ((9, 1), (64, 100), (256, 10 ** 6), (200, 3000)):
         name = configs.default_config_name(M, N, 1024, "sm_90")
         bn = L.CONFIGS[name]["BLOCK_N"]

@@ -28,8 +28,8 @@ descriptors (sm_90+; a pointer twin runs when a row stride is not 16-byte aligne
 persistent TMA kernel — the same dot chain per output tile in each. Which config runs for
 (arch, N, K, M) comes from ``linear_tuned.json`` in this package when it has a rule
 (written by ``bench/tune_linear.py``, every entry bit-checked there and by the GPU test;
-its hash is in META), else from :func:`default_config_name` (at decode-sized M on sm_90+ a TMA tile sized for
-enough programs, otherwise pointer kernels). Under the
+its hash is in META), else from :func:`default_config_name` (on sm_90+ a TMA tile sized for enough programs at
+decode-sized M and the persistent TMA kernel on large outputs; pointer kernels otherwise). Under the
 CPU interpreter one fixed config is used (the interpreter's numpy matmul is *not*
 tile-shape invariant).
 
@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import hashlib
 
-from areal_tik.kernels.linear.configs import BLOCK_K, CONFIGS, DECODE_MIN_PROGRAMS, DECODE_TMA_TILES
+from areal_tik.kernels.linear.configs import (BLOCK_K, CONFIGS, DECODE_MIN_PROGRAMS, DECODE_TMA_TILES,
+                                             PERSISTENT_MIN_TILES)
 from areal_tik.kernels.linear.launcher import linear_fwd, linear_triton
 from areal_tik.kernels.linear.selection import (
     TABLE_TEXT, config_name_for, config_names, pick_config, row_grid, tile_configs,
@@ -68,6 +69,7 @@ META = {"linear.BLOCK_K": BLOCK_K,
         # fingerprinted anyway
         "linear.tuned_table": hashlib.sha256(TABLE_TEXT.encode()).hexdigest()[:16] if TABLE_TEXT else "none",
         "linear.default_rule": f"8<M<=256 on sm_90+: {'/'.join(DECODE_TMA_TILES.values())}, "
-                               f">= {DECODE_MIN_PROGRAMS} programs"}
+                               f">= {DECODE_MIN_PROGRAMS} programs; M>256: tmap128_n256_flat from "
+                               f"{PERSISTENT_MIN_TILES} tiles"}
 
 COMPILE_SPECS = compile_specs()

@@ -118,9 +118,18 @@ DECODE_MIN_PROGRAMS = 96
 DECODE_TMA_TILES = {128: "tma64_n128", 64: "tma64_n64_s6", 32: "tma64_n32_s8", 16: "tma64_n16_s8"}
 
 
+#: large M on TMA GPUs without a tuned rule: the persistent TMA kernel once there are this many 128 x 256 output
+#: tiles (four waves of 132 SMs; on an H200 it beat big128_n256 by 1.31-1.38x at 560-4,480 tiles, the 1.5B gate
+#: projection at M 2,048-16,384, and the non-persistent TMA tiles lost at 140: bench/results/
+#: 2026-11-30T0545_H200_b92234a_tune-kv-gate)
+PERSISTENT_MIN_TILES = 4 * 132
+
+
 def default_config_name(M: int, N: int, K: int, arch: str = "sm_90") -> str:
     """Built-in choice when no tuned rule applies: at 8 < M <= 256 on a TMA arch (sm_90+) a 64-row TMA tile whose
-    N tile leaves at least :data:`DECODE_MIN_PROGRAMS` programs; otherwise pointer kernels (valid on every arch)."""
+    N tile leaves at least :data:`DECODE_MIN_PROGRAMS` programs; past M 256 there the persistent TMA kernel once
+    the output has :data:`PERSISTENT_MIN_TILES` tiles of 128 x 256; otherwise pointer kernels (valid on every
+    arch)."""
     if 8 < M <= 256 and arch_has_tma(arch):
         tiles_m = triton.cdiv(M, 64)
         bn = next((bn for bn in (128, 64, 32) if tiles_m * triton.cdiv(N, bn) >= DECODE_MIN_PROGRAMS), 16)
@@ -134,6 +143,8 @@ def default_config_name(M: int, N: int, K: int, arch: str = "sm_90") -> str:
     if M <= 256:
         return "mid64_n128"
     tiles_256 = triton.cdiv(M, 128) * triton.cdiv(N, 256)
+    if tiles_256 >= PERSISTENT_MIN_TILES and arch_has_tma(arch):
+        return "tmap128_n256_flat"
     return "big128_n256" if tiles_256 >= 132 else "big128_n128"
 
 
