@@ -235,9 +235,9 @@ def test_dispatch_through_ops(seed_rng):
 
 # ----------------------------------------------------------------------------- GPU
 
-QWEN_SHAPES = {  # (N, K): 1.5B q/o, kv, gate(or up), down; 7B q/o, kv, down
+QWEN_SHAPES = {  # (N, K): 1.5B q/o, kv, gate(or up), down; 7B q/o, kv, down; Qwen3-30B-A3B o (no tuned rule)
     "1.5b_q": (1536, 1536), "1.5b_kv": (256, 1536), "1.5b_up": (8960, 1536), "1.5b_down": (1536, 8960),
-    "7b_q": (3584, 3584), "7b_kv": (512, 3584), "7b_down": (3584, 18944),
+    "7b_q": (3584, 3584), "7b_kv": (512, 3584), "7b_down": (3584, 18944), "30b_a3b_o": (2048, 4096),
 }
 
 

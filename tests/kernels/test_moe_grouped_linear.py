@@ -163,7 +163,7 @@ def _qwen3_30b(T, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 64, 512])
+@pytest.mark.parametrize("T", [1, 64, 512, 2048])    # BLOCK_M 16, 16, 32, 128 (block_m_for)
 def test_gpu_grouped_rows_equal_linear_fwd_rows(T, seed_rng):
     x, wgu, wd, ids = _qwen3_30b(T, seed_rng)
     k = ids.shape[1]
