@@ -120,8 +120,8 @@ DECODE_TMA_TILES = {128: "tma64_n128", 64: "tma64_n64_s6", 32: "tma64_n32_s8", 1
 
 #: large M on TMA GPUs without a tuned rule: the persistent TMA kernel once there are this many 128 x 256 output
 #: tiles (four waves of 132 SMs; on an H200 it beat big128_n256 by 1.31-1.38x at 560-4,480 tiles, the 1.5B gate
-#: projection at M 2,048-16,384, and the non-persistent TMA tiles lost at 140: bench/results/
-#: 2026-11-30T0545_H200_b92234a_tune-kv-gate)
+#: projection at M 2,048-16,384, while at 140 tiles, M 512, the unflattened persistent kernel took 1.8x the best
+#: time: bench/results/2026-11-30T0545_H200_b92234a_tune-kv-gate)
 PERSISTENT_MIN_TILES = 4 * 132
 
 
