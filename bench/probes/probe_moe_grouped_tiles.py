@@ -33,6 +33,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from areal_tik.kernels.linear.configs import BLOCK_K  # noqa: E402
+from areal_tik.kernels.linear.launcher import dot_precision  # noqa: E402
 from areal_tik.kernels.linear.splits import k_split  # noqa: E402
 from areal_tik.kernels.linear.triton_kernels import ptr_split_sum  # noqa: E402
 from areal_tik.kernels.moe.grouped_linear import grouped_tile  # noqa: E402
@@ -81,7 +82,7 @@ def fused_gate_up_silu(x, w_gate_up, plan, row_div, tile, out=None):
     _gate_up_silu_kernel[(plan.blocks.shape[0], triton.cdiv(inter, t["BLOCK_N"]))](
         x, w_gate_up, h, plan.order, plan.blocks, inter, k, chunk, row_div, x.stride(0), w_gate_up.stride(0),
         w_gate_up.stride(1), BLOCK_M=plan.block_m, BLOCK_K=BLOCK_K,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLITS=n_chunks,
+        PRECISION=dot_precision(x.dtype), SPLITS=n_chunks,
         num_warps=nw, num_stages=ns, **t)
     return h
 
@@ -130,19 +131,6 @@ def main(argv=None) -> int:
            "cells": []}
     cands = CANDIDATES[:a.max_candidates]
 
-    def gemm(src, w, plan, row_div, tile, out):
-        """One grouped GEMM with ``tile`` in place of the shipped one at the plan's BLOCK_M (speed only; a BLOCK_M
-        the table lacks is added for the call)."""
-        saved = gl.GPU_TILES.get(plan.block_m)
-        gl.GPU_TILES[plan.block_m] = tile
-        try:
-            return gl.grouped_linear(src, w, plan, row_div, out=out)
-        finally:
-            if saved is None:
-                del gl.GPU_TILES[plan.block_m]
-            else:
-                gl.GPU_TILES[plan.block_m] = saved
-
     def timed(fn, per):
         if not on_gpu:
             t0 = time.perf_counter()
@@ -172,7 +160,7 @@ def main(argv=None) -> int:
             for bm, tile in trials:
                 def fwd(tile=tile, p=plans[bm]):
                     for li in range(a.layers):
-                        gemm(src, ws[li], p, row_div, dict(tile), outs[li])
+                        gl.grouped_linear(src, ws[li], p, row_div, out=outs[li], tile=tile)
                 try:
                     us, how = timed(fwd, a.layers)
                 except Exception as e:  # noqa: BLE001  (a tile that does not compile or launch: recorded)
@@ -206,13 +194,13 @@ def main(argv=None) -> int:
                 for li in range(a.layers):
                     p = rt.routing_plan(ids, E, bm_gu)
                     pd = p if bm_d == bm_gu else rt.routing_plan(ids, E, bm_d)
-                    gu = gemm(x, wgu[li], p, K_TOP, dict(t_gu), None)
-                    y = gemm(silu_mul_packed_triton(gu), wd[li], pd, 1, dict(t_d), None)
+                    gu = gl.grouped_linear(x, wgu[li], p, K_TOP, tile=t_gu)
+                    y = gl.grouped_linear(silu_mul_packed_triton(gu), wd[li], pd, 1, tile=t_d)
                     cb.combine_triton(y.view(T, K_TOP, H), wts)
             return fwd
         # the gate/up GEMM with the SiLU-mul fused in, at the shipped tile and the best gate/up tile: bits vs the
         # shipped pair (GEMM, then silu_mul_packed), time vs that pair
-        pair_outs = [silu_mul_packed_triton(gemm(x, wgu[li], plan, K_TOP, dict(shipped), None))
+        pair_outs = [silu_mul_packed_triton(gl.grouped_linear(x, wgu[li], plan, K_TOP, tile=shipped))
                      for li in range(a.layers)]
         cell["fused_gate_up_silu"] = {}
         for label, (bm, tile) in (("shipped", (plan.block_m, shipped)), ("best", best["gate_up"])):
@@ -223,9 +211,9 @@ def main(argv=None) -> int:
                 equal = all(torch.equal(o, r) for o, r in zip(outs, pair_outs))
                 us, _ = timed(lambda tile=tile, p=p: [fused_gate_up_silu(x, wgu[li], p, K_TOP, tile)
                                                       for li in range(a.layers)], a.layers)
-                pair_us, _ = timed(lambda tile=tile, p=p: [silu_mul_packed_triton(gemm(x, wgu[li], p, K_TOP,
-                                                                                       dict(tile), None))
-                                                           for li in range(a.layers)], a.layers)
+                pair_us, _ = timed(lambda tile=tile, p=p: [
+                    silu_mul_packed_triton(gl.grouped_linear(x, wgu[li], p, K_TOP, tile=tile))
+                    for li in range(a.layers)], a.layers)
                 cell["fused_gate_up_silu"][label] = dict(block_m=bm, tile=tile, us=us, pair_us=pair_us,
                                                          bits_equal=equal)
             except Exception as e:  # noqa: BLE001  (recorded, the probe goes on)

@@ -22,6 +22,12 @@ COUNTER_CAPACITY = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """The ``tl.dot`` input precision of the linear op's chain for inputs of ``dtype`` (bit-defining): ``ieee`` for
+    fp32, the tensor cores' products for bf16/fp16. Every kernel that reproduces the chain launches with it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def split_counters(device: torch.device) -> torch.Tensor | None:
     """The device's zeroed arrival counters, created on first use outside a CUDA-graph capture (a buffer
     first allocated inside a capture would only be zeroed when the graph replays); None inside a capture
@@ -78,7 +84,7 @@ def linear_fwd(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
         cfg = fallback_ptr_config(cfg)
         kind = cfg.pop("kernel")
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
-    prec = "ieee" if x2.dtype == torch.float32 else "tf32"
+    prec = dot_precision(x2.dtype)
     bias = b if b is not None else out
     if kind == "ptr":
         linear_fwd_kernel[(tiles,)](

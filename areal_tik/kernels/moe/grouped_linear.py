@@ -41,6 +41,7 @@ import triton.language as tl
 
 from areal_tik.kernels import interpreting
 from areal_tik.kernels.linear.configs import BLOCK_K
+from areal_tik.kernels.linear.launcher import dot_precision
 from areal_tik.kernels.linear.splits import k_split
 from areal_tik.kernels.linear.triton_kernels import ptr_split_sum
 from areal_tik.kernels.moe.routing import (CHUNKED_MAX_ASSIGNMENTS, ONE_PROGRAM_MAX_ASSIGNMENTS, RoutingPlan,
@@ -134,9 +135,11 @@ def compile_specs() -> list[dict]:
 
 
 def grouped_linear(src: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, row_div: int,
-                   out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, splits: int | None = None,
+                   tile: dict | None = None) -> torch.Tensor:
     """``out[a] = linear(src[a // row_div], w[expert of a])`` for every assignment a of ``plan`` (module
-    docstring). ``splits`` overrides the number of K chunks (:func:`~areal_tik.kernels.linear.k_split`): tests."""
+    docstring). ``splits`` overrides the number of K chunks (:func:`~areal_tik.kernels.linear.k_split`): tests.
+    ``tile`` replaces :func:`tile_config`'s constants beside BLOCK_M (speed only): probes."""
     n_rows = plan.order.numel()
     E, N, K = w.shape
     if out is None:
@@ -146,11 +149,11 @@ def grouped_linear(src: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, row_di
     if K == 0:
         return out.zero_()
     n_chunks, chunk = k_split(K, splits)
-    cfg = tile_config(plan.block_m)
+    cfg = dict(tile) if tile is not None else tile_config(plan.block_m)
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     grid = (plan.blocks.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
     grouped_linear_kernel[grid](
         src, w, out, plan.order, plan.blocks, N, K, chunk, row_div, src.stride(0), w.stride(0), w.stride(1),
-        out.stride(0), BLOCK_M=plan.block_m, BLOCK_K=BLOCK_K, PRECISION="ieee" if src.dtype == torch.float32
-        else "tf32", SPLITS=n_chunks, num_warps=nw, num_stages=ns, **cfg)
+        out.stride(0), BLOCK_M=plan.block_m, BLOCK_K=BLOCK_K, PRECISION=dot_precision(src.dtype), SPLITS=n_chunks,
+        num_warps=nw, num_stages=ns, **cfg)
     return out
