@@ -77,6 +77,19 @@ def _(slot, x, cos, sin, positions):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("tik::qk_norm_rope", mutates_args=())
+def _qk_norm_rope(slot: int, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  positions: torch.Tensor, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    qo, ko = _SLOTS[slot].qk_norm_rope(q, k, cos, sin, positions, q_weight, k_weight, eps)
+    return _fresh(qo, q, k), _fresh(ko, q, k)
+
+
+@_qk_norm_rope.register_fake
+def _(slot, q, k, cos, sin, positions, q_weight=None, k_weight=None, eps=1e-6):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
 @torch.library.custom_op("tik::silu_mul", mutates_args=())
 def _silu_mul(slot: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _fresh(_SLOTS[slot].silu_mul(gate, up), gate, up)
@@ -142,6 +155,7 @@ def _(slot, routed, shared, gate_logit):
 # every op of the decoder's forward (``layers/decoder.py``, ``layers/modules.py``, ``layers/moe.py``,
 # ``layers/steps.py``) and its custom op
 _CUSTOM = {"linear": _linear, "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "apply_rope": _apply_rope,
+           "qk_norm_rope": _qk_norm_rope,
            "silu_mul": _silu_mul, "silu_mul_packed": _silu_mul_packed, "moe_route": _moe_route,
            "moe_experts": _moe_experts, "moe_combine": _moe_combine, "moe_shared_add": _moe_shared_add}
 FORWARD_OPS = tuple(_CUSTOM)

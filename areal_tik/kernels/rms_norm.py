@@ -40,20 +40,33 @@ from areal_tik.kernels._dense_common import (
     check_triton_device, div16_attrs,
 )
 
-__all__ = ["rms_norm_triton", "rms_norm_torch", "rms_norm_reference", "rms_norm_fwd", "add_rms_norm_triton",
-           "add_rms_norm_torch", "add_rms_norm_reference"]
+__all__ = ["rms_norm_triton", "rms_norm_torch", "rms_norm_reference", "rms_norm_fwd", "rms_norm_bwd",
+           "add_rms_norm_triton", "add_rms_norm_torch", "add_rms_norm_reference", "validate_rms_norm", "norm_block",
+           "row_rstd", "row_scaled"]
 
 MAX_N = 65536
 
 
 @triton.jit
+def row_rstd(x, N, eps):
+    """``1 / sqrt(mean(x^2) + eps)`` of one row ``x`` (fp32, zero past N): the row's one reduction."""
+    var = tl.sum(x * x, axis=0) / N
+    return 1.0 / tl.sqrt_rn(var + eps)
+
+
+@triton.jit
+def row_scaled(x, w, rstd, y_ptr):
+    """``w * round(x * rstd)`` rounded to ``y_ptr``'s dtype (x, w fp32): HF's two rounding points."""
+    h = (x * rstd).to(y_ptr.dtype.element_ty)
+    return (w * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _norm_row(x, w_ptr, y_ptr, rstd_ptr, row, cols, mask, N, stride_y, eps, STORE_RSTD: tl.constexpr):
     """One row ``x`` (fp32, zero past N) normalised at HF's rounding points; stores y (and rstd)."""
-    var = tl.sum(x * x, axis=0) / N
-    rstd = 1.0 / tl.sqrt_rn(var + eps)
-    h = (x * rstd).to(y_ptr.dtype.element_ty)
+    rstd = row_rstd(x, N, eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * h.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    y = row_scaled(x, w, rstd, y_ptr)
     tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
     if STORE_RSTD:
         tl.store(rstd_ptr + row, rstd)
@@ -106,7 +119,9 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr, M,
     tl.store(dw_part_ptr + pid * N + cols, dw, mask=mask)
 
 
-def _block(N: int) -> tuple[int, int]:
+def norm_block(N: int) -> tuple[int, int]:
+    """``(BLOCK_N, num_warps)`` of a row of N: one row's reduction tree is fixed by these two (every kernel that
+    normalises a row with :func:`row_rstd` launches with them)."""
     bn = triton.next_power_of_2(N)
     return bn, (4 if bn <= 1024 else 8 if bn <= 4096 else 16)
 
@@ -118,7 +133,7 @@ def rms_norm_fwd(x2, w, eps, out=None, store_rstd=False):
     rstd = torch.empty(M, dtype=torch.float32, device=x2.device) if store_rstd else None
     if M == 0:
         return y, rstd
-    bn, nw = _block(N)
+    bn, nw = norm_block(N)
     _rms_norm_fwd_kernel[(M,)](x2, w, y, rstd if rstd is not None else y, N, x2.stride(0), y.stride(0), float(eps),
                                BLOCK_N=bn, STORE_RSTD=store_rstd, num_warps=nw)
     return y, rstd
@@ -132,7 +147,7 @@ def add_rms_norm_fwd(x2, r2, w, eps, store_rstd=False):
     rstd = torch.empty(M, dtype=torch.float32, device=x2.device) if store_rstd else None
     if M == 0:
         return y, s, rstd
-    bn, nw = _block(N)
+    bn, nw = norm_block(N)
     _add_rms_norm_fwd_kernel[(M,)](x2, r2, w, y, s, rstd if rstd is not None else y, N, x2.stride(0), r2.stride(0),
                                    y.stride(0), s.stride(0), float(eps), BLOCK_N=bn, STORE_RSTD=store_rstd,
                                    num_warps=nw)
@@ -147,7 +162,7 @@ def rms_norm_bwd(dy2, x2, w, rstd):
     progs = triton.cdiv(M, rows)
     part = torch.empty((max(progs, 1), N), dtype=torch.float32, device=x2.device)
     if M:
-        bn, nw = _block(N)
+        bn, nw = norm_block(N)
         _rms_norm_bwd_kernel[(progs,)](x2, w, dy2, rstd, dx, part, M, N, x2.stride(0), dy2.stride(0),
                                        dx.stride(0), ROWS_PER_PROG=rows, BLOCK_N=bn, num_warps=nw)
     else:
@@ -185,7 +200,8 @@ class _AddRMSNormFn(torch.autograd.Function):
         return dx, dx, dw, None
 
 
-def _validate(x, weight, triton_path):
+def validate_rms_norm(x, weight, triton_path):
+    """The op's argument checks (one-line ``ValueError`` / ``TypeError``)."""
     check_dtype("x", x)
     check_dtype("weight", weight)
     check_same_dtype(x=x, weight=weight)
@@ -200,7 +216,7 @@ def _validate(x, weight, triton_path):
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF-semantics RMSNorm, one row per Triton program (see module docstring)."""
-    _validate(x, weight, True)
+    validate_rms_norm(x, weight, True)
     x2 = as_2d(x, "[M, N]")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         y = _RMSNormFn.apply(x2, weight, float(eps))
@@ -210,7 +226,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def _validate_add(x, residual, weight, triton_path):
-    _validate(x, weight, triton_path)
+    validate_rms_norm(x, weight, triton_path)
     check_same_dtype(x=x, residual=residual)
     if residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} must have x's shape {tuple(x.shape)}")
@@ -258,7 +274,7 @@ def tree_sum_lastdim(v: torch.Tensor) -> torch.Tensor:
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Row-invariant RMSNorm in plain PyTorch (autograd through plain ops)."""
-    _validate(x, weight, False)
+    validate_rms_norm(x, weight, False)
     xf = x.float()
     var = tree_sum_lastdim(xf * xf) / x.shape[-1]
     rstd = 1.0 / torch.sqrt(var + eps)
@@ -286,14 +302,14 @@ _BWD_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "rstd_ptr": "
             "dw_part_ptr": "*fp32", "M": "i32", "N": "i32", "stride_x": "i32", "stride_dy": "i32",
             "stride_dx": "i32"}
 COMPILE_SPECS = [
-    dict(fn=_rms_norm_fwd_kernel, signature=_FWD_SIG, constexprs={"BLOCK_N": _block(n)[0], "STORE_RSTD": s},
-         num_warps=_block(n)[1], attrs=div16_attrs(_rms_norm_fwd_kernel, ["x_ptr", "w_ptr", "y_ptr", "N"]))
+    dict(fn=_rms_norm_fwd_kernel, signature=_FWD_SIG, constexprs={"BLOCK_N": norm_block(n)[0], "STORE_RSTD": s},
+         num_warps=norm_block(n)[1], attrs=div16_attrs(_rms_norm_fwd_kernel, ["x_ptr", "w_ptr", "y_ptr", "N"]))
     for n, s in ((1536, False), (3584, True))
 ] + [
-    dict(fn=_add_rms_norm_fwd_kernel, signature=_ADD_FWD_SIG, constexprs={"BLOCK_N": _block(n)[0], "STORE_RSTD": s},
-         num_warps=_block(n)[1])
+    dict(fn=_add_rms_norm_fwd_kernel, signature=_ADD_FWD_SIG, constexprs={"BLOCK_N": norm_block(n)[0], "STORE_RSTD": s},
+         num_warps=norm_block(n)[1])
     for n, s in ((1536, False), (3584, True))
 ] + [
-    dict(fn=_rms_norm_bwd_kernel, signature=_BWD_SIG, constexprs={"ROWS_PER_PROG": 16, "BLOCK_N": _block(n)[0]},
-         num_warps=_block(n)[1]) for n in (128, 3584)
+    dict(fn=_rms_norm_bwd_kernel, signature=_BWD_SIG, constexprs={"ROWS_PER_PROG": 16, "BLOCK_N": norm_block(n)[0]},
+         num_warps=norm_block(n)[1]) for n in (128, 3584)
 ]

@@ -39,7 +39,8 @@ from areal_tik.kernels._dense_common import (
     check_contiguous, check_dtype, check_last_dim_contiguous, check_same_device, check_triton_device, div16_attrs,
 )
 
-__all__ = ["MAX_ANGLE", "rope_table", "apply_rope_triton", "apply_rope_torch", "apply_rope_reference"]
+__all__ = ["MAX_ANGLE", "rope_table", "apply_rope_triton", "apply_rope_torch", "apply_rope_reference", "rope_launch",
+           "validate_rope"]
 
 # pi/2 split into 33-bit pieces (fdlibm): n * PIO2_1 and n * PIO2_2 are exact for |n| < 2**20
 _PIO2_1 = 1.57079632673412561417e+00
@@ -145,7 +146,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr, H, stride_xt, stride_x
     tl.store(yb + HALF, o2.to(y_ptr.dtype.element_ty), mask=hmask)
 
 
-def _launch(x, cos, sin, positions, backward, out=None):
+def rope_launch(x, cos, sin, positions, backward, out=None):
+    """The Triton kernel on ``x [T, H, D]`` (forward, or with ``backward`` its transpose) into ``out`` or a new
+    contiguous tensor; no checks."""
     T, H, D = x.shape
     y = out if out is not None else torch.empty((T, H, D), dtype=x.dtype, device=x.device)
     if T == 0 or H == 0:
@@ -160,16 +163,17 @@ class _RopeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, positions):
         ctx.save_for_backward(cos, sin, positions)
-        return _launch(x, cos, sin, positions, False)
+        return rope_launch(x, cos, sin, positions, False)
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin, positions = ctx.saved_tensors
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        return _launch(dy, cos, sin, positions, True), None, None, None
+        return rope_launch(dy, cos, sin, positions, True), None, None, None
 
 
-def _validate(x, cos, sin, positions, triton_path):
+def validate_rope(x, cos, sin, positions, triton_path):
+    """The op's argument checks (one-line ``ValueError`` / ``TypeError``)."""
     check_dtype("x", x)
     check_dtype("cos", cos, (torch.float32,))
     check_dtype("sin", sin, (torch.float32,))
@@ -195,15 +199,15 @@ def _validate(x, cos, sin, positions, triton_path):
 
 def apply_rope_triton(x, cos, sin, positions):
     """Rotate-half RoPE, fp32 math, one rounding (see module docstring)."""
-    _validate(x, cos, sin, positions, True)
+    validate_rope(x, cos, sin, positions, True)
     if torch.is_grad_enabled() and x.requires_grad:
         return _RopeFn.apply(x, cos, sin, positions)
-    return _launch(x, cos, sin, positions, False)
+    return rope_launch(x, cos, sin, positions, False)
 
 
 def apply_rope_torch(x, cos, sin, positions):
     """Same maths with separate exactly-rounded torch ops (autograd through plain ops)."""
-    _validate(x, cos, sin, positions, False)
+    validate_rope(x, cos, sin, positions, False)
     D = x.shape[-1]
     h = D // 2
     c = cos.index_select(0, positions.long())[:, None, :]

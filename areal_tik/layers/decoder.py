@@ -9,8 +9,9 @@ points (the model dtype, bf16, between ops; every op is a module of the model):
     per layer:
         x = input_layernorm(h)
         q, k, v = q_proj(x), k_proj(x), v_proj(x)            (one stacked GEMM when stacked: same bits)
-        q, k = q_norm(q), k_norm(k)                           (families with ``qk_norm``, per head)
-        q, k = step.rope(q, k)
+        q, k = step.rope(q, k, q_norm, k_norm)                the per-head norms (families with ``qk_norm``)
+                                                              then RoPE (a tik step: one launch, the same
+                                                              arithmetic as the two apart)
         a = step.attend(self_attn, q, k, v)                   [T, Hq, D]
         h = h + o_proj(a)
         h = h + mlp(post_attention_layernorm(h))              (down(silu_mul(gate(x), up(x))), or on a
@@ -66,10 +67,7 @@ class DecoderAttention(nn.Module):
         if qkv is None:
             qkv = [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)]
         q, k, v = qkv[0].reshape(T, hq, D), qkv[1].reshape(T, hkv, D), qkv[2].reshape(T, hkv, D)
-        if hasattr(self, "q_norm"):
-            q = self.q_norm(q.contiguous())
-            k = self.k_norm(k.contiguous())
-        q, k = step.rope(q, k)
+        q, k = step.rope(q, k, getattr(self, "q_norm", None), getattr(self, "k_norm", None))
         out = step.attend(self, q, k, v)
         return self.o_proj(out.reshape(T, hq * D))
 

@@ -23,7 +23,7 @@ from areal_tik.layers.family import head_dim_of
 from areal_tik.layers.model_config import rope_spec
 from areal_tik.layers.stacking import GATE_UP_ATTR, stacked_output
 
-__all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "RopeCache", "fuses_add_norm"]
+__all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "RopeCache", "fuses_add_norm", "fuses_norm_rope"]
 
 
 class TikLinear(nn.Linear):
@@ -39,6 +39,17 @@ def fuses_add_norm(ops) -> bool:
     add and the bound norm run apart."""
     fused, plain = ops.impls.get("add_rms_norm"), ops.impls["rms_norm"]
     return fused is not None and fused.backend == plain.backend and fused.sources == plain.sources
+
+
+def fuses_norm_rope(ops) -> bool:
+    """Whether ``ops.qk_norm_rope`` computes the bound ``rms_norm``'s and ``apply_rope``'s arithmetic (the same
+    backend, their sources among its own): then a tik step runs the per-head q/k norms and RoPE as one launch;
+    otherwise (e.g. the csrc RoPE or an exported RMSNorm bound) the bound ops run apart."""
+    fused = ops.impls.get("qk_norm_rope")
+    if fused is None:
+        return False
+    return all(ops.impls[op].backend == fused.backend and set(ops.impls[op].sources) <= set(fused.sources)
+               for op in ("rms_norm", "apply_rope"))
 
 
 class TikRMSNorm(nn.Module):

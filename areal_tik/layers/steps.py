@@ -1,8 +1,11 @@
 """What the patched HF model injects into the decoder graph (``decoder.py``) per forward: a *step*
-with ``rope(q, k)`` and ``attend(attn, q, k, v)`` on flattened tokens.
+with ``rope(q, k, q_norm, k_norm)`` (the per-head norms, when the family has them, then RoPE) and
+``attend(attn, q, k, v)`` on flattened tokens.
 
-- :class:`TikRope`: RoPE from the model's fp32 table (``ops.rope_table``), applied by the bound
-  ``apply_rope``. Every tik host uses it (the vLLM plugin's step extends it with vLLM's attention).
+- :class:`TikRope`: RoPE from the model's fp32 table (``ops.rope_table``), applied with the norms by the
+  bound ``qk_norm_rope`` (one launch for q and k) where it computes the bound ``rms_norm``'s and
+  ``apply_rope``'s arithmetic, else by those apart. Every tik host uses it (the vLLM plugin's step extends
+  it with vLLM's attention).
 - :class:`TikStep` (``kernels="tik"``): with an engine context (``attn_context``) the bound
   ``kv_cache_write`` stores this step's K/V in the layer's paged cache and ``attention_paged``
   attends over it; without one (training) ``attention_varlen`` attends over the packed sequences.
@@ -20,9 +23,11 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from areal_tik.layers.attn_context import AttentionContext
 from areal_tik.layers.default_varlen import packed_causal_attention, sdpa_causal
+from areal_tik.layers.modules import TikRMSNorm, fuses_norm_rope
 
 __all__ = ["TikRope", "TikStep", "DefaultStep", "default_cache_write", "default_paged_attention"]
 
@@ -37,9 +42,22 @@ class TikRope:
     sin: torch.Tensor
     positions: torch.Tensor
 
-    def rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.ops.apply_rope(q, self.cos, self.sin, self.positions),
-                self.ops.apply_rope(k, self.cos, self.sin, self.positions))
+    def rope(self, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None = None,
+             k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-head norms (when given) then RoPE: one ``qk_norm_rope`` launch for q and k where it computes the
+        bound ops' arithmetic (``modules.fuses_norm_rope``; tik norms of q's dtype and one eps), else the bound
+        ``rms_norm`` and ``apply_rope`` apart."""
+        ops, cos, sin, pos = self.ops, self.cos, self.sin, self.positions
+        if q_norm is None:
+            if fuses_norm_rope(ops):
+                return ops.qk_norm_rope(q, k, cos, sin, pos)
+        elif (fuses_norm_rope(ops) and isinstance(q_norm, TikRMSNorm) and isinstance(k_norm, TikRMSNorm)
+              and q_norm.weight.dtype == q.dtype and k_norm.weight.dtype == q.dtype
+              and q_norm.variance_epsilon == k_norm.variance_epsilon):
+            return ops.qk_norm_rope(q, k, cos, sin, pos, q_norm.weight, k_norm.weight, q_norm.variance_epsilon)
+        else:
+            q, k = q_norm(q.contiguous()), k_norm(k.contiguous())
+        return ops.apply_rope(q, cos, sin, pos), ops.apply_rope(k, cos, sin, pos)
 
 
 @dataclasses.dataclass
@@ -77,7 +95,10 @@ class DefaultStep:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
 
-    def rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None = None,
+             k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if q_norm is not None:
+            q, k = q_norm(q.contiguous()), k_norm(k.contiguous())
         B, L = self.batch, self.length
         hq, hkv, D = q.shape[1], k.shape[1], q.shape[2]
         cos, sin = self.position_embeddings

@@ -33,6 +33,11 @@ def _case(name, g):
     if name == "apply_rope":
         cos, sin = bind().rope_table(D, 64, 10000.0, "cpu")
         return (r(T, 4, D), cos, sin, torch.randint(0, 64, (T,), generator=g))
+    if name == "qk_norm_rope":
+        cos, sin = bind().rope_table(D, 64, 10000.0, "cpu")
+        qkv = r(T, 8 * D)                                    # q (4 heads), k and v (2 each) as views of one output
+        return (qkv[:, :4 * D].view(T, 4, D), qkv[:, 4 * D:6 * D].view(T, 2, D), cos, sin,
+                torch.randint(0, 64, (T,), generator=g), r(D), r(D), 1e-6)
     if name == "silu_mul":
         return (r(T, H), r(T, H))
     if name == "silu_mul_packed":

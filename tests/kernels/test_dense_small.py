@@ -110,7 +110,7 @@ def test_rope_outputs_written_and_errors(seed_rng):
     x = torch.randn(4, 2, 16, device=DEV).bfloat16()
     pos = torch.tensor([0, 3, 7, 1], device=DEV)
     out = torch.empty(4, 2, 16, dtype=torch.bfloat16, device=DEV)
-    assert contract.check_outputs_written(lambda o: P._launch(x, cos, sin, pos, False, out=o), out)
+    assert contract.check_outputs_written(lambda o: P.rope_launch(x, cos, sin, pos, False, out=o), out)
     with pytest.raises(ValueError):
         P.apply_rope_triton(x, cos[:, :8].contiguous(), sin[:, :8].contiguous(), pos)
     with pytest.raises(TypeError):

@@ -12,7 +12,12 @@ from areal_tik.kernels.moe import routing as rt
 from moe_helpers import poisoned_empty  # noqa: F401  (fixture)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-KERNELS = [rt.routing_plan_triton, rt.routing_plan_chunked]
+def routing_plan_three_launches(ids, E, bm, num_warps=4, tile_elems=None):
+    """The chunked kernel with its own prefix-sum launch at every size (the path past ``PREFIX_MAX_CHUNKS``)."""
+    return rt.routing_plan_chunked(ids, E, bm, num_warps, tile_elems, fuse_prefix=False)
+
+
+KERNELS = [rt.routing_plan_triton, rt.routing_plan_chunked, routing_plan_three_launches]
 
 
 def _ids(T, k, E, kind, g):
@@ -76,7 +81,7 @@ def test_int32_ids_and_chunks_past_the_first(kernel, poisoned_empty):  # noqa: F
 def test_chunked_many_chunks_few_experts_and_a_short_table(poisoned_empty):  # noqa: F811
     """The three launches with more chunks than one prefix-sum step takes (tile_elems 512 over 8 experts: chunks of
     64 rows, 64 chunks per step) and with fewer table entries than chunks (grid = chunks, most programs write no
-    entry), and with many more table entries than chunks (E 128, one chunk)."""
+    entry); two and three launches over 32 chunks; many more table entries than chunks (E 128, one chunk)."""
     g = torch.Generator().manual_seed(17)
     ids = _ids(2500, 2, 8, "skewed", g).to(DEV)                 # 5,000 rows: 79 chunks, table <= 320 entries
     assert rt.triton.cdiv(ids.numel(), rt._tiles(8, 512)["CHUNK"]) > rt._tiles(8, 512)["CHUNK"]
@@ -84,6 +89,13 @@ def test_chunked_many_chunks_few_experts_and_a_short_table(poisoned_empty):  # n
         want = rt.routing_plan_torch(ids, 8, bm)
         got = rt.routing_plan_chunked(ids, 8, bm, 4, 512)
         assert torch.equal(got.order, want.order) and torch.equal(got.blocks, want.blocks), bm
+    ids = _ids(1000, 2, 8, "skewed", g).to(DEV)                 # 2,000 rows: 32 chunks, placement sums them
+    assert rt.triton.cdiv(ids.numel(), rt._tiles(8, 512)["CHUNK"]) <= rt.PREFIX_MAX_CHUNKS
+    for bm in (16, 64):
+        want = rt.routing_plan_torch(ids, 8, bm)
+        for fuse in (True, False):
+            got = rt.routing_plan_chunked(ids, 8, bm, 4, 512, fuse)
+            assert torch.equal(got.order, want.order) and torch.equal(got.blocks, want.blocks), (bm, fuse)
     ids = _ids(6, 8, 128, "random", g).to(DEV)                 # 48 rows, 48 table entries, one chunk
     want = rt.routing_plan_torch(ids, 128, 16)
     got = rt.routing_plan_chunked(ids, 128, 16, 4, 512)
@@ -123,11 +135,11 @@ def test_empty_routing(kernel):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda f: f.__name__)
 def test_gpu_kernel_plan_equals_torch_at_decode_sizes_and_in_a_graph(kernel):
-    """Qwen3-30B-A3B routing (128 experts, top-8) at B 1..512 (and 8,192 tokens for the three launches): the
+    """Qwen3-30B-A3B routing (128 experts, top-8) at B 1..512 (and 8,192 tokens for the chunked kernels): the
     kernel's plan == the torch plan; captured in a CUDA graph and replayed on another routing it gives that
     routing's plan."""
     g = torch.Generator().manual_seed(11)
-    for T in (1, 64, 256, 512) + ((8192,) if kernel is rt.routing_plan_chunked else ()):
+    for T in (1, 64, 256, 512) + ((8192,) if kernel is not rt.routing_plan_triton else ()):
         for kind in ("random", "skewed"):
             ids = _ids(T, 8, 128, kind, g).cuda()
             bm = rt.block_m_for(T * 8, 128)

@@ -21,9 +21,11 @@ Three implementations give the same plan, element for element (tests compare the
   same expert), then the block table. One launch instead of ~25 small torch ops; no host sync. Used up to
   :data:`ONE_PROGRAM_MAX_ASSIGNMENTS` assignments (decode batches of a few tokens: its work grows with ``T*k``, one SM
   does it).
-- :func:`routing_plan_chunked`: the same steps in three launches: every chunk's counts in parallel, one program for
-  the prefix sums over the chunks (each chunk's first slot per expert), then every chunk's placement and the table's
-  entries in parallel. Used past the one program's range up to :data:`CHUNKED_MAX_ASSIGNMENTS`.
+- :func:`routing_plan_chunked`: the same steps in two launches: every chunk's counts in parallel, then every
+  chunk's placement (its first slot per expert from the counts of the chunks before it, which each program sums
+  itself) and the table's entries in parallel; past :data:`PREFIX_MAX_CHUNKS` chunks a third launch between them
+  (one program for the prefix sums over the chunks). Used past the one program's range up to
+  :data:`CHUNKED_MAX_ASSIGNMENTS`.
 - :func:`routing_plan_torch`: device torch ops (``argsort(stable=True)``, ``searchsorted``, ``cumsum``, ...), no
   host sync either; the reference, and the implementation off the GPU and past that size.
 
@@ -43,22 +45,22 @@ from areal_tik.kernels import interpreting
 
 __all__ = ["RoutingPlan", "routing_plan", "routing_plan_torch", "routing_plan_triton", "routing_plan_chunked",
            "plan_implementation", "max_blocks", "block_m_for", "ONE_PROGRAM_MAX_ASSIGNMENTS", "CHUNKED_MAX_ASSIGNMENTS",
-           "compile_specs"]
+           "PREFIX_MAX_CHUNKS", "chunked_tile_elems", "compile_specs"]
 
 #: the most assignments (T*k) :func:`routing_plan` gives the one-program kernel. Measured on an H100 (CUDA graphs,
 #: 128 experts; bench/probes/probe_moe_routing.py), us per plan at 8 / 512 / 2,048 / 4,096 assignments: one program
-#: 8.8 / 41.8 / 133.9 / 251.1 (its work grows with the assignments: one SM walks them), three launches 12.2 / 12.9 /
+#: 8.8 / 41.8 / 133.9 / 251.1 (its work grows with the assignments: one SM walks them), the chunked kernel in three launches 12.2 / 12.9 /
 #: 13.2 / 13.7, the torch ops 58.5 / 74.7 / 80.8 / 86.3. The one program's time is ~linear between the two measured
 #: small sizes, which puts the crossover near 60 assignments (B 8 at top-8)
 ONE_PROGRAM_MAX_ASSIGNMENTS = 64
-#: the most assignments :func:`routing_plan` gives the three-launch kernel (measured to 65,536, 8,192 tokens at
+#: the most assignments :func:`routing_plan` gives the chunked kernel (measured to 65,536, 8,192 tokens at
 #: top-8: 77.2 us against the torch ops' 137.3; 25.6 vs 133.3 at 16,384)
 CHUNKED_MAX_ASSIGNMENTS = 65536
 
 
 def plan_implementation(assignments: int, on_device: bool) -> str:
     """Which implementation :func:`routing_plan` runs for ``assignments`` (a shape, so a CUDA graph captures one):
-    ``"one_program"``, ``"chunked"`` (three launches) or ``"torch"`` (off the GPU and the interpreter, or past
+    ``"one_program"``, ``"chunked"`` (two or three launches) or ``"torch"`` (off the GPU and the interpreter, or past
     :data:`CHUNKED_MAX_ASSIGNMENTS`)."""
     if not on_device or assignments > CHUNKED_MAX_ASSIGNMENTS:
         return "torch"
@@ -193,16 +195,41 @@ def _chunk_slots_kernel(slots_ptr, totals_ptr, NC, BLOCK_E: tl.constexpr, BLOCK_
 
 @triton.jit(do_not_specialize=["n", "E", "NC", "NB", "BM"])
 def _place_and_table_kernel(ids_ptr, slots_ptr, totals_ptr, order_ptr, blocks_ptr, n, E, NC, NB, BM,
-                            BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Three launches, third: program p places chunk p (if p < NC) from its slots and writes the table entries
-    ``p*BLOCK_B ..`` (if below NB) from the totals."""
+                            BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
+                            PREFIX: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The last launch: program p places chunk p (if p < NC) from its slots and writes the table entries
+    ``p*BLOCK_B ..`` (if below NB) from the totals. ``PREFIX`` (two launches, NC <= BLOCK_C): ``slots`` still holds
+    every chunk's counts, and the program sums them itself (the totals, and the chunks before p for its slots)."""
     p = tl.program_id(0)
     ex = tl.arange(0, BLOCK_E)
     e_ok = ex < E
+    if PREFIX:
+        rc = tl.arange(0, BLOCK_C)
+        counts = tl.load(slots_ptr + rc[:, None] * BLOCK_E + ex[None, :], mask=(rc < NC)[:, None], other=0)
+        cnt = tl.sum(counts, axis=0)
+        first = tl.cumsum(cnt, axis=0) - cnt + tl.sum(tl.where((rc < p)[:, None], counts, 0), axis=0)
+    else:
+        cnt = tl.load(totals_ptr + ex)
+        first = tl.load(slots_ptr + p * BLOCK_E + ex, mask=p < NC, other=0)
     if p < NC:
-        _place_chunk(ids_ptr, order_ptr, p * CHUNK, n, tl.load(slots_ptr + p * BLOCK_E + ex), ex, e_ok, CHUNK)
+        _place_chunk(ids_ptr, order_ptr, p * CHUNK, n, first, ex, e_ok, CHUNK)
     if p * BLOCK_B < NB:
-        _table_entries(blocks_ptr, p * BLOCK_B, tl.load(totals_ptr + ex), ex, e_ok, n, E, NB, BM, BLOCK_B)
+        _table_entries(blocks_ptr, p * BLOCK_B, cnt, ex, e_ok, n, E, NB, BM, BLOCK_B)
+
+
+def chunked_tile_elems(assignments: int) -> int:
+    """The ``[CHUNK, BLOCK_E]`` tile size :func:`routing_plan_chunked` takes for ``assignments`` (speed only).
+    Measured on an H100 (CUDA graphs, 128 experts, us per plan; bench/probes/probe_moe_routing.py), three launches
+    at tiles of 4,096 / 8,192 / 16,384 elements: 512 assignments 8.6 / 12.9 / 24.1, 2,048 10.9 / 13.2 / 23.8,
+    4,096 14.8 / 13.7 / 24.1, 16,384 41.7 / 25.6 / 26.1, 65,536 149.6 / 77.2 / 49.1."""
+    if assignments <= 2048:
+        return 4096
+    return 8192 if assignments <= 16384 else 16384
+
+
+#: the most chunks for which the placement programs sum the chunks' counts themselves (two launches instead of
+#: three: no program of its own for the prefix sums); a program's sum reads up to this many rows of counts
+PREFIX_MAX_CHUNKS = 64
 
 
 def _tiles(num_experts: int, tile_elems: int = 8192) -> dict:
@@ -234,22 +261,29 @@ def routing_plan_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
 
 
 def routing_plan_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int, num_warps: int = 4,
-                         tile_elems: int = 8192) -> RoutingPlan:
-    """The plan from three launches (ids int32 or int64, contiguous): per-chunk counts (one program per chunk of
-    CHUNK rows), the chunks' first slots per expert (one program, a prefix sum over the chunks), then placement
-    (one program per chunk) and the block table (one program per BLOCK_B entries) in one grid. ``num_warps`` and
-    ``tile_elems`` change the speed only."""
+                         tile_elems: int | None = None, fuse_prefix: bool | None = None) -> RoutingPlan:
+    """The plan from two or three launches (ids int32 or int64, contiguous): per-chunk counts (one program per
+    chunk of CHUNK rows); past :data:`PREFIX_MAX_CHUNKS` chunks the chunks' first slots per expert (one program, a
+    prefix sum over the chunks); then placement (one program per chunk, which up to that many chunks sums the
+    earlier chunks' counts itself) and the block table (one program per BLOCK_B entries) in one grid.
+    ``num_warps``, ``tile_elems`` (default :func:`chunked_tile_elems`) and ``fuse_prefix`` (default: up to
+    :data:`PREFIX_MAX_CHUNKS` chunks) change the speed only."""
     flat, n, nb, order, blocks = _plan_buffers(topk_ids, num_experts, block_m)
     if n:
-        t = _tiles(num_experts, tile_elems)
+        t = _tiles(num_experts, tile_elems or chunked_tile_elems(n))
         nc = triton.cdiv(n, t["CHUNK"])
+        fuse = nc <= PREFIX_MAX_CHUNKS if fuse_prefix is None else bool(fuse_prefix) and nc <= PREFIX_MAX_CHUNKS
         slots = torch.empty((nc, t["BLOCK_E"]), dtype=torch.int32, device=flat.device)
-        totals = torch.empty((t["BLOCK_E"],), dtype=torch.int32, device=flat.device)
+        totals = slots
         _chunk_counts_kernel[(nc,)](flat, slots, n, num_experts, BLOCK_E=t["BLOCK_E"], CHUNK=t["CHUNK"],
                                     num_warps=num_warps)
-        _chunk_slots_kernel[(1,)](slots, totals, nc, BLOCK_E=t["BLOCK_E"], BLOCK_C=t["CHUNK"], num_warps=num_warps)
+        if not fuse:
+            totals = torch.empty((t["BLOCK_E"],), dtype=torch.int32, device=flat.device)
+            _chunk_slots_kernel[(1,)](slots, totals, nc, BLOCK_E=t["BLOCK_E"], BLOCK_C=t["CHUNK"],
+                                      num_warps=num_warps)
         _place_and_table_kernel[(max(nc, triton.cdiv(nb, t["BLOCK_B"])),)](
-            flat, slots, totals, order, blocks, n, num_experts, nc, nb, block_m, num_warps=num_warps, **t)
+            flat, slots, totals, order, blocks, n, num_experts, nc, nb, block_m, num_warps=num_warps,
+            PREFIX=fuse, BLOCK_C=max(16, triton.next_power_of_2(nc)) if fuse else 1, **t)
     return RoutingPlan(order, blocks, block_m, num_experts)
 
 
@@ -305,5 +339,11 @@ def compile_specs() -> list[dict]:
                        constexprs=dict(BLOCK_E=t["BLOCK_E"], CHUNK=t["CHUNK"]), num_warps=4),
                   dict(fn=_chunk_slots_kernel, signature=slots,
                        constexprs=dict(BLOCK_E=t["BLOCK_E"], BLOCK_C=t["CHUNK"]), num_warps=4),
-                  dict(fn=_place_and_table_kernel, signature=place, constexprs=t, num_warps=4)]
+                  dict(fn=_place_and_table_kernel, signature=place, constexprs=dict(t, PREFIX=False, BLOCK_C=1),
+                       num_warps=4)]
+        t4 = _tiles(e, chunked_tile_elems(2048))
+        specs += [dict(fn=_chunk_counts_kernel, signature=counts,
+                       constexprs=dict(BLOCK_E=t4["BLOCK_E"], CHUNK=t4["CHUNK"]), num_warps=4),
+                  dict(fn=_place_and_table_kernel, signature=place, constexprs=dict(t4, PREFIX=True, BLOCK_C=64),
+                       num_warps=4)]
     return specs
