@@ -25,7 +25,8 @@
 #            mode; MOE_PROBE=0 skips it), the routing plan's GPU tests and its kernels vs torch ops
 #            (bench/probes/probe_moe_routing.py; MOE_ROUTING=0 skips it), with MOE_TILES=1 the grouped GEMMs' tile
 #            probe (bench/probes/probe_moe_grouped_tiles.py, beside vLLM's fused_experts), with MOE_TESTS=1 the
-#            GPU tests of the grouped GEMM and of every linear config's bits, with MOE_PROFILE=1 our
+#            GPU tests of the grouped GEMM, of every linear config's bits, of the fused q/k norm + RoPE and of the
+#            routing plans, with MOE_PROFILE=1 our
 #            engine's decode and prefill profile on the full shape at B 64 (bench/probes/profile_engine.py, prompts of
 #            MOE_PROFILE_PROMPT tokens, default 1,024), then the full 30B-A3B
 #            shape's speed table, ARMS (default "stock engine_async"), stock vLLM on its dummy weights. Rows by GPU
@@ -72,11 +73,12 @@ from areal_tik.vllm_plugin import attention, model; print('plugin modules import
       timeout $(( 2 * ${MOE_PROBE_S:-200} + 30 )) python bench/probes/probe_vllm_batch_invariance.py \
         --model qwen3-30b-a3b-4l --timeout ${MOE_PROBE_S:-200} --out $OUT/vllm_batch_invariance_moe.json 2>&1 | tail -3
     fi
-    # the GPU tests of the tiles the MoE shape runs on: grouped GEMM rows == linear rows (BLOCK_M 16-128), every
-    # linear config's bits equal (the 30B-A3B o projection among the shapes); off unless MOE_TESTS=1
-    [ "${MOE_TESTS:-0}" = 1 ] && timeout ${MOE_TESTS_S:-240} python -m pytest -q -p no:cacheprovider -m gpu \
+    # the GPU tests of the kernels the MoE shape runs on: grouped GEMM rows == linear rows (BLOCK_M 16-128), every
+    # linear config's bits equal (the 30B-A3B o projection among the shapes), the fused q/k norm + RoPE == the two
+    # ops apart, the routing plans (two and three launches) == the torch plan; off unless MOE_TESTS=1
+    [ "${MOE_TESTS:-0}" = 1 ] && timeout ${MOE_TESTS_S:-300} python -m pytest -q -p no:cacheprovider -m gpu \
       tests/kernels/test_moe_grouped_linear.py "tests/kernels/test_linear.py::test_gpu_all_configs_bit_identical" \
-      2>&1 | tail -4
+      tests/kernels/test_qk_norm_rope.py tests/kernels/test_moe_routing.py 2>&1 | tail -4
     if [ "${MOE_ROUTING:-1}" = 1 ]; then
       timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_routing.py 2>&1 | tail -3
       timeout 150 python bench/probes/probe_moe_routing.py --out $OUT/moe_routing 2>&1 | tail -7

@@ -1,6 +1,6 @@
-"""The MoE routing plan: the one-program kernel and the three-launch kernel against the device torch ops, and what
-each changes in a whole routed-experts forward (Qwen3-30B-A3B widths: 128 experts, top-8, hidden 2,048, expert
-width 768).
+"""The MoE routing plan: the one-program kernel and the chunked kernel (two or three launches) against the device
+torch ops, and what each changes in a whole routed-experts forward (Qwen3-30B-A3B widths: 128 experts, top-8,
+hidden 2,048, expert width 768).
 
     python bench/probes/probe_moe_routing.py --out $OUT [--tokens 1,64,256,512] [--plan-tokens 2048,8192]
 
@@ -63,7 +63,8 @@ def main() -> int:
         variants += [(f"triton_w{nw}_t{te}", lambda i, e, m, nw=nw, te=te: rt.routing_plan_triton(i, e, m, nw, te))
                      for nw, te in ((4, 8192), (8, 16384), (4, 4096))]       # other launch shapes (speed only)
         variants += [(f"chunked_w{nw}_t{te}", lambda i, e, m, nw=nw, te=te: rt.routing_plan_chunked(i, e, m, nw, te))
-                     for nw, te in ((8, 8192), (4, 4096), (4, 16384))]
+                     for nw, te in ((8, 8192), (4, 2048), (4, 4096), (4, 8192), (4, 16384))]
+        variants += [("chunked_3launches", lambda i, e, m: rt.routing_plan_chunked(i, e, m, fuse_prefix=False))]
         for name, fn in variants:
             if (name == "triton" or name.startswith("triton_")) and T * K_TOP > 4096:
                 continue                           # one SM walks every row: prefill sizes not timed
