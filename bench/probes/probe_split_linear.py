@@ -1,13 +1,14 @@
 """Which fixed split of K the decode GEMMs want, and what it costs the training forward.
 
-For each weight shape of the 1.5B and 7B models and each decode M: cuBLAS, the current pick (one chunk), and for
-each split count every split-kernel config that fits M plus the current pick's config with in-program chunks, each
+For each weight shape of the 1.5B and 7B models (``--shapes``: also the Qwen3-30B-A3B's, ``30b_a3b_*``) and each
+decode M: cuBLAS, the current pick (one chunk), and for each split count every split-kernel config that fits M plus the current pick's config with in-program chunks, each
 bit-checked against the in-program pointer kernel at the same split (one fixed split must give one set of bits),
 timed in CUDA graphs on rotating weights (not L2-resident). Then, at training M, the current pick with in-program
 chunks against one chunk (the cost of a split where it does not help). A split is a function of K alone, so the
 summary adds up the decode time of every shape with that K per split count.
 
     python bench/probes/probe_split_linear.py --out $OUT [--ms 64,128,256] [--splits 2,4,6] [--train-ms 2048,8192]
+    python bench/probes/probe_split_linear.py --out $OUT --shapes 30b_a3b_qkv,30b_a3b_o,30b_a3b_router --ms 64,256
 
 Writes ``split_linear.json`` and prints one line per cell.
 """
@@ -26,6 +27,9 @@ sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 SHAPES = {  # name: (N, K), the rollout side's GEMMs (stacked q/k/v and gate/up)
     "7b_qkv": (4608, 3584), "7b_o": (3584, 3584), "7b_gate_up": (37888, 3584), "7b_down": (3584, 18944),
     "1.5b_qkv": (2048, 1536), "1.5b_o": (1536, 1536), "1.5b_gate_up": (17920, 1536), "1.5b_down": (1536, 8960),
+    # Qwen3-30B-A3B's dense GEMMs (its routed experts run the grouped GEMM, which reduces K as the linear op does:
+    # a split of K 2,048 would reach its gate/up too)
+    "30b_a3b_qkv": (5120, 2048), "30b_a3b_o": (2048, 4096), "30b_a3b_router": (128, 2048),
 }
 REF = "dec64_n32"  # the in-program pointer kernel every candidate's bits are compared with
 
@@ -36,7 +40,7 @@ def main() -> int:
     ap.add_argument("--ms", default="64,128,256")
     ap.add_argument("--splits", default="2,4,6")
     ap.add_argument("--train-ms", default="2048,8192")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(s for s in SHAPES if not s.startswith("30b")))
     ap.add_argument("--budget-s", type=float, default=300.0)
     a = ap.parse_args()
     import torch
