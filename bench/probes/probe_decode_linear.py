@@ -1,9 +1,10 @@
 """The rollout's decode GEMMs at batch M (the stacked q/k/v, o, stacked gate/up and down projections of one layer,
-and with ``--lm-head`` the output head, of the 1.5B or the 7B shape): every tile config that fits M, bit-checked against the incumbent, timed in CUDA graphs on weights that are
+and with ``--lm-head`` the output head, of the 1.5B or the 7B shape; the stacked q/k/v, o and router of the
+Qwen3-30B-A3B): every tile config that fits M, bit-checked against the incumbent, timed in CUDA graphs on weights that are
 not L2-resident (rotating buffers), beside cuBLAS, then the four GEMMs of a layer in sequence (one graph over
 rotating per-layer weight sets) with the table's picks and with the winners.
 
-    python bench/probes/probe_decode_linear.py --out $OUT [--layer 1.5b|7b] [--lm-head] [--ms 64,128] [--write-table FILE]
+    python bench/probes/probe_decode_linear.py --out $OUT [--layer 1.5b|7b|30b-a3b] [--lm-head] [--ms 64,128] [--write-table FILE]
 
 ``--write-table`` writes ``linear_tuned.json`` with the bucket of each measured M replaced by its winner (only where
 the winner beats the current pick by more than ``--min-gain``; other buckets and shapes unchanged:
@@ -22,9 +23,13 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, BENCH)
 sys.path.insert(0, os.path.dirname(BENCH))
 
-# one decoder layer's GEMMs on the rollout side, per model shape
+# one decoder layer's GEMMs on the rollout side, per model shape (the Qwen3-30B-A3B's dense ones: its routed experts
+# run the grouped GEMM, bench/probes/probe_moe_grouped_tiles.py)
 LAYERS = {size: tuple(f"{size}_{g}" for g in ("qkv", "o", "gate_up", "down")) for size in ("1.5b", "7b")}
-LM_HEADS = {"1.5b": ("1.5b_lm_head", (151936, 1536)), "7b": ("7b_lm_head", (152064, 3584))}
+LAYERS["30b-a3b"] = ("30b-a3b_qkv", "30b-a3b_o", "30b-a3b_router")
+MOE_SHAPES = {"30b-a3b_qkv": (4096 + 2 * 512, 2048), "30b-a3b_o": (2048, 4096), "30b-a3b_router": (128, 2048)}
+LM_HEADS = {"1.5b": ("1.5b_lm_head", (151936, 1536)), "7b": ("7b_lm_head", (152064, 3584)),
+            "30b-a3b": ("30b-a3b_lm_head", (151936, 2048))}
 
 
 def candidates(M: int) -> list[str]:
@@ -55,7 +60,7 @@ def main() -> int:
 
     LAYER = LAYERS[a.layer]
     head_name, head_shape = LM_HEADS[a.layer]
-    shapes = {**SHAPES, head_name: head_shape}
+    shapes = {**SHAPES, **MOE_SHAPES, head_name: head_shape}
     cell_names = LAYER + ((head_name,) if a.lm_head else ())
 
     dev, arch, deadline, res = gemm_probe_start(a.out, a.budget_s)
@@ -108,8 +113,8 @@ def main() -> int:
         # a layer's four GEMMs back to back over rotating per-layer weight sets, picks vs winners vs cuBLAS
         sets = []
         for _ in range(8):
-            xs = {n: torch.randn(M, SHAPES[n][1], device=dev).to(torch.bfloat16) for n in LAYER}
-            ws = {n: (torch.randn(*SHAPES[n], device=dev) * SHAPES[n][1] ** -0.5).to(torch.bfloat16) for n in LAYER}
+            xs = {n: torch.randn(M, shapes[n][1], device=dev).to(torch.bfloat16) for n in LAYER}
+            ws = {n: (torch.randn(*shapes[n], device=dev) * shapes[n][1] ** -0.5).to(torch.bfloat16) for n in LAYER}
             sets.append((xs, ws))
 
         def layer(choice, xs, ws):
@@ -122,9 +127,9 @@ def main() -> int:
         for label, choice in (("picked", picks), ("best", bests), ("cublas", None)):
             t = bench_graphed(functools.partial(layer, choice), sets)
             row[label + "_us"] = None if t is None else 1e3 * t
-        row.update(picked=picks, best=bests, layer_mb=sum(SHAPES[n][0] * SHAPES[n][1] * 2 for n in LAYER) / 1e6)
+        row.update(picked=picks, best=bests, layer_mb=sum(shapes[n][0] * shapes[n][1] * 2 for n in LAYER) / 1e6)
         res["layer"][str(M)] = row
-        print(f"M={M:4d} layer of 4 GEMMs ({row['layer_mb']:.1f} MB of weights): picked {row['picked_us']:.1f} us, "
+        print(f"M={M:4d} layer of {len(LAYER)} GEMMs ({row['layer_mb']:.1f} MB of weights): picked {row['picked_us']:.1f} us, "
               f"best {row['best_us']:.1f} us, cuBLAS {row['cublas_us']:.1f} us", flush=True)
         del sets
         torch.cuda.empty_cache()
