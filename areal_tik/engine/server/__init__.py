@@ -19,6 +19,9 @@ Endpoints (responses are ``Content-Type: application/json``; AReaL's client refu
   regime R5), new requests wait until ``POST /continue_generation``;
 - ``POST /update_weights_from_disk {model_path, abort_all_requests}`` -> loads
   synchronously (AReaL deletes the folder right after the reply), bumps the version;
+- ``POST /update_weights_from_ipc {key, handle, layout, abort_all_requests}`` (loopback peers only) -> maps the
+  trainer's shared buffer of every weight (``engine/weight_ipc``: a CUDA IPC handle on one GPU; once per key) and
+  loads its views as from a checkpoint, bumps the version;
 - ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
   backend, group_name}`` -> joins the trainer's process group (AReaL's ``xccl`` mode);
   ``POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
@@ -44,8 +47,8 @@ whose client goes away is ended in the engine (``client_watch``). Weight updates
 nothing (``worker_weights``).
 
 Modules: ``config`` (ServerConfig), ``routes`` (TikServer, run_server), ``client_watch``
-(clients that went away), ``worker`` (EngineWorker), ``worker_weights`` + ``weight_group`` (weight updates from disk and by
-broadcast), ``request_validation`` + ``http_errors`` (the edge), ``compose`` (the composition root: ``build``).
+(clients that went away), ``worker`` (EngineWorker), ``worker_weights`` + ``weight_group`` (weight updates from disk,
+shared memory and by broadcast), ``request_validation`` + ``http_errors`` (the edge), ``compose`` (the composition root: ``build``).
 """
 from __future__ import annotations
 

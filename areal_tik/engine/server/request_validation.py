@@ -296,6 +296,19 @@ def parse_disk_update(body: Any) -> tuple[str, bool]:
     return path, _need_bool("abort_all_requests", body.get("abort_all_requests"))
 
 
+def parse_ipc_update(body: Any) -> dict:
+    """``/update_weights_from_ipc``: {key, handle (an object, or absent once the buffer is mapped), layout (a
+    list: ``weight_ipc.check_layout`` checks its entries against the mapped buffer), abort}."""
+    body = _object(body)
+    handle = body.get("handle")
+    if handle is not None and not isinstance(handle, dict):
+        raise RequestError(f"handle must be an object, got {_show(handle)}")
+    if not isinstance(body.get("layout"), list):
+        raise RequestError(f"layout must be a list of [name, shape, offset], got {_show(body.get('layout'))}")
+    return {"key": _need_str("key", body.get("key"), 64), "handle": handle, "layout": body["layout"],
+            "abort": _need_bool("abort_all_requests", body.get("abort_all_requests"))}
+
+
 def parse_distributed_update(body: Any) -> dict:
     """``/update_weights_from_distributed``: {names, dtypes, shapes, group_name, abort}; each
     list entry well formed (names: strings, dtypes: strings, shapes: non-negative ints)."""

@@ -15,7 +15,7 @@ from areal_tik.engine.server.config import MAX_BODY_BYTES, ServerConfig
 from areal_tik.engine.server.http_errors import error_middleware, error_reply, json_reply
 from areal_tik.engine.server.request_validation import (Limits, RequestError, parse_abort, parse_disk_update,
                                                         parse_distributed_update, parse_generate, parse_group_init,
-                                                        parse_group_name)
+                                                        parse_group_name, parse_ipc_update)
 from areal_tik.engine.server.worker import EngineWorker, Pending
 
 logger = logging.getLogger("areal_tik.server")
@@ -228,6 +228,22 @@ class TikServer:
         return self._json({"success": True, "message": "Succeeded to update model weights.",
                            "num_paused_requests": 0, **res})
 
+    async def update_weights_from_ipc(self, request):
+        """The trainer's shared buffer on this machine (``engine/weight_ipc``): loopback peers only."""
+        if request.remote not in ("127.0.0.1", "::1"):
+            return error_reply(f"/update_weights_from_ipc serves loopback peers only (got {request.remote})", 403)
+        try:
+            req = parse_ipc_update(await self._body(request))
+        except RequestError as e:
+            return error_reply(e.message, e.status)
+        res, err = await self._weights_call("update_weights_from_ipc", lambda: self.worker.cmd_update_from_ipc(req))
+        if err is not None:
+            return err
+        logger.info("loaded %d shared tensors as version %s in %.2fs (+ digest %.2fs); since the previous update: %s",
+                    len(req["layout"]), res["version"], res["load_s"], res.get("info_s", 0.0),
+                    res.get("previous_interval"))
+        return self._json({"success": True, "message": "Succeeded to update model weights.", **res})
+
     async def init_weights_update_group(self, request):
         from areal_tik.engine.server.weight_group import join_group  # lazy: keeps torch out of this module's import
         try:
@@ -320,6 +336,7 @@ class TikServer:
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/update_weights_from_ipc", self.update_weights_from_ipc)
         r.add_post("/flush_cache", self.flush_cache)
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)

@@ -54,12 +54,41 @@ class OpenUpdate:
 
 class WeightUpdateCommands:
     _open_update: OpenUpdate | None = None
+    _ipc_buffer: tuple | None = None     # (key, the trainer's shared buffer mapped here)
+
+    def _no_open_update(self, what: str) -> None:
+        if self._open_update is not None:
+            raise RequestError(f"{what}: a distributed weight update is being staged; "
+                               "/continue_generation applies it (or drops it if refused) first", 409)
 
     def cmd_update_weights(self, path: str, abort: bool):
-        if self._open_update is not None:
-            raise RequestError("update_weights_from_disk: a distributed weight update is being staged; "
-                               "/continue_generation applies it (or drops it if refused) first", 409)
+        self._no_open_update("update_weights_from_disk")
         return self._load(lambda: path, abort, what="update_weights_from_disk", with_info=True)
+
+    def cmd_update_from_ipc(self, req: dict):
+        """An update from the trainer's shared buffer (``engine/weight_ipc``; ``req`` from ``parse_ipc_update``):
+        the buffer is mapped at its first update (a new key replaces the old mapping), its views loaded as a
+        checkpoint's tensors would be (checked in full first, all or nothing)."""
+        # lazy: keeps torch out of this module's import
+        from areal_tik.engine.weight_ipc import IPCError, check_layout, import_buffer, views
+        what = "update_weights_from_ipc"
+        self._no_open_update(what)
+        key, handle = req["key"], req["handle"]
+        if self._ipc_buffer is None or self._ipc_buffer[0] != key:
+            if handle is None:
+                raise RequestError(f"{what}: buffer {key!r} is not mapped here; send its handle", 400)
+            try:
+                self._ipc_buffer = (key, import_buffer(handle))     # a refused handle keeps the old mapping
+            except IPCError as e:
+                raise RequestError(f"{what}: {e}", 400) from None
+            except RuntimeError as e:   # the handle's memory could not be mapped (another machine, a freed buffer)
+                raise RequestError(f"{what}: mapping the shared buffer failed: {str(e).splitlines()[0]}", 400) from None
+        buf = self._ipc_buffer[1]
+        try:
+            layout = check_layout(req["layout"], buf.numel())
+        except IPCError as e:
+            raise RequestError(f"{what}: {e}", 400) from None
+        return self._load(lambda: views(buf, layout), req["abort"], what=what, with_info=True)
 
     def cmd_update_from_distributed(self, req: dict):
         """One bucket of an xccl update (``req`` from ``parse_distributed_update``): receive it (in
