@@ -72,6 +72,7 @@ from areal_tik.areal.consensus import (LOGPROB_DEFINITION, TikServerError, agree
                                        global_audit, group_rank, group_size, query_servers, raise_if_dead)
 from areal_tik.areal.device_model import TikModelMixin, settings_of
 from areal_tik.areal.ports import private_port_draws
+from areal_tik.areal.shared_update import SharedUpdate
 from areal_tik.areal.row_forward import ForwardRate, count_micro_batches, forward_rows, merge, row_tokens, units_of
 from areal_tik.areal.skip_record import global_counts, log_line, shard_share, step_stats, write_decision
 from areal_tik.areal.skip_rule import (REASONS, SEQUENCE_REASONS, TikAuditError, audit_compare,  # noqa: F401
@@ -115,6 +116,7 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         self._digest_cache: tuple[int, str] | None = None
         self._server_addrs_override: list[str] | None = None
         self._rate = ForwardRate()
+        self._shared_update: SharedUpdate | None = None
 
     def destroy(self):
         """AReaL's ``destroy`` ends with ``destroy_process_group()``, which also tears down the xccl
@@ -136,6 +138,22 @@ class TikFSDPPPOActor(TikModelMixin, FSDPPPOActor):
         finally:
             if th is not None:
                 th.join(timeout=60)
+
+    def _update_weights_from_disk(self, meta):
+        """AReaL's disk update, or with ``actor.tik.weight_transfer: ipc`` the shared buffer instead of the
+        checkpoint (``shared_update``): generation paused, every server loads the buffer, generation resumed. The
+        step's ``timeperf/update_weights`` covers it; ``tik/ipc_fill_s`` and ``tik/ipc_load_s`` split it."""
+        if getattr(self.tik_cfg, "weight_transfer", "areal") != "ipc":
+            return super()._update_weights_from_disk(meta)
+        if self._shared_update is None:
+            self._shared_update = SharedUpdate(self._compute_dtype(), timeout=float(self.tik_cfg.server_timeout) * 20)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rollout_engine.pause_generation()
+        try:
+            res = self._shared_update.send(self.model, self.server_addresses(), world)
+        finally:
+            self.rollout_engine.continue_generation()
+        stats_tracker.scalar(**{"tik/ipc_fill_s": res["fill_s"], "tik/ipc_load_s": res["load_s"]})
 
     def _save_model_to_hf(self, path, tokenizer, processor):
         """AReaL's save, timed: a disk weight update is this save (trainer side) followed by the rollout

@@ -7,7 +7,7 @@ These subclasses add:
 - ``actor.kernel_backend``: ``default`` (AReaL as is) or ``tik`` (our kernels on both
   sides, recompute skipped when the skip rule of docs/design.md allows);
 - ``actor.tik``: the audit interval and the mismatch policy (``fallback`` to recompute
-  from then on, or ``raise``), the process settings (``backend``, ``attention_backward``,
+  from then on, or ``raise``), how weight updates travel (``weight_transfer``), the process settings (``backend``, ``attention_backward``,
   ``precompile``, ``profile_step``, ``server_device``: :class:`areal_tik.settings.Settings`) and
   ``rollout_engine`` (a name of :mod:`areal_tik.areal.engines`; null: chosen from ``rollout.backend``).
 
@@ -121,7 +121,18 @@ class TikConfig:
                           "requires transformers>=5.5.3, AReaL 1.0.4 pins transformers<=5.3.0."},
     )
 
+    weight_transfer: str = field(
+        default="areal",
+        metadata={"help": "How a weight update reaches the areal-tik rollout server: 'areal' (AReaL's own path for "
+                          "actor.weight_update_mode) or 'ipc' (with weight_update_mode=disk: a shared buffer on "
+                          "the trainer's GPU instead of a checkpoint on disk; one trainer rank, servers on this "
+                          "machine; costs a second copy of the weights in the compute dtype).",
+                  "choices": ["areal", "ipc"]},
+    )
+
     def __post_init__(self):
+        if self.weight_transfer not in ("areal", "ipc"):
+            raise ConfigError(f"actor.tik.weight_transfer must be 'areal' or 'ipc', got {self.weight_transfer!r}")
         if not isinstance(self.audit_interval, int) or isinstance(self.audit_interval, bool) \
                 or self.audit_interval < 0:
             raise ConfigError(f"actor.tik.audit_interval must be an integer >= 0, got {self.audit_interval!r}")
@@ -223,6 +234,13 @@ class TikPPOConfig(PPOConfig):
             engine = engines.for_config(self)
         except engines.EngineError as e:
             raise ConfigError(f"rollout.backend / actor.tik.rollout_engine: {e}") from None
+        if a.tik.weight_transfer == "ipc":
+            if a.weight_update_mode != "disk":
+                raise ConfigError(f"actor.tik.weight_transfer=ipc replaces the disk update: it needs "
+                                  f"actor.weight_update_mode=disk, got {a.weight_update_mode!r}")
+            if engine.name != "tik":
+                raise ConfigError(f"actor.tik.weight_transfer=ipc needs the areal-tik rollout server (engine 'tik'), "
+                                  f"got engine {engine.name!r}")
         if a.kernel_backend != "tik":
             return
         g = self.gconfig

@@ -125,12 +125,12 @@ def model_digest(model: torch.nn.Module, dtype: torch.dtype | None = torch.bfloa
             t = p.data
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
-            yield _canonical_name(n), t
+            yield canonical_name(n), t
     return digest(list(items()), dtype)
 
 
-def _canonical_name(name: str) -> str:
-    # FSDP / torch.compile / activation-checkpoint wrappers insert these into names.
+def canonical_name(name: str) -> str:
+    """A parameter's HF name: FSDP / torch.compile / activation-checkpoint wrappers insert these into names."""
     for junk in ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module."):
         name = name.replace(junk, "")
     return name

@@ -32,6 +32,7 @@ def test_default_and_tik_load():
     ("actor.kernel_backend=fast", "actor.kernel_backend"),
     ("actor.tik.mismatch_policy=ignore", "actor.tik.mismatch_policy"),
     ("actor.tik.audit_interval=-1", "actor.tik.audit_interval"),
+    ("actor.tik.weight_transfer=nfs", "actor.tik.weight_transfer"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(Exception) as ei:
@@ -55,6 +56,18 @@ def test_tik_inconsistencies_fail_at_load(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _load("actor.kernel_backend=tik", *overrides)
     _load("actor.kernel_backend=default", *overrides)  # AReaL as is: accepted
+
+
+@pytest.mark.parametrize("kernels", ["tik", "default"])
+def test_ipc_weight_transfer_needs_disk_mode_and_the_tik_server(kernels):
+    """The shared buffer replaces the disk update's checkpoint, and only the areal-tik server reads it."""
+    c = _load(f"actor.kernel_backend={kernels}", "actor.tik.weight_transfer=ipc", "actor.weight_update_mode=disk")
+    assert c.actor.tik.weight_transfer == "ipc"
+    with pytest.raises(ConfigError, match=r"actor\.tik\.weight_transfer=ipc .*weight_update_mode=disk"):
+        _load(f"actor.kernel_backend={kernels}", "actor.tik.weight_transfer=ipc", "actor.weight_update_mode=xccl")
+    with pytest.raises(ConfigError, match=r"areal-tik rollout server"):
+        _load(f"actor.kernel_backend={kernels}", "actor.tik.weight_transfer=ipc", "+actor.tik.rollout_engine=vllm",
+              "rollout.backend=vllm:d1p1t1")
 
 
 def test_server_settings_from_the_recipe():
