@@ -119,14 +119,14 @@ case "$ARMS" in both|all) RUN_ARMS=$SET ;; *) RUN_ARMS=$ARMS ;; esac
 IFS=, read -r -a RUN_LIST <<< "$RUN_ARMS"
 IFS=, read -r -a SET_LIST <<< "$SET"
 for a in "${RUN_LIST[@]}"; do
-  case ",$SET," in *",$a,"*) ;; *) echo "ARMS: '$a' is not in SET=$SET (arms: vllm, vllm_loglinear, baseline, tik, vllm_tik)"; exit 2 ;; esac
+  case ",$SET," in *",$a,"*) ;; *) echo "ARMS: '$a' is not in SET=$SET (arms: vllm, vllm_loglinear, baseline, tik, tik_ipc, vllm_tik)"; exit 2 ;; esac
 done
 NARMS=${#RUN_LIST[@]}
 [ "${DRY_RUN:-0}" = 1 ] || case ",$RUN_ARMS," in *,vllm_tik,*)  # vLLM finds the tik plugin only through its entry point (bench/install_vllm_wheels.sh)
   python3 -c "import importlib.metadata as md, sys; sys.exit(not any(e.name == 'areal_tik' for e in md.entry_points(group='vllm.general_plugins')))" \
     || { echo "the vllm_tik arm needs the tik plugin's vllm.general_plugins entry point: run bench/install_vllm_wheels.sh"; exit 2; } ;;
 esac
-REF=$(python3 -c "import sys; a='$SET'.split(','); print(next(x for x in ('vllm','baseline','vllm_loglinear','tik','vllm_tik') if x in a))")
+REF=$(python3 -c "import sys; a='$SET'.split(','); print(next(x for x in ('vllm','baseline','vllm_loglinear','tik','tik_ipc','vllm_tik') if x in a))")
 ARM_TIMEOUT=${ARM_TIMEOUT:-$(( (BUDGET_S - 20) / (NARMS * ${#RECIPE_LIST[@]}) ))}
 AB_OUT=${AB_OUT:-/tmp/areal_tik_ab_reports}
 RUNS_DIR=${RUNS_DIR:-/tmp/areal_tik_ab_runs}
