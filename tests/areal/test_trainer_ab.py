@@ -110,19 +110,26 @@ def test_profiled_step_and_compile_counts(ab_dir):
     assert "| tik | 1 (profiled) |" in open(os.path.join(ab_dir, "summary.md")).read()
 
 
-def test_tik_arm_with_ipc_weight_updates(warm_ipc_run):
-    """The shared-buffer weight transfer (``actor.tik.weight_transfer=ipc``, on a CPU a /dev/shm buffer, on a GPU a
-    CUDA IPC handle) instead of the disk round trip: the server loads the trainer's buffer at each update, its bf16
-    weights equal the trainer's (digest), so step 1 skips the recompute; no checkpoint is written or read."""
+def _audited_then_skipped(run, trial: str) -> str:
+    """The two-step run ``run`` (fileroot, step log, process): step 0 audited with 0 mismatches, step 1 skipped
+    with no reason (the server's version and weights digest matched the trainer's after the update); returns the
+    server's log."""
     import glob
-    tmp_path, log, r = warm_ipc_run
+    tmp_path, log, r = run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = load_steps(str(log))
     assert [s["global_step"] for s in steps] == [0, 1]
     s0, s1 = steps[0]["tik"][0], steps[1]["tik"][0]
     assert s0["audit"] and s0["audit_tokens"] > 0 and s0["audit_mismatch_tokens"] == 0 and s0["reasons"] == []
-    assert s1["skipped"] and s1["reasons"] == []  # server_version and weights_digest matched after the shared update
-    server_log = open(glob.glob(str(tmp_path / "*" / "ipc" / "tik_server.log"))[0]).read()
+    assert s1["skipped"] and s1["reasons"] == []
+    return open(glob.glob(str(tmp_path / "*" / trial / "tik_server.log"))[0]).read()
+
+
+def test_tik_arm_with_ipc_weight_updates(warm_ipc_run):
+    """The shared-buffer weight transfer (``actor.tik.weight_transfer=ipc``, on a CPU a /dev/shm buffer, on a GPU a
+    CUDA IPC handle) instead of the disk round trip: the server loads the trainer's buffer at each update, its bf16
+    weights equal the trainer's (digest), so step 1 skips the recompute; no checkpoint is written or read."""
+    server_log = _audited_then_skipped(warm_ipc_run, "ipc")
     assert server_log.count("shared tensors as version") == 2, server_log[-3000:]
     assert "update_weights_from_disk" not in server_log and "loaded weights from" not in server_log
 
@@ -132,15 +139,7 @@ def test_tik_arm_with_xccl_weight_updates(warm_xccl_run):
     rollout server; gloo on a CPU) instead of the disk round trip: the server's bf16 weights after
     each update equal the trainer's (digest), so step 1 still skips the recompute. The run (the tiny
     recipe from a warm start, tik kernels, 2 steps) is tests/areal/conftest.py's warm_xccl_run."""
-    import glob
-    tmp_path, log, r = warm_xccl_run
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    steps = load_steps(str(log))
-    assert [s["global_step"] for s in steps] == [0, 1]
-    s0, s1 = steps[0]["tik"][0], steps[1]["tik"][0]
-    assert s0["audit"] and s0["audit_tokens"] > 0 and s0["audit_mismatch_tokens"] == 0 and s0["reasons"] == []
-    assert s1["skipped"] and s1["reasons"] == []  # server_version and weights_digest matched after the broadcast
-    server_log = open(glob.glob(str(tmp_path / "*" / "xccl" / "tik_server.log"))[0]).read()
+    server_log = _audited_then_skipped(warm_xccl_run, "xccl")
     assert "joined weight update group update_weight_group as rank 1 of 2 (gloo)" in server_log
     assert server_log.count("from group update_weight_group into version") == 2
     assert "update_weights_from_disk" not in server_log
