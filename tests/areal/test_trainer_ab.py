@@ -134,6 +134,33 @@ def test_tik_arm_with_ipc_weight_updates(warm_ipc_run):
     assert "update_weights_from_disk" not in server_log and "loaded weights from" not in server_log
 
 
+def test_async_recipe_with_ipc_weight_updates_audits_equal(tmp_path):
+    """AReaL's asynchronous mode (recipes/tiny_async.yaml: rollout up to 2 versions ahead, weight updates interrupt
+    generation) with the shared-buffer weight transfer: every update loads through the buffer while requests are
+    paused and resumed, batches mix stale and interrupted sequences with current ones, and the audits (steps 0
+    and 2: every sequence recomputed, the current-version ones compared) find 0 differing tokens."""
+    import glob
+    import subprocess
+    import sys
+    log = tmp_path / "steps.jsonl"
+    cmd = [sys.executable, "-m", "areal_tik.areal.train", "--config",
+           os.path.join(os.path.dirname(RECIPE), "tiny_async.yaml"), "actor.kernel_backend=tik",
+           "actor.weight_update_mode=disk", "actor.tik.weight_transfer=ipc", "total_train_steps=4", "trial_name=ipc",
+           "experiment_name=tiktest-async-ipc", f"cluster.fileroot={tmp_path}", "actor.tik.audit_interval=2",
+           "--step-log", str(log)]
+    env = {k: v for k, v in os.environ.items() if k not in ("AREAL_LLM_SERVER_ADDRS", "MASTER_PORT")}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = [s["tik"][0] for s in load_steps(str(log))]
+    assert [t["version"] for t in recs] == [0, 1, 2, 3]
+    assert [t["audit"] for t in recs] == [True, False, True, False]
+    # an audit compares the current-version sequences (step 0: all of them; later, however many the timing left)
+    assert all(t["audit_mismatch_tokens"] == 0 for t in recs if t["audit"]) and recs[0]["audit_tokens"] > 0
+    assert any(t["seqs_stale_version"] + t["seqs_mixed_versions"] > 0 for t in recs)         # the async mix
+    server_log = open(glob.glob(str(tmp_path / "*" / "ipc" / "tik_server.log"))[0]).read()
+    assert server_log.count("shared tensors as version") == 4 and "loaded weights from" not in server_log
+
+
 def test_tik_arm_with_xccl_weight_updates(warm_xccl_run):
     """AReaL's default weight transfer (``xccl``: trainer rank 0 broadcasts every parameter to the
     rollout server; gloo on a CPU) instead of the disk round trip: the server's bf16 weights after
