@@ -9,6 +9,8 @@
 # one per call). RECIPES names recipes/<name>_qwen2.5-1.5b_gsm8k.yaml: grpo, ppo, grpo_async (asynchronous mode,
 # rollout.max_head_offpolicyness 2, decoupled loss: the tik arms skip the recompute per sequence), or recipes/<name>.yaml
 # (e.g. grpo_qwen3-moe-4l_arith, with MODEL=qwen3-30b-a3b-4l: the preset a run without real weights starts from).
+# tik_ipc / vllm_tik_ipc: tik / vllm_tik with the weights handed over through a shared buffer on the trainer's GPU
+# (actor.tik.weight_transfer=ipc) instead of AReaL's disk round trip (one GPU: disk mode).
 # The asynchronous A/B (one arm per call, the same warm machine; step throughput, fraction of sequences skipped,
 # reward ratio with its 95% CI and audit counts are in ab_grpo_async_summary.md):
 #   RECIPES=grpo_async SET=vllm,vllm_loglinear,tik,vllm_tik ARMS=vllm BUDGET_S=520 STEPS=10 WARMSTART_STEPS=300 \
@@ -119,14 +121,14 @@ case "$ARMS" in both|all) RUN_ARMS=$SET ;; *) RUN_ARMS=$ARMS ;; esac
 IFS=, read -r -a RUN_LIST <<< "$RUN_ARMS"
 IFS=, read -r -a SET_LIST <<< "$SET"
 for a in "${RUN_LIST[@]}"; do
-  case ",$SET," in *",$a,"*) ;; *) echo "ARMS: '$a' is not in SET=$SET (arms: vllm, vllm_loglinear, baseline, tik, tik_ipc, vllm_tik)"; exit 2 ;; esac
+  case ",$SET," in *",$a,"*) ;; *) echo "ARMS: '$a' is not in SET=$SET (arms: vllm, vllm_loglinear, baseline, tik, tik_ipc, vllm_tik, vllm_tik_ipc)"; exit 2 ;; esac
 done
 NARMS=${#RUN_LIST[@]}
-[ "${DRY_RUN:-0}" = 1 ] || case ",$RUN_ARMS," in *,vllm_tik,*)  # vLLM finds the tik plugin only through its entry point (bench/install_vllm_wheels.sh)
+[ "${DRY_RUN:-0}" = 1 ] || case ",$RUN_ARMS," in *,vllm_tik,*|*,vllm_tik_ipc,*)  # vLLM finds the tik plugin only through its entry point (bench/install_vllm_wheels.sh)
   python3 -c "import importlib.metadata as md, sys; sys.exit(not any(e.name == 'areal_tik' for e in md.entry_points(group='vllm.general_plugins')))" \
     || { echo "the vllm_tik arm needs the tik plugin's vllm.general_plugins entry point: run bench/install_vllm_wheels.sh"; exit 2; } ;;
 esac
-REF=$(python3 -c "import sys; a='$SET'.split(','); print(next(x for x in ('vllm','baseline','vllm_loglinear','tik','tik_ipc','vllm_tik') if x in a))")
+REF=$(python3 -c "import sys; a='$SET'.split(','); print(next(x for x in ('vllm','baseline','vllm_loglinear','tik','tik_ipc','vllm_tik','vllm_tik_ipc') if x in a))")
 ARM_TIMEOUT=${ARM_TIMEOUT:-$(( (BUDGET_S - 20) / (NARMS * ${#RECIPE_LIST[@]}) ))}
 AB_OUT=${AB_OUT:-/tmp/areal_tik_ab_reports}
 RUNS_DIR=${RUNS_DIR:-/tmp/areal_tik_ab_runs}
@@ -174,7 +176,7 @@ case "${SERVER_DEVICE:-cuda}" in cuda|cuda:0) VLLM_MEM=${VLLM_MEM:-0.35} ;; *) V
 # (the default with the char tokenizer) passes vllm.skip_tokenizer_init=true to both vLLM arms.
 if [ -z "${QWEN_DIR:-}" ] || [ "${WARMSTART_STEPS:-0}" -gt 0 ]; then VLLM_SKIP_TOKENIZER=${VLLM_SKIP_TOKENIZER:-1}; fi
 case ",$SET," in
-  *,vllm,*|*,vllm_tik,*|*,vllm_loglinear,*)
+  *,vllm,*|*,vllm_tik,*|*,vllm_tik_ipc,*|*,vllm_loglinear,*)
     [ -n "$VLLM_MEM" ] && SETTINGS+=(vllm.gpu_memory_utilization="$VLLM_MEM")
     # vLLM 0.24 needs transformers>=5.5.3 (the image's 5.17); AReaL's set pins 5.3.0 for the trainer: the server
     # gets /tmp/site-vllm, AReaL's set without transformers/tokenizers/peft (bench/install_gpu_wheels.sh makes it)

@@ -23,7 +23,7 @@ __all__ = ["ARMS", "ARM_ENGINES", "SKIP_ARMS", "REFERENCES", "PHASES", "MIN_MEAS
            "reference_arm", "headline_arm", "server_intervals", "ratio_of_means_ci", "t_quantile_975"]
 
 # every arm, in report order: the rollout engine, the kernels, recompute or skip
-ARMS = ("vllm", "baseline", "vllm_loglinear", "tik", "tik_ipc", "vllm_tik")
+ARMS = ("vllm", "baseline", "vllm_loglinear", "tik", "tik_ipc", "vllm_tik", "vllm_tik_ipc")
 ARM_ENGINES = {"vllm": "stock vLLM (AReaL's vLLM server), HF-default trainer kernels, recompute every step",
                "vllm_loglinear": "stock vLLM (AReaL's vLLM server), HF-default trainer kernels, no recompute: "
                                  "AReaL's log-linear approximation of the proximal log-probs (prox_logp_method=loglinear)",
@@ -32,8 +32,10 @@ ARM_ENGINES = {"vllm": "stock vLLM (AReaL's vLLM server), HF-default trainer ker
                "tik": "areal-tik serve on tik kernels, recompute skipped when the skip rule allows",
                "tik_ipc": "areal-tik serve on tik kernels, recompute skipped when allowed, weights handed over through "
                           "a shared buffer on the trainer's GPU (actor.tik.weight_transfer=ipc) instead of a checkpoint",
-               "vllm_tik": "vLLM with the tik plugin (AReaL's vLLM server), tik kernels, recompute skipped when allowed"}
-SKIP_ARMS = ("tik", "tik_ipc", "vllm_tik")      # actor.kernel_backend=tik: may skip, audits
+               "vllm_tik": "vLLM with the tik plugin (AReaL's vLLM server), tik kernels, recompute skipped when allowed",
+               "vllm_tik_ipc": "vLLM with the tik plugin, tik kernels, recompute skipped when allowed, weights through "
+                               "a shared buffer on the trainer's GPU (actor.tik.weight_transfer=ipc)"}
+SKIP_ARMS = ("tik", "tik_ipc", "vllm_tik", "vllm_tik_ipc")      # actor.kernel_backend=tik: may skip, audits
 REFERENCES = ("vllm", "baseline")    # what ratios are taken against, first present wins
 PHASES = (("rollout", "timeperf/rollout"), ("recompute", "timeperf/recompute_logp"),
           ("train_step", "timeperf/train_step"), ("weight_update", "timeperf/update_weights"),

@@ -18,7 +18,7 @@ from areal_tik.ab.describe import arms_of, fmt, has_critic, machine_label, workl
 __all__ = ["plot", "step_time_figure", "reward_figure", "ARM_COLORS", "PHASE_COLORS"]
 
 ARM_COLORS = {"vllm": "#4c72b0", "vllm_loglinear": "#8172b3", "baseline": "#7f7f7f", "tik": "#dd8452",
-              "vllm_tik": "#55a868", "tik_ipc": "#c44e52"}
+              "vllm_tik": "#55a868", "tik_ipc": "#c44e52", "vllm_tik_ipc": "#64b5cd"}
 PHASE_COLORS = {"rollout": "#4c72b0", "recompute": "#dd8452", "train_step": "#55a868", "weight_update": "#c44e52",
                 "critic": "#8172b3", "other": "#bbbbbb"}
 _PHASE_NAMES = {"rollout": "rollout", "recompute": "recompute (log-prob forward)", "train_step": "train step",

@@ -12,7 +12,8 @@ Each arm is one ``python -m areal_tik.areal.train`` process (AReaL's real traine
   allows, audits on step 0 and every ``actor.tik.audit_interval`` steps);
 - ``tik_ipc``: ``tik`` with the trainer's weights handed to the server through a shared buffer
   (``actor.tik.weight_transfer=ipc``, disk mode: no checkpoint written or read; one GPU);
-- ``vllm_tik``: vLLM with the tik plugin, tik kernels, the same skip rule.
+- ``vllm_tik``: vLLM with the tik plugin, tik kernels, the same skip rule;
+- ``vllm_tik_ipc``: ``vllm_tik`` with the shared-buffer weight transfer, as ``tik_ipc``.
 
 The trainer appends one JSON line per step (``--step-log``): AReaL's committed stats
 (``timeperf/rollout``, ``timeperf/recompute_logp``, ``timeperf/train_step``,
@@ -50,7 +51,8 @@ from areal_tik.dispatch.fingerprint import environment
 DEFAULT_SET = ("baseline", "tik")     # runs anywhere (no vLLM needed): the CPU quick start
 # what makes each arm: (its rollout engine in areal_tik.areal.engines, its kernels)
 ARM_WIRING = {"vllm": ("vllm", "default"), "vllm_loglinear": ("vllm", "default"), "baseline": ("tik", "default"),
-              "tik": ("tik", "tik"), "tik_ipc": ("tik", "tik"), "vllm_tik": ("vllm", "tik")}
+              "tik": ("tik", "tik"), "tik_ipc": ("tik", "tik"), "vllm_tik": ("vllm", "tik"),
+              "vllm_tik_ipc": ("vllm", "tik")}
 
 __all__ = ["run_arm", "run_ab", "load_arm", "arm_overrides", "arm_engine", "parse_arms", "DEFAULT_SET", "ARM_WIRING",
            "ArmFailed"]
@@ -80,8 +82,8 @@ def arm_overrides(arm: str, config: str) -> list[str]:
     """What makes an arm (:data:`ARM_WIRING`): ``actor.kernel_backend``, ``rollout.backend=<its engine's client
     family>:<the recipe's layout>`` when the recipe names another family (the same data-parallel layout as the
     recipe's servers), and ``actor.tik.rollout_engine``; ``vllm_loglinear`` also
-    ``actor.prox_logp_method=loglinear`` (AReaL's approximation of the proximal log-probs); ``tik_ipc`` also the
-    disk mode with ``actor.tik.weight_transfer=ipc``."""
+    ``actor.prox_logp_method=loglinear`` (AReaL's approximation of the proximal log-probs); ``tik_ipc`` and
+    ``vllm_tik_ipc`` also the disk mode with ``actor.tik.weight_transfer=ipc``."""
     engine, kernels = engines.get(ARM_WIRING[arm][0]), ARM_WIRING[arm][1]
     out = [f"actor.kernel_backend={kernels}"]
     family, _, layout = _recipe_rollout_backend(config).partition(":")
@@ -89,7 +91,7 @@ def arm_overrides(arm: str, config: str) -> list[str]:
         out.append(f"rollout.backend={engine.rollout_backend}:{layout or 'd1p1t1'}")
     if arm == "vllm_loglinear":
         out.append("actor.prox_logp_method=loglinear")
-    if arm == "tik_ipc":
+    if arm.endswith("_ipc"):
         out += ["actor.weight_update_mode=disk", "++actor.tik.weight_transfer=ipc"]
     return out + [f"++actor.tik.rollout_engine={engine.name}"]   # ++: set whether or not the recipe lists the key
 

@@ -123,10 +123,11 @@ class TikConfig:
 
     weight_transfer: str = field(
         default="areal",
-        metadata={"help": "How a weight update reaches the areal-tik rollout server: 'areal' (AReaL's own path for "
+        metadata={"help": "How a weight update reaches the rollout server: 'areal' (AReaL's own path for "
                           "actor.weight_update_mode) or 'ipc' (with weight_update_mode=disk: a shared buffer on "
-                          "the trainer's GPU instead of a checkpoint on disk; one trainer rank, servers on this "
-                          "machine; costs a second copy of the weights in the compute dtype).",
+                          "the trainer's GPU instead of a checkpoint on disk; the areal-tik server or vLLM with the "
+                          "tik plugin, one trainer rank, servers on this machine; costs a second copy of the "
+                          "weights in the compute dtype).",
                   "choices": ["areal", "ipc"]},
     )
 
@@ -238,9 +239,10 @@ class TikPPOConfig(PPOConfig):
             if a.weight_update_mode != "disk":
                 raise ConfigError(f"actor.tik.weight_transfer=ipc replaces the disk update: it needs "
                                   f"actor.weight_update_mode=disk, got {a.weight_update_mode!r}")
-            if engine.name != "tik":
-                raise ConfigError(f"actor.tik.weight_transfer=ipc needs the areal-tik rollout server (engine 'tik'), "
-                                  f"got engine {engine.name!r}")
+            if not (engine.name == "tik" or (engine.name == "vllm" and a.kernel_backend == "tik")):
+                raise ConfigError(f"actor.tik.weight_transfer=ipc needs the areal-tik rollout server (engine 'tik') "
+                                  f"or vLLM with the tik plugin (engine 'vllm', actor.kernel_backend=tik), got engine "
+                                  f"{engine.name!r} with actor.kernel_backend={a.kernel_backend}")
         if a.kernel_backend != "tik":
             return
         g = self.gconfig

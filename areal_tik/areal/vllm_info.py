@@ -16,7 +16,8 @@ from areal_tik.areal.consensus import LOGPROB_DEFINITION
 from areal_tik.vllm_plugin import ARCHITECTURES
 from areal_tik.dispatch.fingerprint import compute
 
-__all__ = ["TIK_WORKER_EXTENSION", "INFO_RPC", "STOCK_LOGPROBS", "UPDATE_ROUTES", "WeightVersion", "worker_facts",
+__all__ = ["TIK_WORKER_EXTENSION", "INFO_RPC", "IPC_RPC", "IPC_UPDATE", "STOCK_LOGPROBS", "UPDATE_ROUTES",
+           "WeightVersion", "worker_facts",
            "unwrap_model", "weights_items", "server_info"]
 
 TIK_WORKER_EXTENSION = "areal_tik.areal.vllm_worker.TikVLLMWorkerExtension"
@@ -24,16 +25,19 @@ INFO_RPC = "areal_tik_server_info"   # the worker-extension method the API serve
 STOCK_LOGPROBS = "vLLM's sampler log-probs (logprobs_mode, default raw_logprobs: log_softmax of the unscaled logits)"
 TIK_LOGPROBS = LOGPROB_DEFINITION + " (tik log-prob hook in vLLM's sampler, no top-p/top-k/penalty)"
 DISK_UPDATE, XCCL_UPDATE, PAUSE = "/areal_update_weights", "/areal_update_weights_xccl", "/areal_pause_generation"
-UPDATE_ROUTES = (DISK_UPDATE, XCCL_UPDATE, PAUSE)
+# the trainer's shared buffer (actor.tik.weight_transfer=ipc): the route, as on the areal-tik server, and the
+# worker-extension method it calls
+IPC_UPDATE, IPC_RPC = "/update_weights_from_ipc", "areal_tik_update_shared"
+UPDATE_ROUTES = (DISK_UPDATE, XCCL_UPDATE, PAUSE, IPC_UPDATE)
 
 
 class WeightVersion:
     """The server's weight version as the trainer counts it: 0 at start, +1 per weight update.
 
     AReaL's client pauses generation before every update. A disk update is one request
-    (``/areal_update_weights``); an xccl update is one ``/areal_update_weights_xccl`` per bucket, so
-    the version advances at the first bucket that succeeds after a pause. A failed request (status
-    not 200) changes nothing."""
+    (``/areal_update_weights``), as is a shared-buffer one (``/update_weights_from_ipc``); an xccl update is one
+    ``/areal_update_weights_xccl`` per bucket, so the version advances at the first bucket that succeeds after a
+    pause. A failed request (status not 200) changes nothing."""
 
     def __init__(self):
         self.version = 0
@@ -44,7 +48,7 @@ class WeightVersion:
             return
         if path == PAUSE:
             self._open = True
-        elif path == DISK_UPDATE:
+        elif path in (DISK_UPDATE, IPC_UPDATE):
             self.version += 1
             self._open = False
         elif path == XCCL_UPDATE and self._open:

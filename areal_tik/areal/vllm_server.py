@@ -8,8 +8,9 @@ module is that command with two additions, made before AReaL's server module run
 2. a wrapper around ``vllm.entrypoints.openai.api_server.build_app`` (AReaL's own ``build_app``
    patch calls it) that adds ``GET``/``POST /get_server_info`` -- the facts the tik skip rule checks,
    asked from the vLLM workers by ``collective_rpc`` when they run the tik worker extension
-   (:data:`~areal_tik.areal.vllm_info.TIK_WORKER_EXTENSION`), else a stock answer no skip accepts --
-   and a middleware that counts AReaL's weight updates (:class:`~areal_tik.areal.vllm_info.WeightVersion`).
+   (:data:`~areal_tik.areal.vllm_info.TIK_WORKER_EXTENSION`), else a stock answer no skip accepts --,
+   with that extension ``POST /update_weights_from_ipc`` (the trainer's shared buffer, ``actor.tik.weight_transfer:
+   ipc``), and a middleware that counts AReaL's weight updates (:class:`~areal_tik.areal.vllm_info.WeightVersion`).
 
 Then AReaL's server module runs as ``__main__`` (``runpy``), parsing the same argv. Its routes,
 its ``/v1/completions`` wrapper and its weight-update endpoints are AReaL's.
@@ -21,10 +22,11 @@ import runpy
 import sys
 
 from areal_tik.areal.vllm_compat import install_aliases
-from areal_tik.areal.vllm_info import INFO_RPC, TIK_WORKER_EXTENSION, UPDATE_ROUTES, WeightVersion, server_info
+from areal_tik.areal.vllm_info import (INFO_RPC, IPC_RPC, IPC_UPDATE, TIK_WORKER_EXTENSION, UPDATE_ROUTES,
+                                      WeightVersion, server_info)
 
-__all__ = ["AREAL_SERVER", "API_SERVER", "flag_value", "collect_info", "add_info_routes", "CountWeightUpdates",
-           "hook_build_app", "main"]
+__all__ = ["AREAL_SERVER", "API_SERVER", "flag_value", "collect_info", "add_info_routes", "load_shared",
+           "CountWeightUpdates", "hook_build_app", "main"]
 
 AREAL_SERVER = "areal.engine.vllm_ext.areal_vllm_server"
 API_SERVER = "vllm.entrypoints.openai.api_server"
@@ -70,7 +72,32 @@ def add_info_routes(app, *, ask_workers: bool, model_path: str, version: WeightV
         return JSONResponse(info)
 
     app.add_api_route("/get_server_info", get_server_info, methods=["GET", "POST"])
+    if ask_workers:
+        async def update_weights_from_ipc(raw_request: Request):
+            status, body = await load_shared(raw_request)
+            return JSONResponse(body, status_code=status)
+        app.add_api_route(IPC_UPDATE, update_weights_from_ipc, methods=["POST"])
     add_outer_middleware(app, CountWeightUpdates, version=version)
+
+
+async def load_shared(raw_request) -> tuple[int, dict]:
+    """``POST /update_weights_from_ipc`` on a tik vLLM server: loopback peers only; every worker loads the trainer's
+    shared buffer (``IPC_RPC``), then the prefix cache is dropped (K/V of the old weights). ``(status, body)``."""
+    client = getattr(raw_request, "client", None)
+    host = getattr(client, "host", None)
+    if host not in ("127.0.0.1", "::1"):
+        return 403, {"success": False, "message": f"{IPC_UPDATE} serves loopback peers only (got {host})"}
+    try:
+        body = await raw_request.json()
+    except ValueError:
+        return 400, {"success": False, "message": "the body is not JSON"}
+    engine = raw_request.app.state.engine_client
+    results = list(await engine.collective_rpc(IPC_RPC, args=(body,)))
+    refused = [str(r[1]) for r in results if not (isinstance(r, (tuple, list)) and r and r[0])]
+    if refused or not results:
+        return 400, {"success": False, "message": f"{IPC_UPDATE}: {refused[0] if refused else 'no worker answered'}"}
+    await engine.reset_prefix_cache()
+    return 200, {"success": True, "message": "Succeeded to update model weights.", "workers": len(results)}
 
 
 def add_outer_middleware(app, cls, **options) -> None:

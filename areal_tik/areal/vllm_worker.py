@@ -2,8 +2,9 @@
 
 vLLM mixes ``--worker-extension-cls`` into its GPU worker, so these methods run in the process
 that holds the model and samples; the API server calls them with ``collective_rpc``. AReaL's
-weight-update methods are inherited unchanged; each successful load also advances a local serial,
-so the weights digest is recomputed only after the weights changed.
+weight-update methods are inherited unchanged, and the trainer's shared buffer loads by name
+(``actor.tik.weight_transfer=ipc``); each successful load also advances a local serial, so the weights
+digest is recomputed only after the weights changed.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ __all__ = ["TikVLLMWorkerExtension"]
 class TikVLLMWorkerExtension(VLLMWorkerExtension):
     _areal_tik_serial = 0
     _areal_tik_cache: tuple | None = None
+    _areal_tik_shared: tuple | None = None     # (key, the trainer's shared buffer mapped in this worker)
 
     def _areal_tik_loaded(self, result):
         ok = isinstance(result, tuple) and bool(result[0])
@@ -30,6 +32,27 @@ class TikVLLMWorkerExtension(VLLMWorkerExtension):
 
     def areal_update_weight_xccl(self):
         return self._areal_tik_loaded(super().areal_update_weight_xccl())
+
+    def areal_tik_update_shared(self, body: dict):
+        """Load the trainer's shared buffer (``engine/weight_ipc``; ``body`` as ``/update_weights_from_ipc`` takes
+        it) into this worker's model by name: the buffer is mapped at its first update (a new key replaces the
+        mapping), its views copied in (``load_weights``: unknown names or shapes refused before the tensor is
+        written). ``(ok, message)`` as AReaL's update methods answer."""
+        # lazy: keeps torch out of this module's import
+        from areal_tik.engine.weight_ipc import IPCError, check_layout, import_buffer, views
+        try:
+            if not isinstance(body, dict) or not isinstance(body.get("key"), str):
+                raise IPCError("the body must be an object with a string key")
+            if self._areal_tik_shared is None or self._areal_tik_shared[0] != body["key"]:
+                if body.get("handle") is None:
+                    raise IPCError(f"buffer {body['key']!r} is not mapped here; send its handle")
+                self._areal_tik_shared = (body["key"], import_buffer(body["handle"]))
+            buf = self._areal_tik_shared[1]
+            tensors = views(buf, check_layout(body.get("layout"), buf.numel()))
+            unwrap_model(self.model_runner.model).load_weights(tensors.items())
+        except (IPCError, ValueError, RuntimeError) as e:
+            return False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return self._areal_tik_loaded((True, "Succeeded to update model weights."))
 
     def areal_tik_server_info(self) -> dict:
         """:func:`~areal_tik.areal.vllm_info.worker_facts` of this worker's model (digest cached per load)."""

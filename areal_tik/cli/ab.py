@@ -20,7 +20,7 @@ def add_parser(sub):
     p = sub.add_parser(
         "ab", help="throughput A/B of AReaL runs (same recipe, seed, data): stock vLLM (vllm), our engine "
                    "on default kernels (baseline), tik, tik with shared-buffer weight updates (tik_ipc), vLLM + tik "
-                   "(vllm_tik), stock vLLM with AReaL's loglinear proximal log-probs (vllm_loglinear)",
+                   "(vllm_tik, vllm_tik_ipc), stock vLLM with AReaL's loglinear proximal log-probs (vllm_loglinear)",
         description="Run AReaL's trainer once per arm on the same recipe, seed and data, one arm after the other, "
                     "then write a report folder (summary.md, report.json, steps.csv, step_time.png, reward.png) and "
                     "print the summary: the step-throughput ratio of each arm against the reference (vllm when in "
@@ -44,7 +44,7 @@ def add_parser(sub):
                    help="AReaL's cluster.fileroot for the arms (model dirs, checkpoints, name_resolve records); "
                         "default: <out>/runs")
     p.add_argument("--set", dest="arm_set", default="baseline,tik",
-                   help="the arms compared, comma-separated from vllm, vllm_loglinear, baseline, tik, tik_ipc, vllm_tik "
+                   help="the arms compared, comma-separated from vllm, vllm_loglinear, baseline, tik, tik_ipc, vllm_tik, vllm_tik_ipc "
                         "(vllm,tik,vllm_tik compares with stock vLLM); ratios are taken against vllm when it is in "
                         "the set, else baseline")
     p.add_argument("--arms", default="both",

@@ -41,7 +41,7 @@ def test_every_arm_config_composes(tmp_path, layout):
         cfg_path = os.path.join(ROOT, cfg_path)
         # the vLLM server's path, as the script passes it when /tmp/site-vllm exists on the device
         shared = shared + ["actor.tik.server_pythonpath='/repo:/tmp/vsite:/tmp/site-vllm'"]
-        for arm in ("vllm", "tik", "vllm_tik", "baseline", "vllm_loglinear") + (("tik_ipc",) if layout == "one_gpu" else ()):
+        for arm in ("vllm", "tik", "vllm_tik", "baseline", "vllm_loglinear") + (("tik_ipc", "vllm_tik_ipc") if layout == "one_gpu" else ()):
             loaded = load_config(["--config", cfg_path, *arm_overrides(arm, cfg_path), *shared])
             c = loaded[0] if isinstance(loaded, tuple) else loaded
             # the loglinear arm: AReaL's approximation, no recompute forward; every other arm recomputes or skips
@@ -58,7 +58,7 @@ def test_every_arm_config_composes(tmp_path, layout):
             else:
                 assert c.actor.weight_update_mode == "xccl" and c.vllm.gpu_memory_utilization == 0.9
             assert c.vllm.skip_tokenizer_init is True   # the char tokenizer cannot detokenize a random model
-            assert c.actor.tik.weight_transfer == ("ipc" if arm == "tik_ipc" else "areal"), arm
+            assert c.actor.tik.weight_transfer == ("ipc" if arm.endswith("_ipc") else "areal"), arm
 
 
 def test_warm_start_is_reused_by_the_next_call_only_when_it_matches(tmp_path):

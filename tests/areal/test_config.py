@@ -60,14 +60,19 @@ def test_tik_inconsistencies_fail_at_load(overrides, key):
 
 @pytest.mark.parametrize("kernels", ["tik", "default"])
 def test_ipc_weight_transfer_needs_disk_mode_and_the_tik_server(kernels):
-    """The shared buffer replaces the disk update's checkpoint, and only the areal-tik server reads it."""
+    """The shared buffer replaces the disk update's checkpoint; the areal-tik server and vLLM with the tik plugin
+    read it, stock vLLM does not."""
     c = _load(f"actor.kernel_backend={kernels}", "actor.tik.weight_transfer=ipc", "actor.weight_update_mode=disk")
     assert c.actor.tik.weight_transfer == "ipc"
     with pytest.raises(ConfigError, match=r"actor\.tik\.weight_transfer=ipc .*weight_update_mode=disk"):
         _load(f"actor.kernel_backend={kernels}", "actor.tik.weight_transfer=ipc", "actor.weight_update_mode=xccl")
-    with pytest.raises(ConfigError, match=r"areal-tik rollout server"):
-        _load(f"actor.kernel_backend={kernels}", "actor.tik.weight_transfer=ipc", "+actor.tik.rollout_engine=vllm",
-              "rollout.backend=vllm:d1p1t1")
+    vllm = (f"actor.kernel_backend={kernels}", "actor.tik.weight_transfer=ipc", "+actor.tik.rollout_engine=vllm",
+            "rollout.backend=vllm:d1p1t1")
+    if kernels == "tik":                 # vLLM with the tik plugin: its worker extension loads the buffer
+        assert _load(*vllm).actor.tik.weight_transfer == "ipc"
+    else:                                # stock vLLM has no such route
+        with pytest.raises(ConfigError, match=r"areal-tik rollout server"):
+            _load(*vllm)
 
 
 def test_server_settings_from_the_recipe():

@@ -485,9 +485,11 @@ def test_config_accepts_vllm_with_tik_and_names_what_it_refuses():
     load("rollout.backend=vllm:d1t2")          # stock vLLM: tensor parallel is AReaL's business
 
 
-def test_worker_extension_reports_facts_and_redigests_after_an_update(monkeypatch):
-    """The tik worker extension (AReaL's, plus the info method) on fake vLLM modules: the digest is cached
-    until a weight load succeeds, then recomputed from the new weights."""
+@pytest.fixture
+def worker_of(monkeypatch):
+    """The tik worker extension (AReaL's, plus the tik methods) on fake vLLM modules: ``(make, loads)``, where
+    ``make()`` gives ``(worker, hf)`` with a tik vLLM-like model (its weights those of ``hf``) under a full-graph
+    wrapper, and ``loads`` records AReaL's disk loads."""
     mods: dict = {}
     _pkg(mods, "vllm")
     _mod(mods, "vllm.logger", init_logger=logging.getLogger)
@@ -513,19 +515,33 @@ def test_worker_extension_reports_facts_and_redigests_after_an_update(monkeypatc
     from areal_tik.areal.vllm_worker import TikVLLMWorkerExtension
     from areal_tik.vllm_plugin import logprobs as tik_logprobs
     from areal_tik import vllm_plugin
-    m, ops, hf = _tik_vllm_like_model()
-    monkeypatch.setattr(vllm_plugin, "_OPS", ops)            # the ops the worker's model was built with
-    monkeypatch.setitem(tik_logprobs._STATE, "installed", True)
+
     class CUDAGraphWrapper:            # what a full-CUDA-graph vLLM runner holds instead of the model
         def __init__(self, runnable):
             self.runnable = runnable
 
         def __getattr__(self, name):
             return getattr(self.runnable, name)
-    w = TikVLLMWorkerExtension()
-    w.model_runner = types.SimpleNamespace(model=CUDAGraphWrapper(m), model_config=types.SimpleNamespace(model="/old"),
-                                           vllm_config=types.SimpleNamespace(load_config=None))
-    w.sync = lambda: None
+
+    def make():
+        m, ops, hf = _tik_vllm_like_model()
+        monkeypatch.setattr(vllm_plugin, "_OPS", ops)            # the ops the worker's model was built with
+        monkeypatch.setitem(tik_logprobs._STATE, "installed", True)
+        w = TikVLLMWorkerExtension()
+        w.model_runner = types.SimpleNamespace(model=CUDAGraphWrapper(m), model_config=types.SimpleNamespace(
+            model="/old"), vllm_config=types.SimpleNamespace(load_config=None))
+        w.sync = lambda: None
+        return w, hf
+    yield make, loads
+    for k in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")] + [
+            "areal.engine.vllm_ext.vllm_worker_extension", "areal_tik.areal.vllm_worker"]:
+        sys.modules.pop(k, None)
+
+
+def test_worker_extension_reports_facts_and_redigests_after_an_update(worker_of):
+    """The digest is cached until a weight load succeeds, then recomputed from the new weights."""
+    make, loads = worker_of
+    w, hf = make()
     from areal_tik.layers.weights_digest import model_digest
     first = w.areal_tik_server_info()
     assert first["tik_model"] and first["logprob_hook"] and first["weights_digest"] == model_digest(hf)
@@ -533,9 +549,74 @@ def test_worker_extension_reports_facts_and_redigests_after_an_update(monkeypatc
     second = w.areal_tik_server_info()
     assert second["weights_digest"] != first["weights_digest"]
     assert w.areal_tik_server_info()["weights_digest"] == second["weights_digest"]
-    for k in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")] + [
-            "areal.engine.vllm_ext.vllm_worker_extension", "areal_tik.areal.vllm_worker"]:
-        sys.modules.pop(k, None)
+
+
+def test_worker_extension_loads_the_trainers_shared_buffer(worker_of):
+    """``actor.tik.weight_transfer=ipc`` on vLLM + tik: the worker maps the trainer's buffer (a /dev/shm file on a
+    CPU) and loads it by name; its digest is then the trainer's. A bad layout or an unknown name is refused with
+    the weights unchanged; a second update with the same key needs no handle."""
+    from areal_tik.engine.weight_ipc import SharedWeights
+    from areal_tik.layers.weights_digest import model_digest
+    make, _ = worker_of
+    w, hf = make()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(1.01)
+    shared = SharedWeights(hf.named_parameters(), torch.bfloat16, "cpu")
+    shared.fill(hf.named_parameters())
+    body = shared.request()
+    before = w.areal_tik_server_info()["weights_digest"]
+    bad = [dict(body, layout=[[body["layout"][0][0], body["layout"][0][1], 10 ** 12]]),
+           dict(body, layout=[["model.layers.0.not_a_weight", [4], 0]])]
+    for b, kind in zip(bad, ("IPCError", "ValueError")):
+        ok, msg = w.areal_tik_update_shared(b)
+        assert not ok and msg.startswith(kind) and "\n" not in msg, msg
+        assert w.areal_tik_server_info()["weights_digest"] == before
+    assert w.areal_tik_update_shared(body)[0]
+    assert w.areal_tik_server_info()["weights_digest"] == model_digest(hf) != before
+    with torch.no_grad():
+        next(hf.parameters()).add_(1.0)
+    shared.fill(hf.named_parameters())
+    assert w.areal_tik_update_shared(shared.request(with_handle=False))[0]
+    assert w.areal_tik_server_info()["weights_digest"] == model_digest(hf)
+
+
+def test_the_vllm_route_loads_on_every_worker_for_loopback_peers_only():
+    import asyncio
+    calls = []
+
+    class Engine:
+        def __init__(self, answers):
+            self.answers = answers
+
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            calls.append((method, args))
+            return self.answers
+
+        async def reset_prefix_cache(self):
+            calls.append(("reset_prefix_cache", ()))
+
+    def request(host, answers, body=None):
+        async def json():
+            if body is None:
+                raise ValueError("no JSON")
+            return body
+        return types.SimpleNamespace(client=types.SimpleNamespace(host=host), json=json,
+                                     app=types.SimpleNamespace(state=types.SimpleNamespace(engine_client=Engine(answers))))
+    from areal_tik.areal.vllm_server import load_shared
+    ok = [(True, "done"), (True, "done")]
+    status, body = asyncio.run(load_shared(request("127.0.0.1", ok, {"key": "k"})))
+    assert status == 200 and body["workers"] == 2
+    assert calls == [(vllm_info.IPC_RPC, ({"key": "k"},)), ("reset_prefix_cache", ())]
+    calls.clear()
+    assert asyncio.run(load_shared(request("10.0.0.7", ok, {"key": "k"})))[0] == 403 and calls == []
+    status, body = asyncio.run(load_shared(request("::1", [(True, "done"), (False, "IPCError: bad")], {"key": "k"})))
+    assert status == 400 and "IPCError: bad" in body["message"] and ("reset_prefix_cache", ()) not in calls
+    assert asyncio.run(load_shared(request("127.0.0.1", ok)))[0] == 400
+    v = vllm_info.WeightVersion()
+    v.observe(vllm_info.IPC_UPDATE, 200)
+    v.observe(vllm_info.IPC_UPDATE, 400)
+    assert v.version == 1
 
 
 def test_weight_counting_on_an_app_whose_middleware_stack_is_built():
