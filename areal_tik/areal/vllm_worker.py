@@ -39,6 +39,7 @@ class TikVLLMWorkerExtension(VLLMWorkerExtension):
         mapping), its views copied in (``load_weights``: unknown names or shapes refused before the tensor is
         written). ``(ok, message)`` as AReaL's update methods answer."""
         # lazy: keeps torch out of this module's import
+        import torch
         from areal_tik.engine.weight_ipc import IPCError, check_layout, import_buffer, views
         try:
             if not isinstance(body, dict) or not isinstance(body.get("key"), str):
@@ -50,6 +51,8 @@ class TikVLLMWorkerExtension(VLLMWorkerExtension):
             buf = self._areal_tik_shared[1]
             tensors = views(buf, check_layout(body.get("layout"), buf.numel()))
             unwrap_model(self.model_runner.model).load_weights(tensors.items())
+            if buf.is_cuda:
+                torch.cuda.synchronize(buf.device)   # read out before the reply: the trainer refills the buffer
         except (IPCError, ValueError, RuntimeError) as e:
             return False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return self._areal_tik_loaded((True, "Succeeded to update model weights."))
