@@ -7,7 +7,7 @@ forced (cpc, stages) against the automatic pick at the shapes of the engine's lo
 sequence over a paged cache (page 64, shuffled pages, larger than L2), each cell a CUDA graph of ``--launches``
 launches, and checks every forced shape's output bit for bit against the automatic one (outputs poisoned first).
 
-    python bench/probes/probe_decode_shape.py --out $OUT [--model 7b|1.5b] [--batch 64] [--ctx 1024,2048,3072]
+    python bench/probes/probe_decode_shape.py --out $OUT [--model 7b|1.5b|30b-a3b] [--batch 64] [--ctx 1024,2048,3072]
 
 Writes ``decode_shape.json`` and prints per context: the automatic pick's time and read rate, the best forced shape
 and its ratio, and the device's copy rate (read + write of the same bytes through ``copy_``) as the ceiling.
@@ -22,7 +22,7 @@ import sys
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
-HEADS = {"7b": (28, 4), "1.5b": (12, 2)}  # (q heads, kv heads); head dim 128
+HEADS = {"7b": (28, 4), "1.5b": (12, 2), "30b-a3b": (32, 4)}  # (q heads, kv heads); head dim 128
 D, PAGE, CHUNK = 128, 64, 256
 
 
