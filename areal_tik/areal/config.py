@@ -239,10 +239,11 @@ class TikPPOConfig(PPOConfig):
             if a.weight_update_mode != "disk":
                 raise ConfigError(f"actor.tik.weight_transfer=ipc replaces the disk update: it needs "
                                   f"actor.weight_update_mode=disk, got {a.weight_update_mode!r}")
-            if not (engine.name == "tik" or (engine.name == "vllm" and a.kernel_backend == "tik")):
-                raise ConfigError(f"actor.tik.weight_transfer=ipc needs the areal-tik rollout server (engine 'tik') "
-                                  f"or vLLM with the tik plugin (engine 'vllm', actor.kernel_backend=tik), got engine "
-                                  f"{engine.name!r} with actor.kernel_backend={a.kernel_backend}")
+            if not engine.takes_shared_weights(a.kernel_backend):
+                raise ConfigError(f"actor.tik.weight_transfer=ipc needs a rollout server that loads the trainer's "
+                                  f"shared buffer (the areal-tik server, or vLLM with the tik plugin: "
+                                  f"actor.kernel_backend=tik); engine {engine.name!r} on "
+                                  f"{a.kernel_backend} kernels does not")
         if a.kernel_backend != "tik":
             return
         g = self.gconfig

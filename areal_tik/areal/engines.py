@@ -5,6 +5,8 @@ An engine is a name (``tik``: ``areal-tik serve``, our engine; ``vllm``: AReaL's
 tik plugin; ``sglang``: AReaL's own SGLang) and the facts and hooks the rest of the package needs:
 
 - ``rollout_backend``: the AReaL client family it speaks (``rollout.backend: <it>:dN...``: ``sglang`` or ``vllm``);
+- ``shared_weights``: the kernels with which its servers load the trainer's shared weight buffer
+  (``actor.tik.weight_transfer: ipc``);
 - ``kernels``: the values of the kernel axis it serves. ``tik`` in it is a promise to the skip rule (design.md
   section 6): with tik kernels its servers answer ``GET /get_server_info`` with ``kernels: tik``, the kernel
   fingerprint, the weight version and the weights digest, so recompute can be skipped; a stock engine
@@ -44,6 +46,9 @@ class RolloutEngine:
     rollout_backend: str
     kernels: tuple[str, ...]
     summary: str
+    # the kernels with which its servers load the trainer's shared buffer (POST /update_weights_from_ipc,
+    # actor.tik.weight_transfer=ipc); empty: none
+    shared_weights: tuple[str, ...] = ()
     package: str | None = None          # the distribution whose version describes it (the A/B's records)
     server_log: str | None = None       # the log file of a server the SPMD entry point starts
     client: Hook = None
@@ -73,6 +78,11 @@ class RolloutEngine:
         """``(ok, reason)`` from the ``available`` hook (no hook: available)."""
         h = self.hook("available")
         return (True, "") if h is None else tuple(h())
+
+    def takes_shared_weights(self, kernels: str) -> bool:
+        """Whether its servers, on ``kernels``, load the trainer's shared buffer (``actor.tik.weight_transfer:
+        ipc``): the areal-tik server on either kernels, vLLM only with the tik plugin's worker extension."""
+        return kernels in self.shared_weights
 
     def serves(self, kernels: str) -> bool:
         """Whether it runs ``kernels`` (``tik``: its servers report what the skip rule checks)."""
@@ -152,7 +162,8 @@ def _sglang_available() -> tuple[bool, str]:
 
 # ---- the built-in engines, in preference order (select() takes the first that fits and runs here) ----------
 BUILTIN: tuple[dict[str, Any], ...] = (
-    dict(name="vllm", rollout_backend="vllm", kernels=("tik", "default"), package="vllm", server_log="vllm_server.log",
+    dict(name="vllm", rollout_backend="vllm", kernels=("tik", "default"), shared_weights=("tik",), package="vllm",
+         server_log="vllm_server.log",
          summary="AReaL's vLLM server (python -m areal_tik.areal.vllm_server): stock, or with the tik plugin",
          client="areal_tik.areal.vllm_launch:TikRemotevLLMEngine",
          server_args="areal_tik.areal.vllm_launch:server_args_for", launch="areal_tik.areal.vllm_launch:launch_for",
@@ -162,7 +173,8 @@ BUILTIN: tuple[dict[str, Any], ...] = (
     dict(name="sglang", rollout_backend="sglang", kernels=("default",), package="sglang",
          summary="AReaL's own SGLang client and server (default kernels; AReaL launches it)",
          available=_sglang_available),
-    dict(name="tik", rollout_backend="sglang", kernels=("tik", "default"), server_log="tik_server.log",
+    dict(name="tik", rollout_backend="sglang", kernels=("tik", "default"), shared_weights=("tik", "default"),
+         server_log="tik_server.log",
          summary="areal-tik serve: our engine behind SGLang's HTTP API, on the trainer's kernels",
          client="areal_tik.areal.rollout:TikRemoteSGLangEngine", server_args="areal_tik.areal.rollout:server_args_for",
          launch="areal_tik.areal.rollout:launch_for", verify="areal_tik.verify.request:verify_ours",
