@@ -31,6 +31,7 @@ from areal_tik.settings import Settings, SettingsError
 KERNEL_BACKENDS = ("default", "tik")
 MISMATCH_POLICIES = ("fallback", "raise")
 WEIGHT_UPDATE_MODES = ("disk", "xccl", "awex")   # AReaL's update kinds (io_struct.WeightUpdateMeta.type)
+WEIGHT_TRANSFERS = ("areal", "ipc")               # actor.tik.weight_transfer
 
 __all__ = [
     "KERNEL_BACKENDS",
@@ -128,12 +129,13 @@ class TikConfig:
                           "the trainer's GPU instead of a checkpoint on disk; the areal-tik server or vLLM with the "
                           "tik plugin, one trainer rank, servers on this machine; costs a second copy of the "
                           "weights in the compute dtype).",
-                  "choices": ["areal", "ipc"]},
+                  "choices": list(WEIGHT_TRANSFERS)},
     )
 
     def __post_init__(self):
-        if self.weight_transfer not in ("areal", "ipc"):
-            raise ConfigError(f"actor.tik.weight_transfer must be 'areal' or 'ipc', got {self.weight_transfer!r}")
+        if self.weight_transfer not in WEIGHT_TRANSFERS:
+            raise ConfigError(f"actor.tik.weight_transfer must be one of {WEIGHT_TRANSFERS}, "
+                              f"got {self.weight_transfer!r}")
         if not isinstance(self.audit_interval, int) or isinstance(self.audit_interval, bool) \
                 or self.audit_interval < 0:
             raise ConfigError(f"actor.tik.audit_interval must be an integer >= 0, got {self.audit_interval!r}")

@@ -21,6 +21,7 @@ import urllib.request
 
 import torch
 
+from areal_tik.engine.server.config import IPC_ROUTE
 from areal_tik.engine.weight_ipc import SharedWeights
 from areal_tik.layers.weights_digest import canonical_name
 
@@ -83,8 +84,8 @@ class SharedUpdate:
         body = self.shared.request(with_handle=True)
         replies = []
         for addr in addresses:
-            res = _post(addr, "/update_weights_from_ipc", body, self.timeout)
+            res = _post(addr, IPC_ROUTE, body, self.timeout)
             if not res.get("success"):
-                raise SharedUpdateError(f"{addr}/update_weights_from_ipc: {res.get('message', res)}")
+                raise SharedUpdateError(f"{addr}{IPC_ROUTE}: {res.get('message', res)}")
             replies.append(res)
         return {"fill_s": t1 - t0, "load_s": time.perf_counter() - t1, "replies": replies}

@@ -15,6 +15,7 @@ from typing import Any
 from areal_tik.areal.consensus import LOGPROB_DEFINITION
 from areal_tik.vllm_plugin import ARCHITECTURES
 from areal_tik.dispatch.fingerprint import compute
+from areal_tik.engine.server.config import IPC_ROUTE
 
 __all__ = ["TIK_WORKER_EXTENSION", "INFO_RPC", "IPC_RPC", "IPC_UPDATE", "STOCK_LOGPROBS", "UPDATE_ROUTES",
            "WeightVersion", "worker_facts",
@@ -27,7 +28,7 @@ TIK_LOGPROBS = LOGPROB_DEFINITION + " (tik log-prob hook in vLLM's sampler, no t
 DISK_UPDATE, XCCL_UPDATE, PAUSE = "/areal_update_weights", "/areal_update_weights_xccl", "/areal_pause_generation"
 # the trainer's shared buffer (actor.tik.weight_transfer=ipc): the route, as on the areal-tik server, and the
 # worker-extension method it calls
-IPC_UPDATE, IPC_RPC = "/update_weights_from_ipc", "areal_tik_update_shared"
+IPC_UPDATE, IPC_RPC = IPC_ROUTE, "areal_tik_update_shared"
 UPDATE_ROUTES = (DISK_UPDATE, XCCL_UPDATE, PAUSE, IPC_UPDATE)
 
 

@@ -22,6 +22,7 @@ import runpy
 import sys
 
 from areal_tik.areal.vllm_compat import install_aliases
+from areal_tik.engine.server.config import LOOPBACK_HOSTS
 from areal_tik.areal.vllm_info import (INFO_RPC, IPC_RPC, IPC_UPDATE, TIK_WORKER_EXTENSION, UPDATE_ROUTES,
                                       WeightVersion, server_info)
 
@@ -85,7 +86,7 @@ async def load_shared(raw_request) -> tuple[int, dict]:
     shared buffer (``IPC_RPC``), then the prefix cache is dropped (K/V of the old weights). ``(status, body)``."""
     client = getattr(raw_request, "client", None)
     host = getattr(client, "host", None)
-    if host not in ("127.0.0.1", "::1"):
+    if host not in LOOPBACK_HOSTS:
         return 403, {"success": False, "message": f"{IPC_UPDATE} serves loopback peers only (got {host})"}
     try:
         body = await raw_request.json()

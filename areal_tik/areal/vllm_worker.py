@@ -40,17 +40,14 @@ class TikVLLMWorkerExtension(VLLMWorkerExtension):
         written). ``(ok, message)`` as AReaL's update methods answer."""
         # lazy: keeps torch out of this module's import
         import torch
-        from areal_tik.engine.weight_ipc import IPCError, check_layout, import_buffer, views
+        from areal_tik.engine.weight_ipc import IPCError, mapped_views
         try:
-            if not isinstance(body, dict) or not isinstance(body.get("key"), str):
-                raise IPCError("the body must be an object with a string key")
-            if self._areal_tik_shared is None or self._areal_tik_shared[0] != body["key"]:
-                if body.get("handle") is None:
-                    raise IPCError(f"buffer {body['key']!r} is not mapped here; send its handle")
-                self._areal_tik_shared = (body["key"], import_buffer(body["handle"]))
-            buf = self._areal_tik_shared[1]
-            tensors = views(buf, check_layout(body.get("layout"), buf.numel()))
+            if not isinstance(body, dict):
+                raise IPCError("the body must be an object")
+            self._areal_tik_shared, tensors = mapped_views(self._areal_tik_shared, body.get("key"), body.get("handle"),
+                                                           body.get("layout"))
             unwrap_model(self.model_runner.model).load_weights(tensors.items())
+            buf = self._areal_tik_shared[1]
             if buf.is_cuda:
                 torch.cuda.synchronize(buf.device)   # read out before the reply: the trainer refills the buffer
         except (IPCError, ValueError, RuntimeError) as e:

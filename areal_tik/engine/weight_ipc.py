@@ -21,7 +21,8 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["SharedWeights", "export_buffer", "import_buffer", "views", "check_layout", "IPCError", "DTYPES"]
+__all__ = ["SharedWeights", "export_buffer", "import_buffer", "views", "check_layout", "mapped_views", "IPCError",
+           "DTYPES"]
 
 #: dtypes a shared buffer may have (by name, as in the request)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -130,6 +131,21 @@ def check_layout(layout, numel: int) -> list[tuple[str, tuple[int, ...], int]]:
 def views(buf: torch.Tensor, layout: list[tuple[str, tuple[int, ...], int]]) -> dict[str, torch.Tensor]:
     """name -> the view of ``buf`` (1-D) at its offset and shape."""
     return {name: buf[off: off + math.prod(shape)].view(shape) for name, shape, off in layout}
+
+
+def mapped_views(mapped: tuple | None, key, handle, layout) -> tuple[tuple, dict[str, torch.Tensor]]:
+    """The importer's side of one update: ``(mapping to keep, name -> view)``. ``mapped`` is the ``(key, buffer)``
+    kept from an earlier update (or None); a request with another ``key`` maps its ``handle`` (a refused handle
+    leaves ``mapped`` as it was: the caller keeps it). :class:`IPCError` names what is wrong; a handle whose memory
+    cannot be mapped raises torch's ``RuntimeError``."""
+    if not isinstance(key, str) or not key:
+        raise IPCError("key must be a non-empty string")
+    if mapped is None or mapped[0] != key:
+        if handle is None:
+            raise IPCError(f"buffer {key!r} is not mapped here; send its handle")
+        mapped = (key, import_buffer(handle))
+    buf = mapped[1]
+    return mapped, views(buf, check_layout(layout, buf.numel()))
 
 
 class SharedWeights:

@@ -4,6 +4,10 @@ from __future__ import annotations
 import dataclasses
 
 MAX_BODY_BYTES = 64 << 20  # the largest request body (a context-length prompt is well under 1 MiB)
+# the route of an update from the trainer's shared buffer (engine/weight_ipc; the tik vLLM server has it too) and
+# the peers it serves: the buffer's handle is only meaningful on this machine
+IPC_ROUTE = "/update_weights_from_ipc"
+LOOPBACK_HOSTS = ("127.0.0.1", "::1")
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ import threading
 import time
 
 from areal_tik.engine.server.client_watch import ClientWatch
-from areal_tik.engine.server.config import MAX_BODY_BYTES, ServerConfig
+from areal_tik.engine.server.config import IPC_ROUTE, LOOPBACK_HOSTS, MAX_BODY_BYTES, ServerConfig
 from areal_tik.engine.server.http_errors import error_middleware, error_reply, json_reply
 from areal_tik.engine.server.request_validation import (Limits, RequestError, parse_abort, parse_disk_update,
                                                         parse_distributed_update, parse_generate, parse_group_init,
@@ -230,8 +230,8 @@ class TikServer:
 
     async def update_weights_from_ipc(self, request):
         """The trainer's shared buffer on this machine (``engine/weight_ipc``): loopback peers only."""
-        if request.remote not in ("127.0.0.1", "::1"):
-            return error_reply(f"/update_weights_from_ipc serves loopback peers only (got {request.remote})", 403)
+        if request.remote not in LOOPBACK_HOSTS:
+            return error_reply(f"{IPC_ROUTE} serves loopback peers only (got {request.remote})", 403)
         try:
             req = parse_ipc_update(await self._body(request))
         except RequestError as e:
@@ -336,7 +336,7 @@ class TikServer:
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        r.add_post("/update_weights_from_ipc", self.update_weights_from_ipc)
+        r.add_post(IPC_ROUTE, self.update_weights_from_ipc)
         r.add_post("/flush_cache", self.flush_cache)
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)

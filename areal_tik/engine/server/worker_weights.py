@@ -70,25 +70,16 @@ class WeightUpdateCommands:
         the buffer is mapped at its first update (a new key replaces the old mapping), its views loaded as a
         checkpoint's tensors would be (checked in full first, all or nothing)."""
         # lazy: keeps torch out of this module's import
-        from areal_tik.engine.weight_ipc import IPCError, check_layout, import_buffer, views
+        from areal_tik.engine.weight_ipc import IPCError, mapped_views
         what = "update_weights_from_ipc"
         self._no_open_update(what)
-        key, handle = req["key"], req["handle"]
-        if self._ipc_buffer is None or self._ipc_buffer[0] != key:
-            if handle is None:
-                raise RequestError(f"{what}: buffer {key!r} is not mapped here; send its handle", 400)
-            try:
-                self._ipc_buffer = (key, import_buffer(handle))     # a refused handle keeps the old mapping
-            except IPCError as e:
-                raise RequestError(f"{what}: {e}", 400) from None
-            except RuntimeError as e:   # the handle's memory could not be mapped (another machine, a freed buffer)
-                raise RequestError(f"{what}: mapping the shared buffer failed: {str(e).splitlines()[0]}", 400) from None
-        buf = self._ipc_buffer[1]
         try:
-            layout = check_layout(req["layout"], buf.numel())
+            self._ipc_buffer, tensors = mapped_views(self._ipc_buffer, req["key"], req["handle"], req["layout"])
         except IPCError as e:
             raise RequestError(f"{what}: {e}", 400) from None
-        return self._load(lambda: views(buf, layout), req["abort"], what=what, with_info=True)
+        except RuntimeError as e:   # the handle's memory could not be mapped (another machine, a freed buffer)
+            raise RequestError(f"{what}: mapping the shared buffer failed: {str(e).splitlines()[0]}", 400) from None
+        return self._load(lambda: tensors, req["abort"], what=what, with_info=True)
 
     def cmd_update_from_distributed(self, req: dict):
         """One bucket of an xccl update (``req`` from ``parse_distributed_update``): receive it (in
