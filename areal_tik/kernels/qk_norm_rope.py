@@ -17,12 +17,12 @@ takes them. Accuracy vs :func:`qk_norm_rope_reference` (float64): relative error
 
 Triton: program (t, b) takes ``HEADS`` rows of token t (the q heads' blocks first, then k's). Each row is
 normalised as a one-row tile of ``BLOCK_N = next_pow2(D)`` with the norm's warps (``rms_norm.norm_block``)
-through the norm kernel's own row functions (``row_rstd``, ``row_scaled``), and rotated with the RoPE
-kernel's products and sums (``out[i] = y[i]*cos[i] - y[i+D/2]*sin[i]``, ``out[i+D/2] = y[i+D/2]*cos[i+D/2] +
-y[i]*sin[i+D/2]``, in that operand order), the partner half read at the rotated offsets. So the fused
-result equals ``rms_norm_triton`` then ``apply_rope_triton`` bit for bit where the compiler emits the same
-reduction and contractions for the same expressions (``tests/kernels/test_qk_norm_rope.py`` checks it on
-the GPU and in the interpreter); a host that fuses runs the fused op on both sides of the contract either way.
+through the norm kernel's own row functions (``row_rstd``, ``row_scaled``), and rotated by the RoPE
+kernel's own function (``rope.rotated``: the partner's product rounded, then one explicit fma, so no
+contraction is left to the compiler), the partner half read at the rotated offsets. So the fused result
+equals ``rms_norm_triton`` then ``apply_rope_triton`` bit for bit where the compiler emits the same reduction
+tree for the same row (``tests/kernels/test_qk_norm_rope.py`` checks it on the GPU and in the interpreter); a
+host that fuses runs the fused op on both sides of the contract either way.
 torch_ref: exactly ``rms_norm_torch`` then ``apply_rope_torch`` (the composition, the same bits).
 
 Invariance: a row's result depends only on that row, its weight, eps and its token's position: one row per
@@ -41,7 +41,7 @@ from areal_tik.kernels._dense_common import check_same_dtype, div16_attrs
 from areal_tik.kernels.rms_norm import (
     norm_block, rms_norm_bwd, rms_norm_reference, rms_norm_torch, row_rstd, row_scaled, validate_rms_norm,
 )
-from areal_tik.kernels.rope import apply_rope_reference, apply_rope_torch, rope_launch, validate_rope
+from areal_tik.kernels.rope import apply_rope_reference, apply_rope_torch, rope_launch, rotated, validate_rope
 
 __all__ = ["qk_norm_rope_triton", "qk_norm_rope_torch", "qk_norm_rope_reference", "qk_norm_rope_launch",
            "HEADS_PER_PROGRAM"]
@@ -54,7 +54,7 @@ HEADS_PER_PROGRAM = 4
 def _norm_rope_rows(x_ptr, stride_t, stride_h, w_ptr, o_ptr, rstd_ptr, t, h0, H, c, s, cols, partner, mask, N,
                     eps, HALF, HEADS: tl.constexpr, NORM: tl.constexpr, STORE_RSTD: tl.constexpr):
     """Rows ``h0 .. h0+HEADS`` (those below H) of token t: norm (``NORM``) then RoPE, stored to ``o_ptr``."""
-    sign = tl.where(cols < HALF, -1.0, 1.0)      # a product with -1 negates exactly (signed zeros too)
+    sign = tl.where(cols < HALF, -1.0, 1.0)      # the first half subtracts its partner's product
     for i in tl.static_range(HEADS):
         h = h0 + i
         if h < H:
@@ -72,7 +72,7 @@ def _norm_rope_rows(x_ptr, stride_t, stride_h, w_ptr, o_ptr, rstd_ptr, t, h0, H,
             else:
                 a = x
                 b = xp
-            out = a * c + (b * sign) * s
+            out = rotated(a, b, c, s, sign)
             tl.store(o_ptr + (t * H + h) * N + cols, out.to(o_ptr.dtype.element_ty), mask=mask)
 
 

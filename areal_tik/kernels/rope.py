@@ -16,7 +16,8 @@ apply: :func:`apply_rope` maps x ``[T, H, D]`` (bf16/fp16/fp32, strides free exc
 unit last stride; e.g. a view into a fused qkv output) with positions ``[T]`` (int32 or
 int64, each in ``[0, max_positions)``, not range-checked on the GPU) to a new contiguous
 ``[T, H, D]`` of x's dtype: ``out[:D/2] = x1*cos1 - x2*sin1``,
-``out[D/2:] = x2*cos2 + x1*sin2`` in fp32, rounded once.
+``out[D/2:] = x2*cos2 + x1*sin2`` in fp32, rounded once to x's dtype (Triton: the partner's product
+rounded, then one explicit fma, :func:`rotated`; csrc and torch: each product and the sum rounded).
 Accuracy vs :func:`apply_rope_reference` (float64 from the same table): rel err < 1e-2 bf16.
 
 Invariance: purely elementwise per (token, head); a token's result depends only on its
@@ -120,6 +121,15 @@ def rope_table(head_dim: int, max_positions: int, theta: float = 10000.0, device
 
 
 @triton.jit
+def rotated(x, partner, c, s, sign):
+    """One RoPE output ``x*c + sign*partner*s`` (fp32; ``sign`` +-1, a scalar or per column): the partner's
+    product rounded, negated exactly (a product with -1 keeps signed zeros), then one explicit fma. Written out
+    so the compiler has no contraction to choose: every kernel that rotates (this one, ``qk_norm_rope``) gets
+    the same bits from the same values."""
+    return tl.fma(x, c, (partner * s) * sign)
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr, H, stride_xt, stride_xh, stride_yt, stride_yh,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -136,11 +146,11 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr, H, stride_xt, stride_x
     x1 = tl.load(xb, mask=hmask, other=0.0).to(tl.float32)
     x2 = tl.load(xb + HALF, mask=hmask, other=0.0).to(tl.float32)
     if BACKWARD:
-        o1 = x1 * c1 + x2 * s2
-        o2 = x2 * c2 - x1 * s1
+        o1 = rotated(x1, x2, c1, s2, 1.0)
+        o2 = rotated(x2, x1, c2, s1, -1.0)
     else:
-        o1 = x1 * c1 - x2 * s1
-        o2 = x2 * c2 + x1 * s2
+        o1 = rotated(x1, x2, c1, s1, -1.0)
+        o2 = rotated(x2, x1, c2, s2, 1.0)
     yb = y_ptr + t * stride_yt + offs_h[:, None].to(tl.int64) * stride_yh + offs_d[None, :]
     tl.store(yb, o1.to(y_ptr.dtype.element_ty), mask=hmask)
     tl.store(yb + HALF, o2.to(y_ptr.dtype.element_ty), mask=hmask)
