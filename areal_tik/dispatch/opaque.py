@@ -110,6 +110,16 @@ def _(slot, gu):
     return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
 
 
+@torch.library.custom_op("tik::linear_silu_mul", mutates_args=())
+def _linear_silu_mul(slot: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _SLOTS[slot].linear_silu_mul(x, weight, bias)
+
+
+@_linear_silu_mul.register_fake
+def _(slot, x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
 @torch.library.custom_op("tik::moe_route", mutates_args=())
 def _moe_route(slot: int, logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _SLOTS[slot].moe_route(logits, top_k, norm_topk_prob)
@@ -156,7 +166,8 @@ def _(slot, routed, shared, gate_logit):
 # ``layers/steps.py``) and its custom op
 _CUSTOM = {"linear": _linear, "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "apply_rope": _apply_rope,
            "qk_norm_rope": _qk_norm_rope,
-           "silu_mul": _silu_mul, "silu_mul_packed": _silu_mul_packed, "moe_route": _moe_route,
+           "silu_mul": _silu_mul, "silu_mul_packed": _silu_mul_packed, "linear_silu_mul": _linear_silu_mul,
+           "moe_route": _moe_route,
            "moe_experts": _moe_experts, "moe_combine": _moe_combine, "moe_shared_add": _moe_shared_add}
 FORWARD_OPS = tuple(_CUSTOM)
 

@@ -34,9 +34,18 @@ from areal_tik.kernels._dense_common import (
 )
 
 __all__ = ["silu_mul_triton", "silu_mul_torch", "silu_mul_reference", "silu_mul_packed_triton",
-           "silu_mul_packed_torch"]
+           "silu_mul_packed_torch", "silu_times"]
 
 BLOCK = 2048
+
+
+@triton.jit
+def silu_times(g, u, y_ptr):
+    """``round(round(silu(g)) * u)`` to ``y_ptr``'s dtype from fp32 ``g``, ``u`` (values of that dtype): the element
+    maths of every SiLU-and-multiply kernel, written once (this module's kernels and the fused gate/up GEMM's
+    epilogue, ``kernels/linear_silu_mul``), so each gets the same bits from the same values."""
+    s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
+    return (s * u).to(y_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -45,8 +54,7 @@ def _silu_mul_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + offs, (s * u).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs, silu_times(g, u, y_ptr), mask=mask)
 
 
 @triton.jit
@@ -67,15 +75,14 @@ def _silu_mul_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, n, BLOCK: tl.cons
 @triton.jit
 def _silu_mul_packed_kernel(gu_ptr, y_ptr, I, stride_t, BLOCK: tl.constexpr):
     # one row per program along axis 0, BLOCK columns per program along axis 1; the element maths of
-    # _silu_mul_fwd_kernel (same ops, same rounding points)
+    # _silu_mul_fwd_kernel (silu_times)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     row = gu_ptr + t * stride_t
     g = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(row + I + cols, mask=mask, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + t * I + cols, (s * u).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + t * I + cols, silu_times(g, u, y_ptr), mask=mask)
 
 
 PACKED_BLOCK = 1024

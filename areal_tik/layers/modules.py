@@ -7,7 +7,8 @@ the module tree stay exactly as HF built them (state dicts, FSDP2 wrapping by
 - ``TikLinear`` (``nn.Linear``): the bound ``linear`` -- one GEMM schedule for every M.
 - ``TikRMSNorm``: the bound ``rms_norm`` with HF's ``weight`` / ``variance_epsilon``.
 - ``TikMLP``: ``down_proj(silu_mul(gate_proj(x), up_proj(x)))`` (gate/up as one stacked GEMM when
-  ``stacking.py`` stacked them: the same bits).
+  ``stacking.py`` stacked them, with the activation in its epilogue where ``linear_silu_mul`` computes the bound
+  ops' arithmetic: the same bits).
 - ``RopeCache``: the fp32 RoPE table of a model, per device.
 
 Each calls ``self._tik_ops``, the model's :class:`~areal_tik.dispatch.bound.BoundOps` bound by
@@ -21,9 +22,10 @@ from torch import nn
 
 from areal_tik.layers.family import head_dim_of
 from areal_tik.layers.model_config import rope_spec
-from areal_tik.layers.stacking import GATE_UP_ATTR, stacked_output
+from areal_tik.layers.stacking import GATE_UP_ATTR, active_stack
 
-__all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "RopeCache", "fuses_add_norm", "fuses_norm_rope"]
+__all__ = ["TikLinear", "TikRMSNorm", "TikMLP", "RopeCache", "fuses", "fuses_add_norm", "fuses_norm_rope",
+           "fuses_gate_up_silu"]
 
 
 class TikLinear(nn.Linear):
@@ -33,23 +35,28 @@ class TikLinear(nn.Linear):
         return self._tik_ops.linear(x, self.weight, self.bias)
 
 
+def fuses(ops, fused_op: str, parts: tuple[str, ...]) -> bool:
+    """Whether the bound ``fused_op`` computes the bound ``parts``' arithmetic: it is bound on the same backend as
+    each part and each part's sources are among its own. Then a tik module runs the parts as its one launch;
+    otherwise (e.g. an exported or csrc kernel bound for a part) the bound parts run apart."""
+    fused = ops.impls.get(fused_op)
+    return fused is not None and all(
+        ops.impls[op].backend == fused.backend and set(ops.impls[op].sources) <= set(fused.sources) for op in parts)
+
+
 def fuses_add_norm(ops) -> bool:
-    """Whether ``ops.add_rms_norm`` computes the bound ``rms_norm``'s arithmetic (the same backend and sources):
-    then the residual add and the norm run as one launch; otherwise (e.g. an exported or csrc RMSNorm bound) the
-    add and the bound norm run apart."""
-    fused, plain = ops.impls.get("add_rms_norm"), ops.impls["rms_norm"]
-    return fused is not None and fused.backend == plain.backend and fused.sources == plain.sources
+    """The residual add and ``rms_norm`` as one ``add_rms_norm`` launch (:func:`fuses`)."""
+    return fuses(ops, "add_rms_norm", ("rms_norm",))
 
 
 def fuses_norm_rope(ops) -> bool:
-    """Whether ``ops.qk_norm_rope`` computes the bound ``rms_norm``'s and ``apply_rope``'s arithmetic (the same
-    backend, their sources among its own): then a tik step runs the per-head q/k norms and RoPE as one launch;
-    otherwise (e.g. the csrc RoPE or an exported RMSNorm bound) the bound ops run apart."""
-    fused = ops.impls.get("qk_norm_rope")
-    if fused is None:
-        return False
-    return all(ops.impls[op].backend == fused.backend and set(ops.impls[op].sources) <= set(fused.sources)
-               for op in ("rms_norm", "apply_rope"))
+    """The per-head q/k norms and RoPE as one ``qk_norm_rope`` launch (:func:`fuses`)."""
+    return fuses(ops, "qk_norm_rope", ("rms_norm", "apply_rope"))
+
+
+def fuses_gate_up_silu(ops) -> bool:
+    """The stacked gate/up GEMM and SiLU-and-multiply as one ``linear_silu_mul`` launch (:func:`fuses`)."""
+    return fuses(ops, "linear_silu_mul", ("linear", "silu_mul_packed"))
 
 
 class TikRMSNorm(nn.Module):
@@ -74,10 +81,13 @@ class TikMLP(nn.Module):
     """HF gated MLP (``gate_proj``/``up_proj``/``down_proj``) with ``ops.silu_mul``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = stacked_output(self, GATE_UP_ATTR, x)      # stacking.py: same bits, one GEMM
-        if gu is not None:
-            return self.down_proj(self._tik_ops.silu_mul_packed(gu))
-        return self.down_proj(self._tik_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        ops = self._tik_ops
+        st = active_stack(self, GATE_UP_ATTR)           # stacking.py: same bits, one GEMM
+        if st is not None:
+            if fuses_gate_up_silu(ops):                  # and the activation in its epilogue: same bits
+                return self.down_proj(ops.linear_silu_mul(x, st.weight, st.bias))
+            return self.down_proj(ops.silu_mul_packed(ops.linear(x, st.weight, st.bias)))
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class RopeCache:

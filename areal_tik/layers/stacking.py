@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["stack_projections", "stacked_output", "stacked_projection", "stacks_of", "StackedWeights", "QKV_ATTR",
-           "GATE_UP_ATTR", "STACK_ATTRS"]
+__all__ = ["stack_projections", "active_stack", "stacked_output", "stacked_projection", "stacks_of", "StackedWeights",
+           "QKV_ATTR", "GATE_UP_ATTR", "STACK_ATTRS"]
 
 #: the attributes :func:`stack_projections` sets on a tik attention (q/k/v) and a tik MLP (gate/up)
 QKV_ATTR, GATE_UP_ATTR = "_tik_qkv", "_tik_gate_up"
@@ -77,13 +77,19 @@ class StackedWeights:
         return got == self._ptrs and all(lin.weight.dtype == self.weight.dtype for lin in self.linears)
 
 
-def stacked_output(module: nn.Module, attr: str, x: torch.Tensor) -> torch.Tensor | None:
-    """The stacked GEMM's output for ``module.<attr>`` (a :class:`StackedWeights`), or None when the separate
-    path must run (autograd on, nothing stacked, or the stack no longer intact)."""
+def active_stack(module: nn.Module, attr: str) -> StackedWeights | None:
+    """``module.<attr>`` (a :class:`StackedWeights`) when the stacked path may run now, or None when the separate
+    path must (autograd on, nothing stacked, or the stack no longer intact)."""
     st = getattr(module, attr, None)
     if st is None or torch.is_grad_enabled() or (not torch.compiler.is_compiling() and not st.intact()):
         return None
-    return module._tik_ops.linear(x, st.weight, st.bias)
+    return st
+
+
+def stacked_output(module: nn.Module, attr: str, x: torch.Tensor) -> torch.Tensor | None:
+    """The stacked GEMM's output for ``module.<attr>``, or None when the separate path must run."""
+    st = active_stack(module, attr)
+    return None if st is None else module._tik_ops.linear(x, st.weight, st.bias)
 
 
 def stacked_projection(module: nn.Module, attr: str, x: torch.Tensor) -> list[torch.Tensor] | None:

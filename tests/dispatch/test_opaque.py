@@ -42,6 +42,8 @@ def _case(name, g):
         return (r(T, H), r(T, H))
     if name == "silu_mul_packed":
         return (r(T, 2 * H),)
+    if name == "linear_silu_mul":
+        return (r(T, H), r(2 * 24, H) * 0.2, None)
     E, k, inter = 8, 2, 32
     if name == "moe_route":
         return (r(T, E), k, True)

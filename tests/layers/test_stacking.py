@@ -89,3 +89,26 @@ def test_autograd_uses_separate_parameters():
 def test_default_kernels_are_never_stacked():
     m = patch_model(build_model("tiny-qwen2", device=DEV, seed=2), kernels="default")
     assert stack_projections(m) == 0
+
+
+def test_stacked_mlp_runs_the_fused_activation_with_the_same_bits(monkeypatch, seed_rng):
+    """A stacked tik MLP runs gate/up and SiLU-and-multiply as one ``linear_silu_mul`` launch where the bound ops
+    allow it: the same bits as the stacked GEMM then ``silu_mul_packed``, and as the separate projections."""
+    from areal_tik.layers import modules
+    m = patch_model(build_model("tiny-qwen2", device=DEV, seed=5), kernels="tik")
+    assert stack_projections(m) > 0
+    mlp = m.model.layers[1].mlp
+    ops = mlp._tik_ops
+    assert modules.fuses_gate_up_silu(ops)
+    calls = []
+    fused_op = ops.linear_silu_mul
+    monkeypatch.setattr(ops, "linear_silu_mul", lambda *a: calls.append(1) or fused_op(*a))
+    x = torch.randn(5, m.config.hidden_size, device=DEV).to(torch.bfloat16)
+    with torch.no_grad():
+        fused = mlp(x)
+        assert len(calls) == 1
+        monkeypatch.setattr(modules, "fuses_gate_up_silu", lambda ops: False)
+        apart = mlp(x)
+        assert len(calls) == 1
+    separate = mlp(x).detach()                      # autograd on: gate_proj / up_proj / silu_mul apart
+    assert torch.equal(fused, apart) and torch.equal(fused, separate)

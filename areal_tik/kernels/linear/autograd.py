@@ -11,7 +11,8 @@ from areal_tik.kernels._dense_common import (
 )
 
 
-def _validate(x, weight, bias, triton_path: bool):
+def validate_linear(x, weight, bias, triton_path: bool):
+    """The linear op's argument checks (one line each): dtypes, shapes, contiguity, devices."""
     check_dtype("x", x)
     check_dtype("weight", weight)
     check_same_dtype(x=x, weight=weight)
@@ -63,7 +64,7 @@ class _LinearFn(torch.autograd.Function):
 
 def linear_2d(fwd, x, weight, bias, triton_path: bool) -> torch.Tensor:
     """Validate, flatten to 2-D, run ``fwd`` (through autograd when a grad is needed)."""
-    _validate(x, weight, bias, triton_path=triton_path)
+    validate_linear(x, weight, bias, triton_path=triton_path)
     x2 = as_2d(x, "[M, K]")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):

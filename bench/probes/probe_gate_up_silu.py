@@ -1,0 +1,97 @@
+"""The MLP's stacked gate/up GEMM and SiLU-and-multiply at decode batch M: the two launches apart (the linear op's
+pick for ``[M, 2I]``, then ``silu_mul_packed``) against the fused ``linear_silu_mul`` (the pick with half its N
+tile, and every decode tile the table holds, forced), bit-checked against the apart result, timed in CUDA graphs on
+weights that are not L2-resident (rotating buffers), beside cuBLAS's GEMM with torch's SiLU-and-multiply.
+
+    python bench/probes/probe_gate_up_silu.py --out $OUT [--model 1.5b,7b] [--ms 64,128,256]
+
+Writes ``gate_up_silu.json``; the engine-level A/B is ``AREAL_TIK_BACKEND=linear_silu_mul=torch_ref`` (the fusion
+off: its backend differs from the linear op's, ``layers/modules.fuses``) against the default.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(BENCH))
+
+#: hidden size and MLP width (I) per model shape
+MLP_SHAPES = {"1.5b": (1536, 8960), "7b": (3584, 18944)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--model", default="1.5b,7b")
+    ap.add_argument("--ms", default="64,128,256")
+    ap.add_argument("--budget-s", type=float, default=120.0)
+    a = ap.parse_args()
+    import torch
+    import torch.nn.functional as Fn
+
+    from areal_tik.kernels import linear as L, linear_silu_mul as F, swiglu as S
+    from bench.bench_dense import bench_graphed, rotating
+    from bench.harness import gemm_probe_start
+
+    dev, arch, deadline, res = gemm_probe_start(a.out, a.budget_s)
+    res["cells"] = []
+
+    def apart(x, w):
+        return S.silu_mul_packed_triton(L.linear_fwd(x, w))
+
+    def cublas(x, w):
+        gu = Fn.linear(x, w)
+        return Fn.silu(gu[:, : w.shape[0] // 2]) * gu[:, w.shape[0] // 2:]
+
+    for model in a.model.split(","):
+        H, I = MLP_SHAPES[model]
+        for M in (int(m) for m in a.ms.split(",")):
+            nxt = rotating(lambda: (torch.randn(M, H, device=dev).to(torch.bfloat16),
+                                    (torch.randn(2 * I, H, device=dev) * H ** -0.5).to(torch.bfloat16)),
+                           2 * I * H * 2)
+            x, w = nxt.bufs[0]
+            ref = apart(x, w)
+            picked = L.pick_config(M, 2 * I, H, arch)
+            cell = dict(model=model, M=M, H=H, I=I, picked=picked,
+                        apart_us=1e3 * bench_graphed(apart, nxt.bufs),
+                        cublas_torch_us=1e3 * bench_graphed(cublas, nxt.bufs), fused={})
+            cands = [None] + [n for n, c in L.CONFIGS.items()
+                              if c["BLOCK_M"] <= max(16, 1 << (M - 1).bit_length()) and c["kernel"] in ("tma", "ptr")]
+            for c in cands:
+                if cell["fused"] and time.time() > deadline:
+                    cell["cut_by_budget"] = True
+                    break
+                name = c or f"pick:{picked}"
+                r = cell["fused"][name] = {}
+                try:
+                    fn = functools.partial(F.linear_silu_mul_fwd, config=None if c is None else L.CONFIGS[c])
+                    r["bits_equal"] = bool(torch.equal(fn(x, w), ref))
+                    if r["bits_equal"]:
+                        r["us"] = 1e3 * bench_graphed(fn, nxt.bufs)
+                except Exception as e:  # compile/launch failure: recorded, excluded
+                    r.update(bits_equal=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+                    if "illegal" in str(e).lower():
+                        raise
+            timed = {k: v["us"] for k, v in cell["fused"].items() if v.get("us")}
+            best = min(timed, key=timed.get) if timed else None
+            cell.update(best=best, best_us=timed.get(best), pick_us=timed.get(f"pick:{picked}"),
+                        invalid=[k for k, v in cell["fused"].items() if not v.get("bits_equal")])
+            res["cells"].append(cell)
+            print(f"{model} M={M:4d}: apart {cell['apart_us']:7.1f} us, fused (pick {picked}) "
+                  f"{cell['pick_us'] or float('nan'):7.1f} us, best fused {best} {cell['best_us'] or float('nan'):7.1f}"
+                  f" us, cuBLAS+torch {cell['cublas_torch_us']:7.1f} us"
+                  + (f"  INVALID {cell['invalid']}" if cell["invalid"] else ""), flush=True)
+            del nxt, x, w, ref
+            torch.cuda.empty_cache()
+    json.dump(res, open(os.path.join(a.out, "gate_up_silu.json"), "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
