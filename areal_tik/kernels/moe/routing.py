@@ -219,9 +219,12 @@ def _place_and_table_kernel(ids_ptr, slots_ptr, totals_ptr, order_ptr, blocks_pt
 
 def chunked_tile_elems(assignments: int) -> int:
     """The ``[CHUNK, BLOCK_E]`` tile size :func:`routing_plan_chunked` takes for ``assignments`` (speed only).
-    Measured on an H100 (CUDA graphs, 128 experts, us per plan; bench/probes/probe_moe_routing.py), three launches
-    at tiles of 4,096 / 8,192 / 16,384 elements: 512 assignments 8.6 / 12.9 / 24.1, 2,048 10.9 / 13.2 / 23.8,
-    4,096 14.8 / 13.7 / 24.1, 16,384 41.7 / 25.6 / 26.1, 65,536 149.6 / 77.2 / 49.1."""
+    Measured on an H100 (CUDA graphs, 128 experts, us per plan; bench/probes/probe_moe_routing.py), two launches
+    (up to :data:`PREFIX_MAX_CHUNKS` chunks) at tiles of 2,048 / 4,096 / 8,192 / 16,384 elements: 512 assignments
+    **5.4** / 6.5 / 9.2 / 12.8, 2,048 18.7 (three launches: 128 chunks) / **6.9** / 9.8 / 13.0, 16,384 113.7 /
+    42.7 / **27.0** / 33.0; earlier, three launches: 65,536 149.6 (4,096) / 77.2 / **49.1**."""
+    if assignments <= 512:
+        return 2048
     if assignments <= 2048:
         return 4096
     return 8192 if assignments <= 16384 else 16384
@@ -341,9 +344,10 @@ def compile_specs() -> list[dict]:
                        constexprs=dict(BLOCK_E=t["BLOCK_E"], BLOCK_C=t["CHUNK"]), num_warps=4),
                   dict(fn=_place_and_table_kernel, signature=place, constexprs=dict(t, PREFIX=False, BLOCK_C=1),
                        num_warps=4)]
-        t4 = _tiles(e, chunked_tile_elems(2048))
-        specs += [dict(fn=_chunk_counts_kernel, signature=counts,
-                       constexprs=dict(BLOCK_E=t4["BLOCK_E"], CHUNK=t4["CHUNK"]), num_warps=4),
-                  dict(fn=_place_and_table_kernel, signature=place, constexprs=dict(t4, PREFIX=True, BLOCK_C=64),
-                       num_warps=4)]
+        for n in (512, 2048):                         # the decode tiles (2,048 and 4,096 elements), two launches
+            t4 = _tiles(e, chunked_tile_elems(n))
+            specs += [dict(fn=_chunk_counts_kernel, signature=counts,
+                           constexprs=dict(BLOCK_E=t4["BLOCK_E"], CHUNK=t4["CHUNK"]), num_warps=4),
+                      dict(fn=_place_and_table_kernel, signature=place, constexprs=dict(t4, PREFIX=True, BLOCK_C=64),
+                           num_warps=4)]
     return specs
