@@ -37,14 +37,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from areal_tik.kernels._dense_common import as_2d, div16_attrs
 from areal_tik.kernels.linear import linear_torch
 from areal_tik.kernels.linear.autograd import validate_linear
-from areal_tik.kernels.linear.configs import CONFIGS, TMA_KERNELS, fallback_ptr_config
+from areal_tik.kernels.linear.configs import CONFIGS, CONFIGS_FP32, TMA_KERNELS, fallback_ptr_config
 from areal_tik.kernels.linear.launcher import dot_precision, linear_fwd, tma_ok
-from areal_tik.kernels.linear.selection import config_for
+from areal_tik.kernels.linear.selection import config_for, tile_configs
 from areal_tik.kernels.linear.splits import k_split
 from areal_tik.kernels.linear.triton_kernels import _ptr_tile, _tile_coords, _tma_split_sum, ptr_split_sum
 from areal_tik.kernels.swiglu import silu_mul_packed_torch, silu_mul_packed_triton, silu_times
 
-__all__ = ["linear_silu_mul_triton", "linear_silu_mul_torch", "linear_silu_mul_fwd", "FUSED_MAX_M"]
+__all__ = ["linear_silu_mul_triton", "linear_silu_mul_torch", "linear_silu_mul_fwd", "fused_tile_configs",
+           "FUSED_MAX_M"]
 
 #: rows up to which the fused kernel runs (decode and mixed steps); above it the GEMM is compute-bound, its output
 #: write a small share, and the persistent GEMM then silu_mul_packed run apart
@@ -167,14 +168,27 @@ def _validate(x, weight, bias, triton_path):
                          "torch.no_grad(), or gate_proj/up_proj and silu_mul apart for gradients")
 
 
-def linear_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu_mul_packed(linear(x, weight, bias))`` in one launch at decode sizes (the same bits)."""
+def linear_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                           config: str | None = None) -> torch.Tensor:
+    """``silu_mul_packed(linear(x, weight, bias))`` in one launch at decode sizes (the same bits). ``config``
+    forces the stacked GEMM's tile config by name (precompilation; every config gives the same bits)."""
     _validate(x, weight, bias, True)
-    y = linear_silu_mul_fwd(as_2d(x, "[M, K]"), weight, bias)
+    forced = {**CONFIGS, **CONFIGS_FP32}[config] if config else None
+    y = linear_silu_mul_fwd(as_2d(x, "[M, K]"), weight, bias, config=forced)
     return y.view(*x.shape[:-1], weight.shape[0] // 2)
 
 
-def linear_silu_mul_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fused_tile_configs(n: int, k: int, dtype: torch.dtype, m_min: int, m_max: int, device) -> list[str]:
+    """The ``TILE_CONFIGS`` hook: the stacked GEMM's configs a fused launch on ``[n, k]`` weights with m_min <= M
+    <= min(m_max, FUSED_MAX_M) can take (each is its own compile of the fused kernels; above FUSED_MAX_M the
+    linear op's own configs run)."""
+    if m_min > FUSED_MAX_M:
+        return []
+    return tile_configs(n, k, dtype, m_min, min(m_max, FUSED_MAX_M), device)
+
+
+def linear_silu_mul_torch(x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch_ref ops apart: ``silu_mul_packed_torch(linear_torch(x, weight, bias))``."""
     _validate(x, weight, bias, False)
     return silu_mul_packed_torch(linear_torch(x, weight, bias))
@@ -184,6 +198,8 @@ OPS = {"linear_silu_mul": {"triton": linear_silu_mul_triton, "torch_ref": linear
 META = {"linear_silu_mul.tile": "the stacked GEMM's pick, half its N tile; apart above FUSED_MAX_M rows",
         "linear_silu_mul.fused_max_m": str(FUSED_MAX_M)}
 USES = ("areal_tik.kernels.linear", "areal_tik.kernels.swiglu")
+# the tile configs precompilation launches the fused op with (layers/precompile.py)
+TILE_CONFIGS = {"linear_silu_mul": {"triton": fused_tile_configs}}
 
 
 def _compile_spec(name: str, has_bias: bool = False, splits: int = 1) -> dict:

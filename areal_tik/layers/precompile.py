@@ -11,7 +11,8 @@ later step compiles. Which configs are reachable is the bound implementation's o
 to compile, and nothing runs.
 
 What it covers: every ``TikLinear`` shape of the model (on a stacked inference model, ``layers/stacking.py``, the
-stacked q/k/v and gate/up GEMMs in place of the linears they stack, which run only without their stack) and the
+stacked q/k/v and gate/up GEMMs in place of the linears they stack, which run only without their stack; a stacked
+gate/up that runs fused with its activation, ``linear_silu_mul``, also compiles the fused kernels' configs) and the
 router GEMM of its MoE blocks, for M in
 ``[1, max_tokens]``; and the MoE blocks themselves: each distinct block shape runs once (router, experts,
 combine) at one token count per grouped-GEMM tile the bound experts op lists (``ImplInfo.tile_configs``; the
@@ -28,9 +29,9 @@ import time
 import torch
 
 from areal_tik.kernels import jit_watch
-from areal_tik.layers.modules import TikLinear
+from areal_tik.layers.modules import TikLinear, fuses_gate_up_silu
 from areal_tik.layers.moe import TikMoE
-from areal_tik.layers.stacking import stacks_of
+from areal_tik.layers.stacking import GATE_UP_ATTR, StackedWeights, stacks_of
 
 __all__ = ["linear_shapes", "precompile_plan", "moe_plan", "precompile_linears"]
 
@@ -75,19 +76,36 @@ def linear_shapes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> l
     return out
 
 
+def _fused_gate_up_by_ops(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tuple[object, list[tuple]]]:
+    """[(bound ops, distinct ``(2I, K, dtype, has_bias)``)] of the stacked gate/up GEMMs that run fused with their
+    activation (``linear_silu_mul``, where ``modules.fuses_gate_up_silu``)."""
+    groups: dict[int, tuple[object, list]] = {}
+    for m in model.modules():
+        ops, st = getattr(m, "_tik_ops", None), getattr(m, GATE_UP_ATTR, None)
+        if ops is None or not isinstance(st, StackedWeights) or not fuses_gate_up_silu(ops):
+            continue
+        shape = (*(int(s) for s in st.weight.shape), dtype or st.weight.dtype, st.bias is not None)
+        seen = groups.setdefault(id(ops), (ops, []))[1]
+        if shape not in seen:
+            seen.append(shape)
+    return list(groups.values())
+
+
 def precompile_plan(model: torch.nn.Module, max_tokens: int, min_tokens: int, device,
                     dtype: torch.dtype | None = None) -> list[tuple]:
-    """``[(bound linear, N, K, dtype, has_bias, config)]``: one launch per config that the model's bound linear
-    can compile for M in ``[min_tokens, max_tokens]`` on ``device`` (empty for an implementation without tile
-    configs)."""
+    """``[(bound op, N, K, dtype, has_bias, config)]``: one launch per config that the model's bound linear can
+    compile for M in ``[min_tokens, max_tokens]`` on ``device``, and per config its fused gate/up + activation
+    (``linear_silu_mul``) can (empty for implementations without tile configs)."""
     work = []
-    for ops, shapes in _shapes_by_ops(model, dtype):
-        configs = ops.impls["linear"].tile_configs if ops is not None else None
-        if configs is None:
-            continue          # an implementation that compiles nothing per tile config
-        linear = ops.impls["linear"].fn     # the bound implementation itself (a host's wrapper may take no config)
-        work += [(linear, n, k, dt, hb, name) for n, k, dt, hb in shapes
-                 for name in configs(n, k, dt, min_tokens, max_tokens, device)]
+    plans = (("linear", _shapes_by_ops(model, dtype)), ("linear_silu_mul", _fused_gate_up_by_ops(model, dtype)))
+    for op, by_ops in plans:
+        for ops, shapes in by_ops:
+            configs = ops.impls[op].tile_configs if ops is not None else None
+            if configs is None:
+                continue          # an implementation that compiles nothing per tile config
+            fn = ops.impls[op].fn     # the bound implementation itself (a host's wrapper may take no config)
+            work += [(fn, n, k, dt, hb, name) for n, k, dt, hb in shapes
+                     for name in configs(n, k, dt, min_tokens, max_tokens, device)]
     return work
 
 
@@ -147,11 +165,11 @@ def precompile_linears(model: torch.nn.Module, max_tokens: int, min_tokens: int 
         it = tqdm(work, desc="precompiling linear configs", unit="cfg")
     with torch.cuda.device(dev), torch.no_grad():
         m = 64
-        for linear, n, k, dt, hb, name in it:
+        for op, n, k, dt, hb, name in it:
             w = torch.zeros((n, k), dtype=dt, device=dev)
             b = torch.zeros((n,), dtype=dt, device=dev) if hb else None
             x = torch.zeros((m, k), dtype=dt, device=dev)
-            linear(x, w, b, config=name)
+            op(x, w, b, config=name)
             del w, b, x
         for block, counts in moe:     # router, grouped-GEMM tiles, combine (and shared expert) of each block shape
             for t in counts:

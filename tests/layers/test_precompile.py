@@ -55,6 +55,27 @@ def test_plan_launches_the_bound_linear(spec, monkeypatch):
     assert {tuple(p[1:]) for p in plan} == want
 
 
+def test_plan_includes_the_fused_gate_up_configs(monkeypatch):
+    """A stacked inference model whose gate/up runs fused with its activation (``linear_silu_mul``) also compiles
+    the fused kernels: one launch per config the stacked GEMM can pick up to FUSED_MAX_M rows, through the bound
+    fused op; with the fusion off (its backend unlike the linear's) none."""
+    from areal_tik.kernels import linear_silu_mul as F
+    from areal_tik.layers.stacking import stack_projections
+    monkeypatch.setattr(selection, "interpreting", lambda: False)     # plan as on a GPU
+    for spec, fused in (("linear=triton,silu_mul_packed=triton,linear_silu_mul=triton", True),
+                        ("linear=triton,silu_mul_packed=triton,linear_silu_mul=torch_ref", False)):
+        m = patch_model(build_model("tiny-qwen2", device="cpu", seed=0), backend=spec)
+        stack_projections(m)
+        ops = m.lm_head._tik_ops
+        plan = precompile_plan(m, max_tokens=4096, min_tokens=1, device="cuda")
+        got = {tuple(p[1:]) for p in plan if p[0] == ops.impls["linear_silu_mul"].fn}
+        mlp = m.model.layers[0].mlp._tik_gate_up.weight
+        n, k = (int(s) for s in mlp.shape)
+        want = {(n, k, mlp.dtype, False, name) for name in config_names(n, k, mlp.dtype, "sm_90", 1, F.FUSED_MAX_M)}
+        assert got == (want if fused else set()), spec
+        assert {p[0] for p in plan} <= {ops.impls["linear"].fn, ops.impls["linear_silu_mul"].fn}
+
+
 def test_no_op_off_cuda():
     m = patch_model(build_model("tiny-qwen2", device="cpu", seed=0))
     res = precompile_linears(m, max_tokens=512)
