@@ -10,6 +10,8 @@
 #   (forward, forward+backward) per kernels mode with its top device ops (bench/probes/profile_train.py);
 #   part "backend_ab" runs bench_engine / profile_engine / profile_train with the attention pair on the default
 #   backend vs forced Triton (bench/kernel_arms.py; compare device-busy times, the engine step is host-bound);
+#   part "fused_ab" checks and times the fused gate/up + SiLU-and-multiply (bench/probes/probe_gate_up_silu.py) and our
+#   engine with it on vs off (bench_engine arms tik vs tik@linear_silu_mul=torch_ref, FUSED_MODELS);
 #   part "ablations" times copies of the csrc attention kernels with one part removed (bench/probes/csrc_ablations.py);
 #   part "host" measures the host cost per op call and cProfiles an eager engine prefill (bench/probes/host_overhead.py);
 #   part "prefill_graphs" times engine prefill steps eager vs graph-replayed (bench_engine arms pg0 / pg4096);
@@ -64,6 +66,15 @@ for part in "${PARTS[@]}"; do
          timeout "${PART_TIMEOUT:-900}" python bench/bench_engine.py --out "$OUT/backend_ab" --arms tik "$T" 2>&1 | tee "$OUT/backend_ab_engine.log" | tail -16; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
          timeout "${PART_TIMEOUT:-900}" python bench/probes/profile_engine.py --out "$OUT/backend_ab" --batches 1 64 --prefill --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_profile.log" | grep -v "^      " | tail -6; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
          timeout "${PART_TIMEOUT:-900}" python bench/probes/profile_train.py --out "$OUT/backend_ab" --kernels tik "$T" 2>&1 | tee "$OUT/backend_ab_train.log" | grep -v "^    " | tail -4; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    fused_ab) # the MLP's gate/up GEMM + SiLU-and-multiply fused (linear_silu_mul) vs apart: its GPU bit tests, the
+         # kernel probe (bench/probes/probe_gate_up_silu.py) and our engine with the fusion on vs off (the fused op on
+         # torch_ref: modules.fuses then runs the two Triton ops apart) at the 1.5B and 7B shapes (FUSED_MODELS)
+         timeout 300 python -m pytest -q -rfEs -m gpu tests/kernels/test_linear_silu_mul.py -p no:cacheprovider 2>&1 | tail -4
+         timeout "${PART_TIMEOUT:-900}" python bench/probes/probe_gate_up_silu.py --out "$OUT/fused_ab" 2>&1 | tail -8
+         for mdl in ${FUSED_MODELS:-qwen2.5-1.5b qwen2.5-7b}; do
+           timeout "${PART_TIMEOUT:-900}" python bench/bench_engine.py --out "$OUT/fused_ab/$mdl" --model "$mdl" \
+             --batches 64 128 256 --arms tik "tik@linear_silu_mul=torch_ref" 2>&1 | tail -8; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+         done ;;
     ablations) # where the csrc attention kernels' time goes (bench/probes/csrc_ablations.py variants, built here from csrc/)
          python bench/probes/csrc_ablations.py --out "$OUT/ablation_trees" > /dev/null || status=1
          B="timeout ${PART_TIMEOUT:-900} python bench/probes/bisect_csrc.py --dir $OUT/ablation_trees"
