@@ -71,20 +71,20 @@ def _store_silu_tile(g, u, b_ptr, y_ptr, pid_m, pid_n, M, I, stride_ym,
 @triton.jit(do_not_specialize=["M"])
 def linear_silu_mul_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
-    M, I, K, K_CHUNK,
+    M, I, K, K_CHUNK, UP_OFF,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_UNROLL: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    """One ``[BLOCK_M, BLOCK_N]`` tile of y: the gate tile's chain, the up tile's chain (the rows ``I`` below),
-    then the SiLU-and-multiply epilogue (pointer loads)."""
+    """One ``[BLOCK_M, BLOCK_N]`` tile of y: the gate tile's chain, the up tile's chain (``UP_OFF`` elements, I
+    weight rows, further), then the SiLU-and-multiply epilogue (pointer loads)."""
     pid = tl.program_id(0)
     pid_m, pid_n, offs_m, offs_n, offs_k, m_mask, n_mask, x_ptrs, w_ptrs = _ptr_tile(
         pid, x_ptr, w_ptr, M, I, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     g = ptr_split_sum(x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, K_CHUNK,
                       BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, PRECISION, SPLITS)
-    u = ptr_split_sum(x_ptrs, w_ptrs + I.to(tl.int64) * stride_wn, m_mask, n_mask, offs_k, K, K_CHUNK,
+    u = ptr_split_sum(x_ptrs, w_ptrs + UP_OFF, m_mask, n_mask, offs_k, K, K_CHUNK,
                       BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL, PRECISION, SPLITS)
     _store_silu_tile(g, u, b_ptr, y_ptr, pid_m, pid_n, M, I, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N)
 
@@ -147,9 +147,9 @@ def linear_silu_mul_fwd(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     bias = b if b is not None else out
     prec = dot_precision(x2.dtype)
     if kind == "ptr":
-        linear_silu_mul_kernel[grid](x2, w, bias, out, M, I, K, chunk, x2.stride(0), w.stride(0), out.stride(0),
-                                     HAS_BIAS=b is not None, PRECISION=prec, SPLITS=n_chunks, num_warps=nw,
-                                     num_stages=ns, **cfg)
+        linear_silu_mul_kernel[grid](x2, w, bias, out, M, I, K, chunk, I * w.stride(0), x2.stride(0), w.stride(0),
+                                     out.stride(0), HAS_BIAS=b is not None, PRECISION=prec, SPLITS=n_chunks,
+                                     num_warps=nw, num_stages=ns, **cfg)
         return out
     xd = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [bm, cfg["BLOCK_K"]])
     wd = TensorDescriptor(w, [2 * I, K], [w.stride(0), 1], [bn, cfg["BLOCK_K"]])
@@ -218,8 +218,10 @@ def _compile_spec(name: str, has_bias: bool = False, splits: int = 1) -> dict:
     else:
         fn = linear_silu_mul_kernel
         sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "I": "i32",
-               "K": "i32", "K_CHUNK": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
-        aligned = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "I", "K", "K_CHUNK", "stride_xm", "stride_wn", "stride_ym"]
+               "K": "i32", "K_CHUNK": "i32", "UP_OFF": "i32", "stride_xm": "i32", "stride_wn": "i32",
+               "stride_ym": "i32"}
+        aligned = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "I", "K", "K_CHUNK", "UP_OFF", "stride_xm", "stride_wn",
+                   "stride_ym"]
     return dict(fn=fn, signature=sig, constexprs=dict(c, **cx), num_warps=nw, num_stages=ns,
                 attrs=div16_attrs(fn, aligned))
 

@@ -11,8 +11,8 @@ rows per block with that block size's own plan) timed in a CUDA graph over ``--l
 with the shipped tile's (a tile changes which rows and columns a program takes, never a row's reduction). Then the
 whole routed-experts forward plus the combine (plan, two grouped GEMMs, SiLU-mul, weighted sum) with the shipped
 tiles and with the best tile of each GEMM, beside vLLM's ``fused_experts`` (its tuned Triton fused MoE, same
-weights and routing) when vLLM is importable, and a probe-local gate/up kernel with the SiLU-mul in its
-epilogue (bits and time against the GEMM + ``silu_mul_packed`` pair). On a machine without a GPU it runs under the
+weights and routing) when vLLM is importable, and the gate/up kernel with the SiLU-mul in its epilogue
+(``grouped_linear_silu``) at every candidate tile (bits and time against the GEMM + ``silu_mul_packed`` pair). On a machine without a GPU it runs under the
 Triton interpreter as a smoke run (the interpreter's tile is fixed). Writes ``moe_grouped_tiles.json``; prints one
 line per (T, GEMM) and per T.
 """
@@ -29,14 +29,8 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from areal_tik.kernels.linear.configs import BLOCK_K  # noqa: E402
-from areal_tik.kernels.linear.launcher import dot_precision  # noqa: E402
-from areal_tik.kernels.linear.splits import k_split  # noqa: E402
-from areal_tik.kernels.linear.triton_kernels import ptr_split_sum  # noqa: E402
-from areal_tik.kernels.moe.grouped_linear import grouped_tile  # noqa: E402
+from areal_tik.kernels.moe.grouped_linear import grouped_linear_silu  # noqa: E402
 
 #: candidate tiles (speed only): BLOCK_N x num_warps x num_stages with K_UNROLL 1, then a few with two K tiles
 #: loaded per loop trip (K_UNROLL 2: more bytes in flight, the same dot sequence)
@@ -47,44 +41,9 @@ CANDIDATES += [dict(BLOCK_N=bn, num_warps=4, num_stages=ns, K_UNROLL=2)
                for bn, ns in itertools.product((64, 128), (3, 4))]
 
 
-@triton.jit
-def _gate_up_silu_kernel(src_ptr, w_ptr, h_ptr, order_ptr, blocks_ptr, I, K, K_CHUNK, ROW_DIV, stride_src,
-                         stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         K_UNROLL: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
-    """Probe-local: the gate/up grouped GEMM with the SiLU-mul in its epilogue. Program (block, column tile j): the
-    gate columns j and the up columns I + j of its rows, each by the linear op's own chain (``ptr_split_sum``), each
-    rounded to the output dtype, then ``silu_mul_packed``'s element maths (same ops, same rounding points), stored
-    as ``h [T*k, I]``: no ``[T*k, 2I]`` buffer, one launch fewer. A speed question only: the probe compares its
-    output with the shipped pair's bit for bit."""
-    count, a, m_mask, offs_n, n_mask, offs_k, x_ptrs, w_g = grouped_tile(
-        src_ptr, w_ptr, order_ptr, blocks_ptr, tl.program_id(0), tl.program_id(1), I, ROW_DIV, stride_src, stride_we,
-        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
-    if count > 0:
-        w_u = w_g + I * stride_wn
-        dt = h_ptr.dtype.element_ty
-        g = ptr_split_sum(x_ptrs, w_g, m_mask, n_mask, offs_k, K, K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL,
-                          PRECISION, SPLITS).to(dt).to(tl.float32)
-        u = ptr_split_sum(x_ptrs, w_u, m_mask, n_mask, offs_k, K, K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL,
-                          PRECISION, SPLITS).to(dt).to(tl.float32)
-        sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(h_ptr + a[:, None] * I + offs_n[None, :], (sg * u).to(dt), mask=m_mask[:, None] & n_mask[None, :])
-
-
 def fused_gate_up_silu(x, w_gate_up, plan, row_div, tile, out=None):
-    """``silu_mul_packed(grouped_linear(x, w_gate_up, plan, row_div))`` in one launch of the probe-local kernel
-    (into ``out [T*k, I]`` when given)."""
-    _, n2, k = w_gate_up.shape
-    inter = n2 // 2
-    h = out if out is not None else torch.empty((plan.order.numel(), inter), dtype=x.dtype, device=x.device)
-    n_chunks, chunk = k_split(k)
-    t = dict(tile)
-    nw, ns = t.pop("num_warps"), t.pop("num_stages")
-    _gate_up_silu_kernel[(plan.blocks.shape[0], triton.cdiv(inter, t["BLOCK_N"]))](
-        x, w_gate_up, h, plan.order, plan.blocks, inter, k, chunk, row_div, x.stride(0), w_gate_up.stride(0),
-        w_gate_up.stride(1), BLOCK_M=plan.block_m, BLOCK_K=BLOCK_K,
-        PRECISION=dot_precision(x.dtype), SPLITS=n_chunks,
-        num_warps=nw, num_stages=ns, **t)
-    return h
+    """The library's gate/up grouped GEMM with its activation (``grouped_linear_silu``) at ``tile``."""
+    return grouped_linear_silu(x, w_gate_up, plan, row_div, out=out, tile=tile)
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,8 @@
 - No host sync: the launch (grid, scalar arguments, tile constants) is the same for two routings of one shape,
   and the forward runs with every host read of a tensor's value (``item``, ``tolist``, ``int()``, ``bool()``,
   ``nonzero``, ``bincount``, ``unique``) made to raise.
+- The gate/up GEMM with the activation in its epilogue (``grouped_linear_silu``) equals the GEMM then
+  ``silu_mul_packed``.
 - Negative control: the same kernel with K cut into two chunks (a different fp32 summation order) gives other
   bits.
 
@@ -76,6 +78,25 @@ def test_every_row_written_into_a_poisoned_buffer(seed_rng):
     assert torch.equal(out, ref)
 
 
+def test_fused_activation_equals_the_gemm_then_silu_mul(monkeypatch, seed_rng):
+    """The gate/up grouped GEMM with its activation (one launch, into a poisoned buffer) gives the bits of the GEMM
+    then ``silu_mul_packed``; the experts forward takes it up to FUSED_SILU_MAX_BLOCK_M and the pair above, with
+    the same bits."""
+    wgu, wd = expert_weights(E, H, I)
+    x = torch.randn(20, H).bfloat16()
+    ids = crowded_ids(20, 3, E)
+    plan = rt.routing_plan(ids, E)
+    out = torch.full((60, I), float("nan"), dtype=torch.bfloat16)
+    gl.grouped_linear_silu(x, wgu, plan, row_div=3, out=out)
+    assert not torch.isnan(out).any()
+    assert torch.equal(out, silu_mul_packed_triton(gl.grouped_linear(x, wgu, plan, row_div=3)))
+    fused = moe.experts_triton_fwd(x, wgu, wd, ids)
+    seen = _record_launches(monkeypatch)
+    monkeypatch.setattr(moe.experts, "FUSED_SILU_MAX_BLOCK_M", 0)      # the pair at every BLOCK_M
+    assert torch.equal(moe.experts_triton_fwd(x, wgu, wd, ids), fused)
+    assert [name for name, *_ in seen] == ["grouped_linear_kernel"] * 2
+
+
 def test_block_table_covers_every_assignment_once(seed_rng):
     for T, k in ((1, 2), (33, 2), (40, 6)):
         ids = crowded_ids(T, k, E, empty=(0,))
@@ -92,17 +113,21 @@ def test_block_table_covers_every_assignment_once(seed_rng):
 
 
 def _record_launches(monkeypatch):
-    """Every grouped-kernel launch from now on as (grid, scalar arguments, keyword constants)."""
+    """Every grouped-kernel launch (the plain GEMM and the gate/up GEMM with its activation) from now on as (kernel,
+    grid, scalar arguments, keyword constants)."""
     seen = []
-    kernel = gl.grouped_linear_kernel
 
     class Recorder:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(gl, name)
+
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append((grid, tuple(a for a in args if not isinstance(a, torch.Tensor)), kw))
-                return kernel[grid](*args, **kw)
+                seen.append((self.name, grid, tuple(a for a in args if not isinstance(a, torch.Tensor)), kw))
+                return self.kernel[grid](*args, **kw)
             return launch
-    monkeypatch.setattr(gl, "grouped_linear_kernel", Recorder())
+    for name in ("grouped_linear_kernel", "grouped_linear_silu_kernel"):
+        monkeypatch.setattr(gl, name, Recorder(name))
     return seen
 
 

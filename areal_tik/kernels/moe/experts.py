@@ -11,8 +11,9 @@ their rounding points (fp32 accumulation, each GEMM output and the activation ro
 
 How it runs. triton (:func:`experts_triton`): no host sync, so a forward can be captured in a CUDA graph. The
 assignments ``a = t*k + r`` are sorted by expert on the device and cut into blocks of a static-size table
-(:mod:`.grouped_linear`); one grouped GEMM launch writes ``gu[a] = linear(x[t], w_gate_up[e])`` for all T*k
-assignments, ``silu_mul_packed`` runs on the ``[T*k, 2I]`` buffer, and a second grouped launch writes
+(:mod:`.grouped_linear`); one grouped GEMM launch writes ``h[a] = silu_mul_packed(linear(x[t], w_gate_up[e]))``
+for all T*k assignments (the activation in the GEMM's epilogue up to BLOCK_M 64; at the prefill tile the GEMM
+writes ``[T*k, 2I]`` and ``silu_mul_packed`` runs on it: the same bits), and a second grouped launch writes
 ``y[a] = linear(h[a], w_down[e])``. Both launches have grids fixed by T*k, E and the widths, never by the
 routing. Each grouped row is reduced exactly as the linear op reduces a row (its own dot chain and fixed K
 split), so it has the bits of ``linear_fwd`` on that row alone. torch_ref (:func:`experts_torch`): the
@@ -41,7 +42,7 @@ import torch
 
 from areal_tik.kernels.linear.torch_ref import matmul_invariant_torch
 from areal_tik.kernels.moe.checks import validate_experts
-from areal_tik.kernels.moe.grouped_linear import grouped_linear
+from areal_tik.kernels.moe.grouped_linear import FUSED_SILU_MAX_BLOCK_M, grouped_linear, grouped_linear_silu
 from areal_tik.kernels.moe.routing import routing_plan
 from areal_tik.kernels.swiglu import silu_mul_packed_torch, silu_mul_packed_triton
 
@@ -80,13 +81,17 @@ def _linear_torch(x2, w):
 
 
 def experts_triton_fwd(x, w_gate_up, w_down, topk_ids) -> torch.Tensor:
-    """The triton forward without argument checks or autograd (as ``linear_fwd`` is the linear op's): two
-    grouped GEMM launches around ``silu_mul_packed``, no host sync."""
+    """The triton forward without argument checks or autograd (as ``linear_fwd`` is the linear op's): the plan, the
+    gate/up grouped GEMM with its activation (fused up to :data:`FUSED_SILU_MAX_BLOCK_M`), the down grouped GEMM;
+    no host sync."""
     T, H = x.shape
     k = topk_ids.shape[1]
     plan = routing_plan(topk_ids, w_gate_up.shape[0])
-    gu = grouped_linear(x, w_gate_up, plan, row_div=k)               # [T*k, 2I], row a from x[a // k]
-    y = grouped_linear(silu_mul_packed_triton(gu), w_down, plan, row_div=1)
+    if plan.block_m <= FUSED_SILU_MAX_BLOCK_M:                        # decode and mixed steps: one launch, same bits
+        h = grouped_linear_silu(x, w_gate_up, plan, row_div=k)       # [T*k, I], row a from x[a // k]
+    else:
+        h = silu_mul_packed_triton(grouped_linear(x, w_gate_up, plan, row_div=k))
+    y = grouped_linear(h, w_down, plan, row_div=1)
     return y.view(T, k, H)
 
 

@@ -44,10 +44,12 @@ from areal_tik.kernels.linear.configs import BLOCK_K
 from areal_tik.kernels.linear.launcher import dot_precision
 from areal_tik.kernels.linear.splits import k_split
 from areal_tik.kernels.linear.triton_kernels import ptr_split_sum
+from areal_tik.kernels.swiglu import silu_times
 from areal_tik.kernels.moe.routing import (CHUNKED_MAX_ASSIGNMENTS, ONE_PROGRAM_MAX_ASSIGNMENTS, RoutingPlan,
                                           block_m_for, plan_implementation)
 
-__all__ = ["grouped_linear_kernel", "grouped_tile", "grouped_linear", "tile_config", "GPU_TILES", "compile_specs",
+__all__ = ["grouped_linear_kernel", "grouped_linear_silu_kernel", "grouped_tile", "grouped_linear",
+           "grouped_linear_silu", "tile_config", "GPU_TILES", "FUSED_SILU_MAX_BLOCK_M", "compile_specs",
            "token_counts_per_tile"]
 
 
@@ -88,6 +90,29 @@ def grouped_linear_kernel(src_ptr, w_ptr, y_ptr, order_ptr, blocks_ptr,
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def grouped_linear_silu_kernel(src_ptr, w_ptr, h_ptr, order_ptr, blocks_ptr,
+                               I, K, K_CHUNK, ROW_DIV, UP_OFF, stride_src, stride_we, stride_wn, stride_h,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               K_UNROLL: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+    """:func:`grouped_linear_kernel` on an expert's stacked gate/up weight ``[2I, K]`` with the SiLU-and-multiply
+    in its epilogue: the gate columns j and the up columns ``I + j`` (``UP_OFF`` = I weight rows further) of the
+    block's rows, each by the linear op's chain and rounded as its store rounds, then
+    :func:`~areal_tik.kernels.swiglu.silu_times`, stored as ``h [T*k, I]`` at the rows' assignments: the bits of
+    :func:`grouped_linear_kernel` then ``silu_mul_packed``, without the ``[T*k, 2I]`` buffer or its launch."""
+    count, a, m_mask, offs_n, n_mask, offs_k, x_ptrs, w_g = grouped_tile(
+        src_ptr, w_ptr, order_ptr, blocks_ptr, tl.program_id(0), tl.program_id(1), I, ROW_DIV, stride_src, stride_we,
+        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+    if count > 0:
+        dt = h_ptr.dtype.element_ty
+        g = ptr_split_sum(x_ptrs, w_g, m_mask, n_mask, offs_k, K, K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, K_UNROLL,
+                          PRECISION, SPLITS).to(dt).to(tl.float32)
+        u = ptr_split_sum(x_ptrs, w_g + UP_OFF, m_mask, n_mask, offs_k, K, K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K,
+                          K_UNROLL, PRECISION, SPLITS).to(dt).to(tl.float32)
+        h_ptrs = h_ptr + a[:, None] * stride_h + offs_n[None, :]
+        tl.store(h_ptrs, silu_times(g, u, h_ptr), mask=m_mask[:, None] & n_mask[None, :])
+
+
 #: BLOCK_M -> the launch's other tile constants on a GPU (speed only; BLOCK_K is the linear op's). 16 and 128:
 #: the fastest tile of ``bench/probes/probe_moe_grouped_tiles.py`` for both GEMMs of the Qwen3-30B-A3B experts on
 #: an H200 (decode B 64 and 256; an 8,192-token prefill chunk), bits equal to every other tile's
@@ -125,13 +150,53 @@ def compile_specs() -> list[dict]:
     sig = {"src_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "order_ptr": "*i64", "blocks_ptr": "*i32",
            "N": "i32", "K": "i32", "K_CHUNK": "i32", "ROW_DIV": "i32", "stride_src": "i32", "stride_we": "i32",
            "stride_wn": "i32", "stride_y": "i32"}
+    fused_sig = {**{k: v for k, v in sig.items() if k not in ("y_ptr", "N", "stride_y")}, "h_ptr": "*bf16", "I": "i32",
+                 "UP_OFF": "i32", "stride_h": "i32"}
+    fused_sig = {n: fused_sig[n] for n in grouped_linear_silu_kernel.arg_names
+                 if n in fused_sig}     # the kernel's argument order
     specs = []
     for bm, tile in GPU_TILES.items():
         t = dict(tile)
         nw, ns = t.pop("num_warps"), t.pop("num_stages")
-        specs.append(dict(fn=grouped_linear_kernel, signature=sig, num_warps=nw, num_stages=ns,
-                          constexprs=dict(t, BLOCK_M=bm, BLOCK_K=BLOCK_K, PRECISION="tf32", SPLITS=1)))
+        cx = dict(t, BLOCK_M=bm, BLOCK_K=BLOCK_K, PRECISION="tf32", SPLITS=1)
+        specs.append(dict(fn=grouped_linear_kernel, signature=sig, num_warps=nw, num_stages=ns, constexprs=cx))
+        if bm <= FUSED_SILU_MAX_BLOCK_M:
+            specs.append(dict(fn=grouped_linear_silu_kernel, signature=fused_sig, num_warps=nw, num_stages=ns,
+                              constexprs=cx))
     return specs
+
+
+#: the largest BLOCK_M whose plan runs the gate/up GEMM with its activation fused (:func:`grouped_linear_silu`): the
+#: tile probe on an H200 (bench/results/2026-12-07T1824_H200_77b9bdd_30b-a3b-h200-rows-tiles-profile, moe_tiles)
+#: timed the fused launch at us per layer vs the GEMM + ``silu_mul_packed`` pair 181.9 vs 184.4 (B 64, BLOCK_M 16),
+#: 206.8 vs 212.3 (B 256), 1,230 vs 1,322 (8,192 tokens, BLOCK_M 64), bits equal; at BLOCK_M 128 (BLOCK_N 256, 8
+#: warps: two accumulators of 128 x 256) it took 4,484 vs 1,107
+FUSED_SILU_MAX_BLOCK_M = 64
+
+
+def grouped_linear_silu(src: torch.Tensor, w_gate_up: torch.Tensor, plan: RoutingPlan, row_div: int,
+                        out: torch.Tensor | None = None, tile: dict | None = None) -> torch.Tensor:
+    """``silu_mul_packed(grouped_linear(src, w_gate_up, plan, row_div))`` in one launch (``w_gate_up [E, 2I, K]``,
+    gate rows then up rows): the same bits, ``out [T*k, I]``. The tile is the grouped GEMM's for the plan's
+    BLOCK_M (``tile`` replaces it: probes)."""
+    n_rows = plan.order.numel()
+    E, N2, K = w_gate_up.shape
+    inter = N2 // 2
+    if out is None:
+        out = torch.empty((n_rows, inter), dtype=src.dtype, device=src.device)
+    if n_rows == 0 or inter == 0:
+        return out
+    if K == 0:
+        return out.zero_()                  # silu(0) * 0
+    n_chunks, chunk = k_split(K)
+    cfg = dict(tile) if tile is not None else tile_config(plan.block_m)
+    nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+    grid = (plan.blocks.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]))
+    grouped_linear_silu_kernel[grid](
+        src, w_gate_up, out, plan.order, plan.blocks, inter, K, chunk, row_div, inter * w_gate_up.stride(1),
+        src.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), out.stride(0), BLOCK_M=plan.block_m,
+        BLOCK_K=BLOCK_K, PRECISION=dot_precision(src.dtype), SPLITS=n_chunks, num_warps=nw, num_stages=ns, **cfg)
+    return out
 
 
 def grouped_linear(src: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, row_div: int,
