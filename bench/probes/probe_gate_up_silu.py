@@ -61,16 +61,21 @@ def main() -> int:
             cell = dict(model=model, M=M, H=H, I=I, picked=picked,
                         apart_us=1e3 * bench_graphed(apart, nxt.bufs),
                         cublas_torch_us=1e3 * bench_graphed(cublas, nxt.bufs), fused={})
-            cands = [None] + [n for n, c in L.CONFIGS.items()
-                              if c["BLOCK_M"] <= max(16, 1 << (M - 1).bit_length()) and c["kernel"] in ("tma", "ptr")]
-            for c in cands:
+            # the pick, then every decode-sized config forced (the fused launch halves its N tile), and each again
+            # with its N tile doubled first ("/x2": the fused tile then has the config's own N tile)
+            cands = [(f"pick:{picked}", None)]
+            for n, c in L.CONFIGS.items():
+                if c["BLOCK_M"] <= max(16, 1 << (M - 1).bit_length()) and c["kernel"] in ("tma", "ptr"):
+                    cands.append((n, c))
+                    if c["BLOCK_N"] <= 128:
+                        cands.append((n + "/x2", dict(c, BLOCK_N=2 * c["BLOCK_N"])))
+            for name, c in cands:
                 if cell["fused"] and time.time() > deadline:
                     cell["cut_by_budget"] = True
                     break
-                name = c or f"pick:{picked}"
-                r = cell["fused"][name] = {}
+                r = cell["fused"][name] = {"fused_block_n": F.fused_config(M, I, H, x, w, c)[1]["BLOCK_N"]}
                 try:
-                    fn = functools.partial(F.linear_silu_mul_fwd, config=None if c is None else L.CONFIGS[c])
+                    fn = functools.partial(F.linear_silu_mul_fwd, config=c)
                     r["bits_equal"] = bool(torch.equal(fn(x, w), ref))
                     if r["bits_equal"]:
                         r["us"] = 1e3 * bench_graphed(fn, nxt.bufs)
