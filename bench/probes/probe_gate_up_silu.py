@@ -5,8 +5,10 @@ weights that are not L2-resident (rotating buffers), beside cuBLAS's GEMM with t
 
     python bench/probes/probe_gate_up_silu.py --out $OUT [--model 1.5b,7b] [--ms 64,128,256]
 
-Writes ``gate_up_silu.json``; the engine-level A/B is ``AREAL_TIK_BACKEND=linear_silu_mul=torch_ref`` (the fusion
-off: its backend differs from the linear op's, ``layers/modules.fuses``) against the default.
+On a machine without a GPU it runs under the Triton interpreter as a smoke run (``--shape HxI`` for tiny widths;
+wall-clock times of one call, not kernel times). Writes ``gate_up_silu.json``. The engine-level A/B is
+``AREAL_TIK_BACKEND=linear_silu_mul=torch_ref`` (the fusion off: its backend differs from the linear op's,
+``layers/modules.fuses``) against the default (``bench/gpu_check.sh fused_ab``).
 """
 from __future__ import annotations
 
@@ -25,13 +27,22 @@ sys.path.insert(0, os.path.dirname(BENCH))
 MLP_SHAPES = {"1.5b": (1536, 8960), "7b": (3584, 18944)}
 
 
-def main() -> int:
+def _wall_ms(call, args_list):
+    """The CPU smoke run's timing: one pass over the argument sets, wall clock per call (ms)."""
+    t0 = time.perf_counter()
+    for args in args_list:
+        call(*args)
+    return 1e3 * (time.perf_counter() - t0) / len(args_list)
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--model", default="1.5b,7b")
+    ap.add_argument("--shape", help="HIDDENxINTER instead of --model's shapes (e.g. 64x48 for a CPU smoke run)")
     ap.add_argument("--ms", default="64,128,256")
     ap.add_argument("--budget-s", type=float, default=120.0)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     import torch
     import torch.nn.functional as Fn
 
@@ -39,8 +50,16 @@ def main() -> int:
     from bench.bench_dense import bench_graphed, rotating
     from bench.harness import gemm_probe_start
 
-    dev, arch, deadline, res = gemm_probe_start(a.out, a.budget_s)
+    if torch.cuda.is_available():
+        dev, arch, deadline, res = gemm_probe_start(a.out, a.budget_s)
+        timer = bench_graphed
+    else:                                     # the interpreter's smoke run
+        os.makedirs(a.out, exist_ok=True)
+        dev, arch, deadline, res = torch.device("cpu"), "sm_90", time.time() + a.budget_s, {"device": "cpu"}
+        timer = _wall_ms
     res["cells"] = []
+    shapes = ({"custom": tuple(int(v) for v in a.shape.split("x"))} if a.shape
+              else {m: MLP_SHAPES[m] for m in a.model.split(",")})
 
     def apart(x, w):
         return S.silu_mul_packed_triton(L.linear_fwd(x, w))
@@ -49,8 +68,7 @@ def main() -> int:
         gu = Fn.linear(x, w)
         return Fn.silu(gu[:, : w.shape[0] // 2]) * gu[:, w.shape[0] // 2:]
 
-    for model in a.model.split(","):
-        H, I = MLP_SHAPES[model]
+    for model, (H, I) in shapes.items():
         for M in (int(m) for m in a.ms.split(",")):
             nxt = rotating(lambda: (torch.randn(M, H, device=dev).to(torch.bfloat16),
                                     (torch.randn(2 * I, H, device=dev) * H ** -0.5).to(torch.bfloat16)),
@@ -59,8 +77,8 @@ def main() -> int:
             ref = apart(x, w)
             picked = L.pick_config(M, 2 * I, H, arch)
             cell = dict(model=model, M=M, H=H, I=I, picked=picked,
-                        apart_us=1e3 * bench_graphed(apart, nxt.bufs),
-                        cublas_torch_us=1e3 * bench_graphed(cublas, nxt.bufs), fused={})
+                        apart_us=1e3 * timer(apart, nxt.bufs), cublas_torch_us=1e3 * timer(cublas, nxt.bufs),
+                        fused={})
             # the pick, then every decode-sized config forced (the fused launch halves its N tile), and each again
             # with its N tile doubled first ("/x2": the fused tile then has the config's own N tile)
             cands = [(f"pick:{picked}", None)]
@@ -78,7 +96,7 @@ def main() -> int:
                     fn = functools.partial(F.linear_silu_mul_fwd, config=c)
                     r["bits_equal"] = bool(torch.equal(fn(x, w), ref))
                     if r["bits_equal"]:
-                        r["us"] = 1e3 * bench_graphed(fn, nxt.bufs)
+                        r["us"] = 1e3 * timer(fn, nxt.bufs)
                 except Exception as e:  # compile/launch failure: recorded, excluded
                     r.update(bits_equal=False, error=f"{type(e).__name__}: {str(e)[:200]}")
                     if "illegal" in str(e).lower():
@@ -93,7 +111,8 @@ def main() -> int:
                   f" us, cuBLAS+torch {cell['cublas_torch_us']:7.1f} us"
                   + (f"  INVALID {cell['invalid']}" if cell["invalid"] else ""), flush=True)
             del nxt, x, w, ref
-            torch.cuda.empty_cache()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     json.dump(res, open(os.path.join(a.out, "gate_up_silu.json"), "w"), indent=1)
     return 0
 
