@@ -73,7 +73,7 @@ for part in "${PARTS[@]}"; do
          timeout "${PART_TIMEOUT:-900}" python bench/probes/probe_gate_up_silu.py --out "$OUT/fused_ab" 2>&1 | tail -8
          for mdl in ${FUSED_MODELS:-qwen2.5-1.5b qwen2.5-7b}; do
            timeout "${PART_TIMEOUT:-900}" python bench/bench_engine.py --out "$OUT/fused_ab/$mdl" --model "$mdl" \
-             --batches 64 128 256 --arms tik "tik@linear_silu_mul=torch_ref" 2>&1 | tail -8; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+             --batches 64 128 256 --prompt-len 136 --arms tik "tik@linear_silu_mul=torch_ref" 2>&1 | tail -8; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
          done ;;
     ablations) # where the csrc attention kernels' time goes (bench/probes/csrc_ablations.py variants, built here from csrc/)
          python bench/probes/csrc_ablations.py --out "$OUT/ablation_trees" > /dev/null || status=1
