@@ -43,6 +43,8 @@ def test_above_fused_max_m_runs_apart_with_the_same_bits(monkeypatch, seed_rng):
     fused = F.linear_silu_mul_triton(x, w, b)
     monkeypatch.setattr(F, "FUSED_MAX_M", 4)
     assert torch.equal(F.linear_silu_mul_triton(x, w, b), fused)
+    out = torch.full((9, 24), float("nan"), dtype=torch.bfloat16)
+    assert F.linear_silu_mul_fwd(x, w, b, out=out) is out and torch.equal(out, fused)
 
 
 def test_strided_rows_and_3d_input(seed_rng):
