@@ -12,9 +12,9 @@ with the shipped tile's (a tile changes which rows and columns a program takes, 
 whole routed-experts forward plus the combine (plan, two grouped GEMMs, SiLU-mul, weighted sum) with the shipped
 tiles and with the best tile of each GEMM, beside vLLM's ``fused_experts`` (its tuned Triton fused MoE, same
 weights and routing) when vLLM is importable, and the gate/up kernel with the SiLU-mul in its epilogue
-(``grouped_linear_silu``) at every candidate tile (bits and time against the GEMM + ``silu_mul_packed`` pair). On a machine without a GPU it runs under the
-Triton interpreter as a smoke run (the interpreter's tile is fixed). Writes ``moe_grouped_tiles.json``; prints one
-line per (T, GEMM) and per T.
+(``grouped_linear(..., silu=True)``) at the shipped and the best tile (bits and time against the GEMM +
+``silu_mul_packed`` pair). On a machine without a GPU it runs under the Triton interpreter as a smoke run (the
+interpreter's tile is fixed). Writes ``moe_grouped_tiles.json``; prints one line per (T, GEMM) and per T.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 import torch  # noqa: E402
 
-from areal_tik.kernels.moe.grouped_linear import grouped_linear_silu  # noqa: E402
 
 #: candidate tiles (speed only): BLOCK_N x num_warps x num_stages with K_UNROLL 1, then a few with two K tiles
 #: loaded per loop trip (K_UNROLL 2: more bytes in flight, the same dot sequence)
@@ -39,11 +38,6 @@ CANDIDATES = [dict(BLOCK_N=bn, num_warps=nw, num_stages=ns, K_UNROLL=1)
               if not (bn == 256 and nw == 4) and not (bn == 32 and nw == 8)]
 CANDIDATES += [dict(BLOCK_N=bn, num_warps=4, num_stages=ns, K_UNROLL=2)
                for bn, ns in itertools.product((64, 128), (3, 4))]
-
-
-def fused_gate_up_silu(x, w_gate_up, plan, row_div, tile, out=None):
-    """The library's gate/up grouped GEMM with its activation (``grouped_linear_silu``) at ``tile``."""
-    return grouped_linear_silu(x, w_gate_up, plan, row_div, out=out, tile=tile)
 
 
 def main(argv=None) -> int:
@@ -165,10 +159,10 @@ def main(argv=None) -> int:
         for label, (bm, tile) in (("shipped", (plan.block_m, shipped)), ("best", best["gate_up"])):
             p = plans[bm]
             try:
-                outs = [fused_gate_up_silu(x, wgu[li], p, K_TOP, tile,   # into poisoned buffers
-                                           out=torch.full_like(r, float("nan"))) for li, r in enumerate(pair_outs)]
+                outs = [gl.grouped_linear(x, wgu[li], p, K_TOP, tile=tile, silu=True,   # into poisoned buffers
+                                          out=torch.full_like(r, float("nan"))) for li, r in enumerate(pair_outs)]
                 equal = all(torch.equal(o, r) for o, r in zip(outs, pair_outs))
-                us, _ = timed(lambda tile=tile, p=p: [fused_gate_up_silu(x, wgu[li], p, K_TOP, tile)
+                us, _ = timed(lambda tile=tile, p=p: [gl.grouped_linear(x, wgu[li], p, K_TOP, tile=tile, silu=True)
                                                       for li in range(a.layers)], a.layers)
                 pair_us, _ = timed(lambda tile=tile, p=p: [
                     silu_mul_packed_triton(gl.grouped_linear(x, wgu[li], p, K_TOP, tile=tile))

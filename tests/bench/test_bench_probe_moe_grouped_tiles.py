@@ -1,7 +1,7 @@
 """bench/probes/probe_moe_grouped_tiles.py runs end to end at tiny widths on the CPU interpreter (a smoke run, so a
 device call is not spent on a typo): every cell has both GEMMs, every timed tile's output equals the shipped tile's
-bit for bit, the fused gate/up + SiLU-mul (grouped_linear_silu) equals the GEMM + silu_mul_packed pair bit for bit,
-and the routed-experts layer is timed with the shipped and the best tiles; bad counts are refused."""
+bit for bit, the fused gate/up + SiLU-mul (``grouped_linear(..., silu=True)``) equals the GEMM + silu_mul_packed
+pair bit for bit, and the routed-experts layer is timed with the shipped and the best tiles; bad counts are refused."""
 import json
 import os
 import sys

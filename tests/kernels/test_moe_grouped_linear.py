@@ -6,7 +6,7 @@
 - No host sync: the launch (grid, scalar arguments, tile constants) is the same for two routings of one shape,
   and the forward runs with every host read of a tensor's value (``item``, ``tolist``, ``int()``, ``bool()``,
   ``nonzero``, ``bincount``, ``unique``) made to raise.
-- The gate/up GEMM with the activation in its epilogue (``grouped_linear_silu``) equals the GEMM then
+- The gate/up GEMM with the activation in its epilogue (``grouped_linear(..., silu=True)``) equals the GEMM then
   ``silu_mul_packed``.
 - Negative control: the same kernel with K cut into two chunks (a different fp32 summation order) gives other
   bits.
@@ -87,7 +87,7 @@ def test_fused_activation_equals_the_gemm_then_silu_mul(monkeypatch, seed_rng):
     ids = crowded_ids(20, 3, E)
     plan = rt.routing_plan(ids, E)
     out = torch.full((60, I), float("nan"), dtype=torch.bfloat16)
-    gl.grouped_linear_silu(x, wgu, plan, row_div=3, out=out)
+    gl.grouped_linear(x, wgu, plan, row_div=3, out=out, silu=True)
     assert not torch.isnan(out).any()
     assert torch.equal(out, silu_mul_packed_triton(gl.grouped_linear(x, wgu, plan, row_div=3)))
     fused = moe.experts_triton_fwd(x, wgu, wd, ids)

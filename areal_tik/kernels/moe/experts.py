@@ -42,7 +42,7 @@ import torch
 
 from areal_tik.kernels.linear.torch_ref import matmul_invariant_torch
 from areal_tik.kernels.moe.checks import validate_experts
-from areal_tik.kernels.moe.grouped_linear import FUSED_SILU_MAX_BLOCK_M, grouped_linear, grouped_linear_silu
+from areal_tik.kernels.moe.grouped_linear import FUSED_SILU_MAX_BLOCK_M, grouped_linear
 from areal_tik.kernels.moe.routing import routing_plan
 from areal_tik.kernels.swiglu import silu_mul_packed_torch, silu_mul_packed_triton
 
@@ -88,7 +88,7 @@ def experts_triton_fwd(x, w_gate_up, w_down, topk_ids) -> torch.Tensor:
     k = topk_ids.shape[1]
     plan = routing_plan(topk_ids, w_gate_up.shape[0])
     if plan.block_m <= FUSED_SILU_MAX_BLOCK_M:                        # decode and mixed steps: one launch, same bits
-        h = grouped_linear_silu(x, w_gate_up, plan, row_div=k)       # [T*k, I], row a from x[a // k]
+        h = grouped_linear(x, w_gate_up, plan, row_div=k, silu=True)  # [T*k, I], row a from x[a // k]
     else:
         h = silu_mul_packed_triton(grouped_linear(x, w_gate_up, plan, row_div=k))
     y = grouped_linear(h, w_down, plan, row_div=1)

@@ -48,9 +48,8 @@ from areal_tik.kernels.swiglu import silu_times
 from areal_tik.kernels.moe.routing import (CHUNKED_MAX_ASSIGNMENTS, ONE_PROGRAM_MAX_ASSIGNMENTS, RoutingPlan,
                                           block_m_for, plan_implementation)
 
-__all__ = ["grouped_linear_kernel", "grouped_linear_silu_kernel", "grouped_tile", "grouped_linear",
-           "grouped_linear_silu", "tile_config", "GPU_TILES", "FUSED_SILU_MAX_BLOCK_M", "compile_specs",
-           "token_counts_per_tile"]
+__all__ = ["grouped_linear_kernel", "grouped_linear_silu_kernel", "grouped_tile", "grouped_linear", "tile_config",
+           "GPU_TILES", "FUSED_SILU_MAX_BLOCK_M", "compile_specs", "token_counts_per_tile"]
 
 
 @triton.jit
@@ -166,51 +165,46 @@ def compile_specs() -> list[dict]:
     return specs
 
 
-#: the largest BLOCK_M whose plan runs the gate/up GEMM with its activation fused (:func:`grouped_linear_silu`): the
-#: tile probe on an H200 (bench/results/2026-12-07T1824_H200_77b9bdd_30b-a3b-h200-rows-tiles-profile, moe_tiles)
+#: the largest BLOCK_M whose plan runs the gate/up GEMM with its activation fused (``grouped_linear(..., silu=True)``):
+#: the tile probe on an H200 (bench/results/2026-12-07T1824_H200_77b9bdd_30b-a3b-h200-rows-tiles-profile, moe_tiles)
 #: timed the fused launch at us per layer vs the GEMM + ``silu_mul_packed`` pair 181.9 vs 184.4 (B 64, BLOCK_M 16),
 #: 206.8 vs 212.3 (B 256), 1,230 vs 1,322 (8,192 tokens, BLOCK_M 64), bits equal; at BLOCK_M 128 (BLOCK_N 256, 8
 #: warps: two accumulators of 128 x 256) it took 4,484 vs 1,107
 FUSED_SILU_MAX_BLOCK_M = 64
 
 
-def grouped_linear_silu(src: torch.Tensor, w_gate_up: torch.Tensor, plan: RoutingPlan, row_div: int,
-                        out: torch.Tensor | None = None, tile: dict | None = None) -> torch.Tensor:
-    """``silu_mul_packed(grouped_linear(src, w_gate_up, plan, row_div))`` in one launch (``w_gate_up [E, 2I, K]``,
-    gate rows then up rows): the same bits, ``out [T*k, I]``. The tile is the grouped GEMM's for the plan's
-    BLOCK_M (``tile`` replaces it: probes)."""
-    n_rows = plan.order.numel()
-    E, N2, K = w_gate_up.shape
-    inter = N2 // 2
-    if out is None:
-        out = torch.empty((n_rows, inter), dtype=src.dtype, device=src.device)
-    if n_rows == 0 or inter == 0:
-        return out
-    if K == 0:
-        return out.zero_()                  # silu(0) * 0
-    n_chunks, chunk = k_split(K)
-    cfg = dict(tile) if tile is not None else tile_config(plan.block_m)
-    nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
-    grid = (plan.blocks.shape[0], triton.cdiv(inter, cfg["BLOCK_N"]))
-    grouped_linear_silu_kernel[grid](
-        src, w_gate_up, out, plan.order, plan.blocks, inter, K, chunk, row_div, inter * w_gate_up.stride(1),
-        src.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), out.stride(0), BLOCK_M=plan.block_m,
-        BLOCK_K=BLOCK_K, PRECISION=dot_precision(src.dtype), SPLITS=n_chunks, num_warps=nw, num_stages=ns, **cfg)
-    return out
-
-
 def grouped_linear(src: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, row_div: int,
                    out: torch.Tensor | None = None, splits: int | None = None,
-                   tile: dict | None = None) -> torch.Tensor:
+                   tile: dict | None = None, silu: bool = False) -> torch.Tensor:
     """``out[a] = linear(src[a // row_div], w[expert of a])`` for every assignment a of ``plan`` (module
-    docstring). ``splits`` overrides the number of K chunks (:func:`~areal_tik.kernels.linear.k_split`): tests.
-    ``tile`` replaces :func:`tile_config`'s constants beside BLOCK_M (speed only): probes."""
+    docstring); with ``silu``, ``w [E, 2I, K]`` stacks gate then up rows and ``out [T*k, I]`` gets
+    ``silu_mul_packed`` of that row in the same launch (:func:`grouped_linear_silu_kernel`: the same bits).
+    ``splits`` overrides the number of K chunks (:func:`~areal_tik.kernels.linear.k_split`): tests. ``tile``
+    replaces :func:`tile_config`'s constants beside BLOCK_M (speed only): probes."""
     n_rows = plan.order.numel()
     E, N, K = w.shape
+    n_out = N // 2 if silu else N
     if out is None:
-        out = torch.empty((n_rows, N), dtype=src.dtype, device=src.device)
-    if n_rows == 0 or N == 0:
+        out = torch.empty((n_rows, n_out), dtype=src.dtype, device=src.device)
+    if n_rows == 0 or n_out == 0:
         return out
+    if K == 0:
+        return out.zero_()                  # with silu too: silu(0) * 0
+    n_chunks, chunk = k_split(K, splits)
+    cfg = dict(tile) if tile is not None else tile_config(plan.block_m)
+    nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+    grid = (plan.blocks.shape[0], triton.cdiv(n_out, cfg["BLOCK_N"]))
+    consts = dict(BLOCK_M=plan.block_m, BLOCK_K=BLOCK_K, PRECISION=dot_precision(src.dtype), SPLITS=n_chunks,
+                  num_warps=nw, num_stages=ns, **cfg)
+    if silu:
+        grouped_linear_silu_kernel[grid](
+            src, w, out, plan.order, plan.blocks, n_out, K, chunk, row_div, n_out * w.stride(1), src.stride(0),
+            w.stride(0), w.stride(1), out.stride(0), **consts)
+    else:
+        grouped_linear_kernel[grid](
+            src, w, out, plan.order, plan.blocks, N, K, chunk, row_div, src.stride(0), w.stride(0), w.stride(1),
+            out.stride(0), **consts)
+    return out
     if K == 0:
         return out.zero_()
     n_chunks, chunk = k_split(K, splits)
