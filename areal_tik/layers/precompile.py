@@ -38,32 +38,37 @@ __all__ = ["linear_shapes", "precompile_plan", "moe_plan", "precompile_linears"]
 logger = logging.getLogger("areal_tik.precompile")
 
 
+def _by_ops(pairs) -> list[tuple[object, list[tuple]]]:
+    """``(bound ops, shape)`` pairs grouped by ops: [(bound ops, its distinct shapes in first-seen order)]."""
+    groups: dict[int, tuple[object, list]] = {}
+    for ops, shape in pairs:
+        seen = groups.setdefault(id(ops), (ops, []))[1]
+        if shape not in seen:
+            seen.append(shape)
+    return list(groups.values())
+
+
 def _shapes_by_ops(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tuple[object, list[tuple]]]:
     """[(bound ops, their distinct ``(N, K, dtype, has_bias)``)] over the model's ``TikLinear`` modules, the router
     GEMMs of its MoE blocks, and the stacked q/k/v and gate/up GEMMs an inference model runs in place of the separate
     projections, which leave the list (``layers/stacking.py``: their N is the sum of the stacked linears', a shape of
     its own with tile configs of its own)."""
-    groups: dict[int, tuple[object, list]] = {}
-
-    def add(ops, n: int, k: int, dt: torch.dtype, has_bias: bool) -> None:
-        seen = groups.setdefault(id(ops), (ops, []))[1]
-        if (n, k, dt, has_bias) not in seen:
-            seen.append((n, k, dt, has_bias))
-
-    # a stacked inference model runs its stacks in place of the stacked linears (those run only without the stack:
-    # autograd on, or a parameter replaced), so the separate shapes are left out: compiles at start-up cost seconds
-    stacked = {id(lin) for m in model.modules() for st in stacks_of(m) for lin in st.linears}
-    for m in model.modules():
-        ops = getattr(m, "_tik_ops", None)
-        if isinstance(m, TikLinear) and id(m) not in stacked:
-            n, k = (int(s) for s in m.weight.shape)
-            add(ops, n, k, dtype or m.weight.dtype, m.bias is not None)
-        elif isinstance(m, TikMoE) and ops is not None:
-            add(ops, *(int(s) for s in m.gate.weight.shape), dtype or m.gate.weight.dtype, False)   # the router
-        if ops is not None:
-            for st in stacks_of(m):
-                add(ops, *(int(s) for s in st.weight.shape), dtype or st.weight.dtype, st.bias is not None)
-    return list(groups.values())
+    def pairs():
+        # a stacked inference model runs its stacks in place of the stacked linears (those run only without the
+        # stack: autograd on, or a parameter replaced), so the separate shapes are left out: compiles at start-up
+        # cost seconds
+        stacked = {id(lin) for m in model.modules() for st in stacks_of(m) for lin in st.linears}
+        for m in model.modules():
+            ops = getattr(m, "_tik_ops", None)
+            if isinstance(m, TikLinear) and id(m) not in stacked:
+                n, k = (int(s) for s in m.weight.shape)
+                yield ops, (n, k, dtype or m.weight.dtype, m.bias is not None)
+            elif isinstance(m, TikMoE) and ops is not None:     # the router
+                yield ops, (*(int(s) for s in m.gate.weight.shape), dtype or m.gate.weight.dtype, False)
+            if ops is not None:
+                for st in stacks_of(m):
+                    yield ops, (*(int(s) for s in st.weight.shape), dtype or st.weight.dtype, st.bias is not None)
+    return _by_ops(pairs())
 
 
 def linear_shapes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[tuple[int, int, torch.dtype, bool]]:
@@ -79,16 +84,10 @@ def linear_shapes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> l
 def _fused_gate_up_by_ops(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tuple[object, list[tuple]]]:
     """[(bound ops, distinct ``(2I, K, dtype, has_bias)``)] of the stacked gate/up GEMMs that run fused with their
     activation (``linear_silu_mul``, where ``modules.fuses_gate_up_silu``)."""
-    groups: dict[int, tuple[object, list]] = {}
-    for m in model.modules():
-        ops, st = getattr(m, "_tik_ops", None), getattr(m, GATE_UP_ATTR, None)
-        if ops is None or not isinstance(st, StackedWeights) or not fuses_gate_up_silu(ops):
-            continue
-        shape = (*(int(s) for s in st.weight.shape), dtype or st.weight.dtype, st.bias is not None)
-        seen = groups.setdefault(id(ops), (ops, []))[1]
-        if shape not in seen:
-            seen.append(shape)
-    return list(groups.values())
+    stacks = ((getattr(m, "_tik_ops", None), getattr(m, GATE_UP_ATTR, None)) for m in model.modules())
+    return _by_ops((ops, (*(int(s) for s in st.weight.shape), dtype or st.weight.dtype, st.bias is not None))
+                   for ops, st in stacks
+                   if ops is not None and isinstance(st, StackedWeights) and fuses_gate_up_silu(ops))
 
 
 def precompile_plan(model: torch.nn.Module, max_tokens: int, min_tokens: int, device,
