@@ -61,6 +61,11 @@ def main(argv=None) -> int:
     shapes = ({"custom": tuple(int(v) for v in a.shape.split("x"))} if a.shape
               else {m: MLP_SHAPES[m] for m in a.model.split(",")})
 
+    def us(call, bufs):
+        """Microseconds per call, or None where the graphed timing failed (bench_graphed says why)."""
+        ms = timer(call, bufs)
+        return None if ms is None else 1e3 * ms
+
     def apart(x, w):
         return S.silu_mul_packed_triton(L.linear_fwd(x, w))
 
@@ -77,8 +82,7 @@ def main(argv=None) -> int:
             ref = apart(x, w)
             picked = L.pick_config(M, 2 * I, H, arch)
             cell = dict(model=model, M=M, H=H, I=I, picked=picked,
-                        apart_us=1e3 * timer(apart, nxt.bufs), cublas_torch_us=1e3 * timer(cublas, nxt.bufs),
-                        fused={})
+                        apart_us=us(apart, nxt.bufs), cublas_torch_us=us(cublas, nxt.bufs), fused={})
             # the pick, then every decode-sized config forced (the fused launch halves its N tile), and each again
             # with its N tile doubled first ("/x2": the fused tile then has the config's own N tile)
             cands = [(f"pick:{picked}", None)]
@@ -96,7 +100,7 @@ def main(argv=None) -> int:
                     fn = functools.partial(F.linear_silu_mul_fwd, config=c)
                     r["bits_equal"] = bool(torch.equal(fn(x, w), ref))
                     if r["bits_equal"]:
-                        r["us"] = 1e3 * timer(fn, nxt.bufs)
+                        r["us"] = us(fn, nxt.bufs)
                 except Exception as e:  # compile/launch failure: recorded, excluded
                     r.update(bits_equal=False, error=f"{type(e).__name__}: {str(e)[:200]}")
                     if "illegal" in str(e).lower():
@@ -106,9 +110,10 @@ def main(argv=None) -> int:
             cell.update(best=best, best_us=timed.get(best), pick_us=timed.get(f"pick:{picked}"),
                         invalid=[k for k, v in cell["fused"].items() if not v.get("bits_equal")])
             res["cells"].append(cell)
-            print(f"{model} M={M:4d}: apart {cell['apart_us']:7.1f} us, fused (pick {picked}) "
-                  f"{cell['pick_us'] or float('nan'):7.1f} us, best fused {best} {cell['best_us'] or float('nan'):7.1f}"
-                  f" us, cuBLAS+torch {cell['cublas_torch_us']:7.1f} us"
+            nan = float("nan")
+            print(f"{model} M={M:4d}: apart {cell['apart_us'] or nan:7.1f} us, fused (pick {picked}) "
+                  f"{cell['pick_us'] or nan:7.1f} us, best fused {best} {cell['best_us'] or nan:7.1f}"
+                  f" us, cuBLAS+torch {cell['cublas_torch_us'] or nan:7.1f} us"
                   + (f"  INVALID {cell['invalid']}" if cell["invalid"] else ""), flush=True)
             del nxt, x, w, ref
             if dev.type == "cuda":
